@@ -1,0 +1,325 @@
+"""The hub's ASGI app: REST API under ``/v1``, OpenAPI at ``/openapi.json``.
+
+Every write is committed to the store before the response is sent, so a 2xx means the task
+survives a hub crash. Validation happens before the transaction: a bad batch changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, AsyncIterator
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from cloud_hub import __version__
+from cloud_hub.api.schemas import (
+    BatchIn,
+    BatchOut,
+    EndpointOut,
+    EnrollIn,
+    EnrollOut,
+    EnrollTokenIn,
+    EnrollTokenOut,
+    ErrorOut,
+    FunctionIn,
+    FunctionOut,
+    MqttInfo,
+    ResultOut,
+    ResultsOut,
+    TaskIn,
+    TaskOut,
+    TaskStatus,
+    WaitIn,
+)
+from cloud_hub.config import HubConfig
+from cloud_hub.dispatcher import Dispatcher, ResultBus
+from cloud_hub.store import SqliteStore, hash_token
+from mesh_agent.protocol import SerializationError, function_id, method_of, new_key
+from mesh_agent.transport import HubLink
+
+__all__ = ["create_app", "Hub"]
+
+log = logging.getLogger("cloud_hub")
+_bearer = HTTPBearer(auto_error=False)
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorOut},
+    404: {"model": ErrorOut},
+    413: {"model": ErrorOut},
+    422: {"model": ErrorOut},
+}
+
+
+class Hub:
+    """What the routes share: config, store, dispatcher, result bus, token cache."""
+
+    def __init__(self, cfg: HubConfig) -> None:
+        self.cfg = cfg
+        self.store = SqliteStore(cfg.db_path)
+        self.bus = ResultBus()
+        self.dispatcher = Dispatcher(cfg, self.store, self.bus)
+        self._token_cache: dict[str, str] = {}
+        self.bootstrap_token: str | None = None
+
+    async def start(self) -> None:
+        await self.store.open()
+        links: list[HubLink] = []
+        if self.cfg.mqtt_host:
+            from mesh_agent.transport.mqtt import MqttHubLink
+
+            links.append(
+                MqttHubLink(
+                    self.cfg.mqtt_host,
+                    self.cfg.mqtt_port,
+                    username=self.cfg.mqtt_username,
+                    password=self.cfg.mqtt_password,
+                    prefix=self.cfg.mqtt_prefix,
+                )
+            )
+        if self.cfg.zmq_bind:
+            from mesh_agent.transport.zmq import ZmqHubLink
+
+            links.append(ZmqHubLink(self.cfg.zmq_bind))
+        await self.dispatcher.start(links)
+
+    async def stop(self) -> None:
+        await self.dispatcher.stop()
+        await self.store.close()
+
+    @property
+    def zmq_address(self) -> str | None:
+        if self.cfg.zmq_public:
+            return self.cfg.zmq_public
+        for link in self.dispatcher.links:
+            if link.name == "zmq":
+                return link.bind  # type: ignore[attr-defined, no-any-return]
+        return None
+
+    async def user_for(self, token: str) -> str | None:
+        h = hash_token(token)
+        uid = self._token_cache.get(h)
+        if uid is None:
+            uid = await self.store.user_for_token(token)
+            if uid is not None:
+                self._token_cache[h] = uid
+        return uid
+
+
+def _hub(request: Request) -> Hub:
+    return request.app.state.hub  # type: ignore[no-any-return]
+
+
+async def _user(
+    request: Request, cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> str:
+    if cred is None or cred.scheme.lower() != "bearer":
+        raise HTTPException(401, "missing API token (Authorization: Bearer ...)", headers={"WWW-Authenticate": "Bearer"})
+    uid = await _hub(request).user_for(cred.credentials)
+    if uid is None:
+        raise HTTPException(401, "invalid API token", headers={"WWW-Authenticate": "Bearer"})
+    return uid
+
+
+HubDep = Annotated[Hub, Depends(_hub)]
+UserDep = Annotated[str, Depends(_user)]
+
+
+def create_app(cfg: HubConfig) -> FastAPI:
+    hub = Hub(cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await hub.start()
+        if cfg.bootstrap_user:
+            uid = await hub.store.create_user(cfg.bootstrap_user)
+            hub.bootstrap_token = await hub.store.create_api_token(uid, "bootstrap")
+        try:
+            yield
+        finally:
+            await hub.stop()
+
+    app = FastAPI(title="Continuum Mesh hub", version=__version__, lifespan=lifespan, responses=_ERRORS)
+    app.state.hub = hub
+
+    @app.get("/v1/health")
+    async def health(h: HubDep) -> dict[str, Any]:
+        return {"ok": True, "version": __version__, "links": [link.name for link in h.dispatcher.links]}
+
+    # -------------------------------------------------------------- functions
+    @app.post("/v1/functions", response_model=FunctionOut, status_code=201)
+    async def register_function(body: FunctionIn, h: HubDep, user: UserDep) -> FunctionOut:
+        _check_size(h, "function body", body.body)
+        try:
+            if method_of(body.body) not in ("dill", "source", "pickle"):
+                raise SerializationError("function body must be serialized code (dill, source or pickle)")
+        except SerializationError as exc:
+            raise HTTPException(422, str(exc)) from None
+        fid = function_id(body.body)
+        await h.store.put_function(user, fid, body.body, body.name)
+        return FunctionOut(function_id=fid, name=body.name)
+
+    @app.get("/v1/functions", response_model=list[FunctionOut])
+    async def list_functions(h: HubDep, user: UserDep) -> list[FunctionOut]:
+        return [FunctionOut(function_id=f["id"], name=f["name"], created=f["created"], size=f["size"]) for f in await h.store.list_functions(user)]
+
+    # -------------------------------------------------------------- endpoints
+    @app.post("/v1/enrollment-tokens", response_model=EnrollTokenOut, status_code=201)
+    async def create_enrollment_token(body: EnrollTokenIn, h: HubDep, user: UserDep) -> EnrollTokenOut:
+        token = await h.store.create_enroll_token(user, body.ttl_s, body.uses)
+        return EnrollTokenOut(token=token, expires_in_s=body.ttl_s, uses=body.uses)
+
+    @app.post("/v1/endpoints/enroll", response_model=EnrollOut, status_code=201)
+    async def enroll(body: EnrollIn, h: HubDep) -> EnrollOut:
+        if body.transport == "mqtt" and not cfg.mqtt_host:
+            raise HTTPException(422, "this hub has no MQTT broker configured; enroll with transport 'zmq'")
+        if body.transport == "zmq" and not h.zmq_address:
+            raise HTTPException(422, "this hub has no ZeroMQ listener configured; enroll with transport 'mqtt'")
+        key = new_key()
+        ep = await h.store.enroll_endpoint(body.token, body.name, body.transport, key)
+        if ep is None:
+            raise HTTPException(401, "enrollment token is invalid, expired or used up")
+        h.dispatcher.add_endpoint_key(ep["id"], key)
+        mqtt = None
+        if cfg.mqtt_host:
+            mqtt = MqttInfo(host=cfg.mqtt_public_host or cfg.mqtt_host, port=cfg.mqtt_port, topic_prefix=cfg.mqtt_prefix)
+        return EnrollOut(
+            endpoint_id=ep["id"], key=key.hex(), transport=body.transport, heartbeat_s=cfg.heartbeat_s,
+            mqtt=mqtt, zmq_address=h.zmq_address,
+        )
+
+    @app.get("/v1/endpoints", response_model=list[EndpointOut])
+    async def list_endpoints(h: HubDep, user: UserDep) -> list[EndpointOut]:
+        return [_endpoint_out(h, e) for e in await h.store.list_endpoints(user_id=user)]
+
+    @app.get("/v1/endpoints/{endpoint_id}", response_model=EndpointOut)
+    async def get_endpoint(endpoint_id: str, h: HubDep, user: UserDep) -> EndpointOut:
+        rows = await h.store.list_endpoints(user_id=user, endpoint_id=endpoint_id)
+        if not rows:
+            raise HTTPException(404, f"unknown endpoint {endpoint_id}")
+        return _endpoint_out(h, rows[0])
+
+    # -------------------------------------------------------------- tasks
+    @app.post("/v1/tasks", response_model=TaskOut, status_code=201)
+    async def submit(body: TaskIn, h: HubDep, user: UserDep) -> TaskOut:
+        ids = await _accept(h, user, [body])
+        return TaskOut(task_id=ids[0])
+
+    @app.post("/v1/tasks/batch", response_model=BatchOut, status_code=201)
+    async def submit_batch(body: BatchIn, h: HubDep, user: UserDep) -> BatchOut:
+        if len(body.tasks) > cfg.max_batch:
+            raise HTTPException(413, f"batch of {len(body.tasks)} tasks exceeds the limit of {cfg.max_batch}")
+        return BatchOut(task_ids=await _accept(h, user, body.tasks))
+
+    @app.get("/v1/tasks/{task_id}", response_model=TaskStatus)
+    async def task_status(task_id: str, h: HubDep, user: UserDep) -> TaskStatus:
+        t = await h.store.get_task(task_id, user)
+        if t is None:
+            raise HTTPException(404, f"unknown task {task_id}")
+        if t["ok"] is not None:
+            t["ok"] = bool(t["ok"])
+        return TaskStatus(**t)
+
+    # -------------------------------------------------------------- results
+    @app.post("/v1/results/wait", response_model=ResultsOut)
+    async def wait_results(body: WaitIn, h: HubDep, user: UserDep) -> ResultsOut:
+        """Long poll: results among ``task_ids`` that are ready, waiting up to ``timeout_s`` for the first."""
+        deadline = time.monotonic() + body.timeout_s
+        while True:
+            ev = h.bus.event(user)
+            rows = await h.store.results(user, body.task_ids)
+            left = deadline - time.monotonic()
+            if rows or left <= 0:
+                return ResultsOut(results=[_result_out(r) for r in rows], cursor=max((r["seq"] for r in rows), default=0))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ev.wait(), left)
+
+    @app.get("/v1/results/stream", response_model=ResultsOut)
+    async def result_stream(
+        h: HubDep,
+        user: UserDep,
+        after: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 2000,
+        timeout_s: Annotated[float, Query(ge=0, le=60)] = 20.0,
+    ) -> ResultsOut:
+        """All of the caller's results after cursor ``after``, long-polling when there are none yet."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ev = h.bus.event(user)
+            rows = await h.store.results_after(user, after, limit)
+            left = deadline - time.monotonic()
+            if rows or left <= 0:
+                return ResultsOut(results=[_result_out(r) for r in rows], cursor=rows[-1]["seq"] if rows else after)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ev.wait(), left)
+
+    @app.get("/v1/results/cursor")
+    async def result_cursor(h: HubDep, user: UserDep) -> dict[str, int]:
+        """Where a new stream reader should start: results stored after this belong to later tasks."""
+        return {"cursor": await h.store.last_result_seq()}
+
+    return app
+
+
+def _check_size(h: Hub, what: str, blob: bytes) -> None:
+    if len(blob) > h.cfg.max_payload_bytes:
+        raise HTTPException(
+            413,
+            f"{what} is {len(blob)} bytes, over the {h.cfg.max_payload_bytes}-byte limit; "
+            "stage large data separately and pass a reference",
+        )
+
+
+async def _accept(h: Hub, user: str, tasks: list[TaskIn]) -> list[str]:
+    """Validate every task, then insert all in one transaction, then wake the dispatcher."""
+    for i, t in enumerate(tasks):
+        _check_size(h, f"task {i} arguments", t.args)
+        try:
+            method_of(t.args)
+        except SerializationError as exc:
+            raise HTTPException(422, f"task {i} arguments: {exc}") from None
+    eps = {t.endpoint_id for t in tasks}
+    fids = {t.function_id for t in tasks}
+    found_eps, found_fids = await h.store.owned_refs(user, eps, fids)
+    if eps - found_eps:
+        raise HTTPException(404, f"unknown endpoint {sorted(eps - found_eps)[0]}")
+    if fids - found_fids:
+        raise HTTPException(404, f"unknown function {sorted(fids - found_fids)[0]} (register it first)")
+    now = time.time()
+    rows = [
+        {
+            "id": uuid.uuid4().hex,
+            "user_id": user,
+            "endpoint_id": t.endpoint_id,
+            "function_id": t.function_id,
+            "args": t.args,
+            "created": now,
+            "expires": now + (t.ttl_s or h.cfg.task_ttl_s),
+            "timeout": t.timeout_s,
+        }
+        for t in tasks
+    ]
+    await h.store.insert_tasks(rows)
+    for ep in {t.endpoint_id for t in tasks}:
+        h.dispatcher.kick(ep)
+    return [r["id"] for r in rows]
+
+
+def _endpoint_out(h: Hub, e: dict[str, Any]) -> EndpointOut:
+    live = h.dispatcher.session_info(e["id"])
+    info = dict(e["info"])
+    if live:
+        info.update(live)
+    return EndpointOut(
+        id=e["id"], name=e["name"], transport=e["transport"], online=live is not None, last_seen=(live or {}).get("last_seen", e["last_seen"]),
+        created=e["created"], queued=e["queued"], in_flight=e["in_flight"], info=info,
+    )
+
+
+def _result_out(r: dict[str, Any]) -> ResultOut:
+    return ResultOut(task_id=r["task_id"], ok=r["ok"], data=base64.b64encode(r["data"] or b"").decode(), started=r["started"], finished=r["finished"])

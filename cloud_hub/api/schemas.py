@@ -1,0 +1,134 @@
+"""Request and response bodies of the REST API (pydantic; they make the OpenAPI spec).
+
+Binary fields (function bodies, argument and result blobs) travel base64-encoded; they are
+produced and read by ``mesh_agent.protocol.serialize``, so the header inside names the method.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Base64Bytes, BaseModel, ConfigDict, Field
+
+_strict = ConfigDict(extra="forbid")
+
+
+class FunctionIn(BaseModel):
+    model_config = _strict
+    name: str = Field(min_length=1, max_length=200)
+    body: Base64Bytes = Field(description="serialize_function(fn), base64")
+
+
+class FunctionOut(BaseModel):
+    function_id: str
+    name: str | None = None
+    created: float | None = None
+    size: int | None = None
+
+
+class TaskIn(BaseModel):
+    model_config = _strict
+    endpoint_id: str = Field(min_length=1, max_length=100)
+    function_id: str = Field(min_length=64, max_length=64)
+    args: Base64Bytes = Field(description="serialize((args, kwargs)), base64")
+    timeout_s: float | None = Field(None, gt=0, description="per-run limit on the endpoint")
+    ttl_s: float | None = Field(None, gt=0, description="give up if not run within this time")
+
+
+class TaskOut(BaseModel):
+    task_id: str
+
+
+class BatchIn(BaseModel):
+    model_config = _strict
+    tasks: list[TaskIn] = Field(min_length=1)
+
+
+class BatchOut(BaseModel):
+    task_ids: list[str]
+
+
+class TaskStatus(BaseModel):
+    id: str
+    endpoint_id: str
+    function_id: str
+    state: Literal["queued", "leased", "acked", "done"]
+    created: float
+    dispatched: float | None
+    acked: float | None
+    done: float | None
+    attempts: int
+    ok: bool | None
+    started: float | None
+    finished: float | None
+
+
+class ResultOut(BaseModel):
+    task_id: str
+    ok: bool
+    data: str = Field(description="serialize(value) or serialize(error dict), base64")
+    started: float | None
+    finished: float | None
+
+
+class WaitIn(BaseModel):
+    model_config = _strict
+    task_ids: list[str] = Field(min_length=1, max_length=10_000)
+    timeout_s: float = Field(20.0, ge=0, le=60)
+
+
+class ResultsOut(BaseModel):
+    results: list[ResultOut]
+    cursor: int = Field(description="pass as ?after= to continue the stream")
+
+
+class EndpointOut(BaseModel):
+    id: str
+    name: str
+    transport: str
+    online: bool
+    last_seen: float | None
+    created: float
+    queued: int
+    in_flight: int
+    info: dict[str, Any]
+
+
+class EnrollTokenIn(BaseModel):
+    model_config = _strict
+    ttl_s: float = Field(86400.0, gt=0, le=365 * 86400)
+    uses: int = Field(1, ge=1, le=100_000)
+
+
+class EnrollTokenOut(BaseModel):
+    token: str
+    expires_in_s: float
+    uses: int
+
+
+class EnrollIn(BaseModel):
+    model_config = _strict
+    token: str = Field(min_length=8)
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.\-]+$")
+    transport: Literal["mqtt", "zmq"] = "mqtt"
+
+
+class MqttInfo(BaseModel):
+    host: str
+    port: int
+    topic_prefix: str
+    username: str | None = None
+    password: str | None = None
+
+
+class EnrollOut(BaseModel):
+    endpoint_id: str
+    key: str = Field(description="hex HMAC key for signing; shown once")
+    transport: str
+    heartbeat_s: float
+    mqtt: MqttInfo | None
+    zmq_address: str | None
+
+
+class ErrorOut(BaseModel):
+    detail: str

@@ -1,0 +1,143 @@
+"""Thin, typed wrapper over the hub's REST API (httpx, keep-alive, bearer token)."""
+
+from __future__ import annotations
+
+import base64
+import threading
+import weakref
+from typing import Any, Callable, Iterable, Sequence
+
+import httpx
+
+from mesh_agent.protocol import function_id, serialize, serialize_function
+
+__all__ = ["Client", "HubError"]
+
+
+class HubError(RuntimeError):
+    """The hub refused a request; ``status`` is the HTTP code and the message its explanation."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"hub answered {status}: {detail}")
+        self.status = status
+        self.detail = detail
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode()
+
+
+class Client:
+    def __init__(self, url: str, token: str, *, timeout: float = 60.0) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=httpx.Timeout(timeout, connect=10.0),
+            limits=httpx.Limits(max_keepalive_connections=8),
+        )
+        self._fids: "weakref.WeakKeyDictionary[Callable[..., Any], str]" = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(self, method: str, path: str, **kw: Any) -> Any:
+        r = self._http.request(method, path, **kw)
+        if r.status_code >= 400:
+            try:
+                detail = r.json().get("detail", r.text)
+            except ValueError:
+                detail = r.text
+            raise HubError(r.status_code, detail if isinstance(detail, str) else str(detail))
+        return r.json()
+
+    # ---------------------------------------------------------------- functions
+    def register_function(self, fn: Callable[..., Any], name: str | None = None) -> str:
+        """Register (idempotently) and return the function id, the hash of its serialized body."""
+        try:
+            cached = self._fids.get(fn)
+        except TypeError:  # not weak-referenceable (builtins): no cache
+            cached = None
+        if cached:
+            return cached
+        body = serialize_function(fn)
+        fid = self.request("POST", "/v1/functions", json={"name": name or getattr(fn, "__name__", "function"), "body": _b64(body)})["function_id"]
+        assert fid == function_id(body)
+        try:
+            self._fids[fn] = fid
+        except TypeError:
+            pass
+        return str(fid)
+
+    def list_functions(self) -> list[dict[str, Any]]:
+        return list(self.request("GET", "/v1/functions"))
+
+    # ---------------------------------------------------------------- endpoints
+    def list_endpoints(self) -> list[dict[str, Any]]:
+        return list(self.request("GET", "/v1/endpoints"))
+
+    def get_endpoint(self, endpoint_id: str) -> dict[str, Any]:
+        return dict(self.request("GET", f"/v1/endpoints/{endpoint_id}"))
+
+    def create_enrollment_token(self, ttl_s: float = 86400, uses: int = 1) -> str:
+        return str(self.request("POST", "/v1/enrollment-tokens", json={"ttl_s": ttl_s, "uses": uses})["token"])
+
+    # ---------------------------------------------------------------- tasks
+    @staticmethod
+    def task_spec(endpoint_id: str, function_id: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+                  timeout_s: float | None = None, ttl_s: float | None = None) -> dict[str, Any]:
+        spec: dict[str, Any] = {"endpoint_id": endpoint_id, "function_id": function_id, "args": _b64(serialize((tuple(args), kwargs or {})))}
+        if timeout_s is not None:
+            spec["timeout_s"] = timeout_s
+        if ttl_s is not None:
+            spec["ttl_s"] = ttl_s
+        return spec
+
+    def submit(self, endpoint_id: str, function_id: str, *args: Any, **kwargs: Any) -> str:
+        return str(self.request("POST", "/v1/tasks", json=self.task_spec(endpoint_id, function_id, args, kwargs))["task_id"])
+
+    def submit_batch(self, specs: Iterable[dict[str, Any]]) -> list[str]:
+        return list(self.request("POST", "/v1/tasks/batch", json={"tasks": list(specs)})["task_ids"])
+
+    def task_status(self, task_id: str) -> dict[str, Any]:
+        return dict(self.request("GET", f"/v1/tasks/{task_id}"))
+
+    # ---------------------------------------------------------------- results
+    def wait_results(self, task_ids: Sequence[str], timeout_s: float = 20.0) -> list[dict[str, Any]]:
+        """Raw results (base64 data) among ``task_ids``, waiting up to ``timeout_s`` for the first."""
+        out = self.request("POST", "/v1/results/wait", json={"task_ids": list(task_ids), "timeout_s": timeout_s},
+                           timeout=timeout_s + 30)
+        return list(out["results"])
+
+    def get_result(self, task_id: str, timeout_s: float = 60.0) -> Any:
+        """Block until the task is done; return its value or raise its (remote) exception."""
+        from cloud_hub.client._results import decode_result
+
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            rows = self.wait_results([task_id], timeout_s=max(0.0, min(left, 30.0)))
+            if rows:
+                ok, value = decode_result(rows[0]["ok"], base64.b64decode(rows[0]["data"]))
+                if ok:
+                    return value
+                raise value
+            if left <= 0:
+                raise TimeoutError(f"task {task_id} not done within {timeout_s}s")
+
+    def result_cursor(self) -> int:
+        return int(self.request("GET", "/v1/results/cursor")["cursor"])
+
+    def result_stream(self, after: int, timeout_s: float = 20.0, limit: int = 5000) -> tuple[list[dict[str, Any]], int]:
+        out = self.request("GET", "/v1/results/stream", params={"after": after, "timeout_s": timeout_s, "limit": limit},
+                           timeout=timeout_s + 30)
+        return list(out["results"]), int(out["cursor"])

@@ -1,0 +1,48 @@
+"""Hub settings (pydantic): file, CLI flags and ``MESH_HUB_*`` environment variables all land here."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["HubConfig"]
+
+
+class HubConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    db_path: Path = Path("hub.sqlite3")
+    host: str = "127.0.0.1"
+    port: int = Field(8700, ge=0, le=65535)
+    # MQTT: the broker the hub connects to, and the address it tells agents to use.
+    mqtt_host: str | None = "127.0.0.1"
+    mqtt_port: int = Field(1883, ge=1, le=65535)
+    mqtt_prefix: str = "mesh"
+    mqtt_username: str | None = None
+    mqtt_password: str | None = None
+    mqtt_public_host: str | None = None
+    # ZeroMQ: where the hub's ROUTER binds, and the address agents connect to.
+    zmq_bind: str | None = "tcp://127.0.0.1:8701"
+    zmq_public: str | None = None
+    heartbeat_s: float = Field(5.0, gt=0, description="agents beat this often")
+    lost_after_s: float = Field(15.0, gt=0, description="silence after which an endpoint is offline")
+    lease_s: float = Field(30.0, gt=0, description="a dispatched task not acked by then is re-queued")
+    max_payload_bytes: int = Field(10 * 2**20, ge=1024, description="largest function body or argument blob")
+    max_batch: int = Field(50_000, ge=1)
+    task_ttl_s: float = Field(30 * 86400, gt=0, description="default expiry of a task that never ran")
+    result_ttl_s: float = Field(7 * 86400, gt=0)
+    frame_ttl_s: float = Field(120.0, gt=0, description="lifetime of one signed message")
+    bootstrap_user: str | None = Field(None, description="create this user at start-up if missing")
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> "HubConfig":
+        """``MESH_HUB_PORT=9000`` etc.; explicit overrides win."""
+        env = {
+            k[len("MESH_HUB_") :].lower(): v
+            for k, v in os.environ.items()
+            if k.startswith("MESH_HUB_") and k[len("MESH_HUB_") :].lower() in cls.model_fields
+        }
+        env.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(env)

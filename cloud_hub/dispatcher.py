@@ -1,0 +1,275 @@
+"""The dispatcher: moves tasks from the hub's durable per-endpoint queues to agents and results back.
+
+- Credit-based: an endpoint gets only as many tasks as its agent asked for (``fetch``), leased
+  for ``lease_s``; an agent's ``ack`` means "stored on the device", after which the task waits
+  there even through week-long outages. Leases that expire go back to the queue.
+- Transport-blind: each endpoint's session remembers the link it last spoke on.
+- Results are stored once per task id (duplicates from re-execution are acked, not stored),
+  then waiters (long-poll and stream requests) are woken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cloud_hub.config import HubConfig
+from cloud_hub.store import SqliteStore
+from mesh_agent.protocol import (
+    Envelope,
+    Kind,
+    ProtocolError,
+    ReplayGuard,
+    check_freshness,
+    decode,
+    encode,
+    peek_endpoint,
+    serialize,
+)
+from mesh_agent.transport import HubLink, LinkError
+
+__all__ = ["Dispatcher", "ResultBus"]
+
+log = logging.getLogger("cloud_hub.dispatcher")
+
+_LEASE_BATCH = 2000
+_LEASE_BYTES = 8 * 2**20
+
+
+class ResultBus:
+    """Wakes waiters when results for a user arrive. Grab ``event(user)`` *before* querying the
+    store, then wait on it: a result stored in between has already set that event (no lost wake-up)."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, asyncio.Event] = {}
+
+    def event(self, user_id: str) -> asyncio.Event:
+        ev = self._events.get(user_id)
+        if ev is None:
+            ev = self._events[user_id] = asyncio.Event()
+        return ev
+
+    def notify(self, user_ids: set[str]) -> None:
+        for u in user_ids:
+            ev = self._events.pop(u, None)
+            if ev is not None:
+                ev.set()
+
+
+@dataclass
+class _Session:
+    endpoint_id: str
+    link: HubLink
+    last_seen: float
+    credit: int = 0
+    capacity: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    pumping: bool = False
+    again: bool = False
+
+
+class Dispatcher:
+    def __init__(self, cfg: HubConfig, store: SqliteStore, bus: ResultBus) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.bus = bus
+        self.links: list[HubLink] = []
+        self._keys: dict[str, bytes] = {}
+        self._sessions: dict[str, _Session] = {}
+        self._replay = ReplayGuard()
+        self._watchdog: asyncio.Task[None] | None = None
+        self.stats = {"rejected_frames": 0, "tasks_sent": 0, "results_stored": 0, "duplicate_results": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, links: list[HubLink]) -> None:
+        self._keys = await self.store.endpoint_keys()
+        # Leases from before a restart may or may not have reached their agents: re-queue them;
+        # an agent that did get one de-duplicates by task id.
+        n = await self.store.requeue(expired_before=float("inf"))
+        if n:
+            log.info("re-queued %d tasks leased before the restart", n)
+        for link in links:
+            await link.start(self.on_frame)
+            self.links.append(link)
+        self._watchdog = asyncio.create_task(self._watch(), name="dispatcher-watchdog")
+
+    async def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+        for link in self.links:
+            await link.stop()
+
+    def add_endpoint_key(self, endpoint_id: str, key: bytes) -> None:
+        self._keys[endpoint_id] = key
+
+    def online(self, endpoint_id: str) -> bool:
+        return endpoint_id in self._sessions
+
+    def session_info(self, endpoint_id: str) -> dict[str, Any] | None:
+        s = self._sessions.get(endpoint_id)
+        if s is None:
+            return None
+        return {"credit": s.credit, "capacity": s.capacity, "last_seen": s.last_seen, "transport": s.link.name, **s.info}
+
+    # ------------------------------------------------------------------ outgoing
+    async def _send(self, s: _Session, kind: Kind, body: dict[str, Any]) -> None:
+        frame = encode(Envelope(kind, s.endpoint_id, body), self._keys[s.endpoint_id], ttl=self.cfg.frame_ttl_s)
+        await s.link.send(s.endpoint_id, frame)
+
+    def kick(self, endpoint_id: str) -> None:
+        """New work for an endpoint: send it now if its agent has credit (coalesced per endpoint)."""
+        s = self._sessions.get(endpoint_id)
+        if s is None or s.credit <= 0:
+            return
+        if s.pumping:
+            s.again = True
+            return
+        s.pumping = True
+        asyncio.create_task(self._pump(s))
+
+    async def _pump(self, s: _Session) -> None:
+        try:
+            while True:
+                s.again = False
+                while s.credit > 0 and self._sessions.get(s.endpoint_id) is s:
+                    tasks, bodies = await self.store.lease(s.endpoint_id, min(s.credit, _LEASE_BATCH), self.cfg.lease_s, _LEASE_BYTES)
+                    if not tasks:
+                        break
+                    s.credit -= len(tasks)
+                    try:
+                        await self._send(s, Kind.TASKS, {"tasks": tasks, "functions": bodies})
+                        self.stats["tasks_sent"] += len(tasks)
+                    except LinkError as exc:
+                        log.warning("sending to %s failed (%s); its lease will expire and re-queue", s.endpoint_id, exc)
+                        s.credit = 0
+                        break
+                if not s.again:
+                    break
+        except Exception:
+            log.exception("dispatch to %s failed", s.endpoint_id)
+        finally:
+            s.pumping = False
+
+    # ------------------------------------------------------------------ incoming
+    async def on_frame(self, claimed: str, frame: bytes, link: HubLink) -> None:
+        try:
+            endpoint_id = peek_endpoint(frame)
+            if endpoint_id != claimed:
+                raise ProtocolError(f"frame for {endpoint_id} arrived on {claimed}'s channel")
+            key = self._keys.get(endpoint_id)
+            if key is None:
+                raise ProtocolError(f"unknown endpoint {endpoint_id}")
+            env = decode(frame, key, check_fresh=False)
+            # A hello is answered with a nonce-bound welcome that tells the agent our clock, so it
+            # may come from a device whose clock is off (a Pi after a power cut has no RTC).
+            if env.kind is not Kind.HELLO:
+                check_freshness(env)
+            self._replay.check(env)
+        except ProtocolError as exc:
+            self.stats["rejected_frames"] += 1
+            log.warning("rejected frame on %s channel %s: %s: %s", link.name, claimed, exc.reason, exc)
+            return
+        if env.kind is Kind.HELLO:
+            await self._on_hello(env, link)
+            return
+        s = self._sessions.get(endpoint_id)
+        if s is None:
+            tmp = _Session(endpoint_id, link, time.time())
+            with contextlib.suppress(LinkError):
+                await self._send(tmp, Kind.ERROR, {"code": "hello_required", "message": "no session; say hello"})
+            return
+        s.last_seen = time.time()
+        s.link = link
+        handler = _HANDLERS.get(env.kind)
+        if handler is not None:
+            await handler(self, s, env.body)
+
+    async def _on_hello(self, env: Envelope, link: HubLink) -> None:
+        b = env.body
+        now = time.time()
+        s = _Session(env.endpoint, link, now, capacity=int(b.get("capacity", 1)))
+        old = self._sessions.get(env.endpoint)
+        if old is not None:
+            s.credit = old.credit  # a repeated (or replayed) hello must not starve the agent
+        s.info = {k: b.get(k) for k in ("host", "version", "engine", "pid", "prefetch")}
+        self._sessions[env.endpoint] = s
+        held = set(b.get("have", []))
+        await self.store.requeue(endpoint_id=env.endpoint)
+        lost = await self.store.requeue(endpoint_id=env.endpoint, not_in=held)
+        if lost:
+            log.warning("%s no longer holds %d acked tasks; re-queued", env.endpoint, lost)
+        await self.store.set_endpoint_state(env.endpoint, True, now, {**s.info, "capacity": s.capacity})
+        await self._send(s, Kind.WELCOME, {"reply_to": b.get("nonce"), "hub_time": time.time(), "heartbeat_s": self.cfg.heartbeat_s})
+        log.info("endpoint %s online via %s (capacity %d)", env.endpoint, link.name, s.capacity)
+
+    async def _on_fetch(self, s: _Session, body: dict[str, Any]) -> None:
+        s.credit = max(0, int(body.get("want", 0)))
+        self.kick(s.endpoint_id)
+
+    async def _on_ack(self, s: _Session, body: dict[str, Any]) -> None:
+        await self.store.ack(s.endpoint_id, body.get("ids", []))
+
+    async def _on_results(self, s: _Session, body: dict[str, Any]) -> None:
+        results = body.get("results", [])
+        fresh = await self.store.store_results(s.endpoint_id, results)
+        self.stats["results_stored"] += len(fresh)
+        self.stats["duplicate_results"] += len(results) - len(fresh)
+        # Ack all, duplicates too: the agent must stop re-sending them either way.
+        if fresh:
+            self.bus.notify({u for _, u in fresh})
+        await self._send(s, Kind.RESULT_ACK, {"ids": [r["id"] for r in results]})
+
+    async def _on_heartbeat(self, s: _Session, body: dict[str, Any]) -> None:
+        s.info.update({k: body.get(k) for k in ("running", "queued", "stored", "outbox", "cpu", "mem_used", "mem_avail_mb", "want")})
+        s.info["warm"] = body.get("warm", [])
+        await self.store.set_endpoint_state(s.endpoint_id, True, s.last_seen, {**s.info, "capacity": s.capacity})
+
+    # ------------------------------------------------------------------ watchdog
+    async def _watch(self) -> None:
+        last_prune = 0.0
+        while True:
+            await asyncio.sleep(min(1.0, self.cfg.heartbeat_s / 2))
+            try:
+                now = time.time()
+                for ep, s in list(self._sessions.items()):
+                    if now - s.last_seen > self.cfg.lost_after_s:
+                        del self._sessions[ep]
+                        n = await self.store.requeue(endpoint_id=ep)
+                        await self.store.set_endpoint_state(ep, False, s.last_seen)
+                        log.warning("endpoint %s lost (silent %.0fs); %d leased tasks re-queued", ep, now - s.last_seen, n)
+                if await self.store.requeue(expired_before=now):
+                    for ep in self._sessions:
+                        self.kick(ep)
+                expired = await self.store.expire_tasks(now, _expired_blob)
+                if expired:
+                    self.bus.notify({u for _, u in expired})
+                if now - last_prune > 60:
+                    last_prune = now
+                    await self.store.prune_results(now - self.cfg.result_ttl_s)
+            except Exception:
+                log.exception("watchdog pass failed")
+
+
+def _expired_blob(task_id: str) -> bytes:
+    return serialize(
+        {
+            "type": "cloud_hub.TaskExpired",
+            "message": f"task {task_id} expired at the hub before any endpoint ran it",
+            "traceback": "",
+            "exception": None,
+        }
+    )
+
+
+_HANDLERS = {
+    Kind.FETCH: Dispatcher._on_fetch,
+    Kind.ACK: Dispatcher._on_ack,
+    Kind.RESULTS: Dispatcher._on_results,
+    Kind.HEARTBEAT: Dispatcher._on_heartbeat,
+}

@@ -1,0 +1,218 @@
+"""A whole mesh on one machine: real Mosquitto, a real hub, agents as real OS processes.
+
+The demo, the tests, the benchmarks and the outage simulator all build on this, so they
+exercise exactly what a deployment runs: ``mesh-agent start`` processes that can be SIGKILLed
+and restarted against their own SQLite queues, talking to the hub through a real broker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cloud_hub.broker import MosquittoBroker
+from cloud_hub.client import Client
+from cloud_hub.config import HubConfig
+from cloud_hub.server import HubThread
+from mesh_agent.cli import enroll
+from mesh_agent.config import AgentConfig
+
+__all__ = ["AgentProcess", "LocalMesh"]
+
+
+class AgentProcess:
+    """One ``mesh-agent start`` process with its own config and queue directory."""
+
+    def __init__(self, cfg: AgentConfig, config_path: Path, log_path: Path) -> None:
+        self.cfg = cfg
+        self.config_path = config_path
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint_id(self) -> str:
+        return self.cfg.endpoint_id
+
+    def start(self) -> "AgentProcess":
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mesh_agent.cli", "start", "--config", str(self.config_path)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+        log.close()
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the agent and its workers: a power cut, as far as the queue can tell."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM, as systemd does; SIGKILL if it does not exit in time."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+class LocalMesh:
+    """Broker + hub (SQLite) + agents under one working directory; a context manager."""
+
+    def __init__(self, workdir: Path, *, heartbeat_s: float = 1.0, lost_after_s: float = 4.0, lease_s: float = 10.0,
+                 hub_overrides: dict[str, Any] | None = None, hub_process: bool = False) -> None:
+        """``hub_process=True`` runs the hub as its own ``mesh-hub serve`` process, as deployed
+        (benchmarks: the SDK and hub then do not share a GIL); tests use the in-process hub to
+        look at its dispatcher."""
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.broker = MosquittoBroker(self.workdir / "broker")
+        self.hub_cfg = HubConfig(
+            db_path=self.workdir / "hub.sqlite3", port=0, mqtt_port=self.broker.port, zmq_bind="tcp://127.0.0.1:*",
+            heartbeat_s=heartbeat_s, lost_after_s=lost_after_s, lease_s=lease_s, bootstrap_user="demo", **(hub_overrides or {}),
+        )
+        self.hub: HubThread | None = None
+        self.hub_process = hub_process
+        self._hub_proc: subprocess.Popen[bytes] | None = None
+        self.agents: list[AgentProcess] = []
+        self._client: Client | None = None
+        self._token: str | None = None
+
+    # ---------------------------------------------------------------- parts
+    def start(self) -> "LocalMesh":
+        self.broker.start()
+        self.start_hub()
+        return self
+
+    def start_hub(self) -> HubThread | None:
+        if self.hub_process:
+            self._start_hub_process()
+            return None
+        cfg = self.hub_cfg
+        if self.hub is not None:  # restart: keep the same port and ZeroMQ address so agents find it
+            cfg = cfg.model_copy(update={"port": self.hub.cfg.port, "zmq_bind": self.hub.hub.zmq_address})
+        self.hub = HubThread(cfg).start()
+        self.hub_cfg = self.hub.cfg
+        if self._token is None:
+            self._token = self.hub.token
+        return self.hub
+
+    def stop_hub(self) -> None:
+        if self.hub is not None:
+            self.hub.stop()
+        if self._hub_proc is not None and self._hub_proc.poll() is None:
+            self._hub_proc.terminate()
+            try:
+                self._hub_proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self._hub_proc.kill()
+                self._hub_proc.wait(5)
+
+    def _start_hub_process(self) -> None:
+        import asyncio
+
+        import httpx
+
+        from cloud_hub.broker import free_port
+        from cloud_hub.store import SqliteStore
+
+        cfg = self.hub_cfg
+        if cfg.port == 0 or (cfg.zmq_bind or "").endswith("*"):
+            cfg = self.hub_cfg = cfg.model_copy(update={"port": free_port(), "zmq_bind": f"tcp://127.0.0.1:{free_port()}"})
+        if self._token is None:
+            async def mint() -> str:
+                store = await SqliteStore(cfg.db_path).open()
+                try:
+                    return await store.create_api_token(await store.create_user("demo"), "localmesh")
+                finally:
+                    await store.close()
+
+            self._token = asyncio.run(mint())
+        env = dict(os.environ, **{f"MESH_HUB_{k.upper()}": str(v) for k, v in
+                                   {"heartbeat_s": cfg.heartbeat_s, "lost_after_s": cfg.lost_after_s, "lease_s": cfg.lease_s}.items()})
+        log = open(self.workdir / "hub.log", "ab")
+        self._hub_proc = subprocess.Popen(
+            [sys.executable, "-m", "cloud_hub.cli", "serve", "--db", str(cfg.db_path), "--port", str(cfg.port),
+             "--mqtt-port", str(cfg.mqtt_port), "--zmq-bind", str(cfg.zmq_bind), "--log-level", "WARNING"],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )
+        log.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self._hub_proc.poll() is not None:
+                raise RuntimeError(f"hub process exited: {(self.workdir / 'hub.log').read_text()[-2000:]}")
+            try:
+                if httpx.get(f"http://{cfg.host}:{cfg.port}/v1/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("hub process did not answer /v1/health within 30 s")
+
+    @property
+    def url(self) -> str:
+        if self.hub_process:
+            return f"http://{self.hub_cfg.host}:{self.hub_cfg.port}"
+        assert self.hub is not None
+        return self.hub.url
+
+    @property
+    def token(self) -> str:
+        assert self._token is not None
+        return self._token
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            self._client = Client(self.url, self.token)
+        return self._client
+
+    def add_agent(self, name: str, transport: str = "mqtt", *, workers: int | None = 2, prefetch: int = 256,
+                  task_timeout: float | None = None, start: bool = True) -> AgentProcess:
+        token = self.client.create_enrollment_token()
+        config_path = self.workdir / "agents" / f"{name}.yaml"
+        cfg = enroll(self.url, token, name, config_path, transport=transport, workers=workers, prefetch=prefetch, task_timeout=task_timeout)
+        agent = AgentProcess(cfg, config_path, self.workdir / "agents" / f"{name}.log")
+        self.agents.append(agent)
+        return agent.start() if start else agent
+
+    def wait_online(self, *agents: AgentProcess, timeout: float = 30.0, online: bool = True) -> None:
+        want = {a.endpoint_id for a in (agents or self.agents)}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = {e["id"]: e["online"] for e in self.client.list_endpoints()}
+            if all(states.get(e) == online for e in want):
+                return
+            time.sleep(0.1)
+        logs = "\n".join(f"--- {a.cfg.name}\n{a.log_path.read_text()[-3000:]}" for a in self.agents if a.endpoint_id in want and a.log_path.exists())
+        raise TimeoutError(f"agents not {'online' if online else 'offline'} within {timeout}s\n{logs}")
+
+    def stop(self) -> None:
+        for a in self.agents:
+            a.stop(timeout=10)
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        self.stop_hub()
+        self.broker.stop()
+
+    def __enter__(self) -> "LocalMesh":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,46 @@
+"""Schema migrations, applied in order at start-up; each runs in its own transaction.
+
+Add a new ``(version, sql)`` pair at the end; never edit one that has shipped.
+"""
+
+MIGRATIONS: list[tuple[int, str]] = [
+    (
+        1,
+        """
+        CREATE TABLE users (id TEXT PRIMARY KEY, name TEXT NOT NULL UNIQUE, created REAL NOT NULL);
+        CREATE TABLE api_tokens (
+            hash TEXT PRIMARY KEY, user_id TEXT NOT NULL REFERENCES users(id), name TEXT, created REAL NOT NULL
+        );
+        CREATE TABLE enroll_tokens (
+            hash TEXT PRIMARY KEY, user_id TEXT NOT NULL REFERENCES users(id),
+            expires REAL NOT NULL, uses_left INTEGER NOT NULL, created REAL NOT NULL
+        );
+        CREATE TABLE endpoints (
+            id TEXT PRIMARY KEY, user_id TEXT NOT NULL REFERENCES users(id), name TEXT NOT NULL,
+            transport TEXT NOT NULL, key BLOB NOT NULL, created REAL NOT NULL,
+            last_seen REAL, online INTEGER NOT NULL DEFAULT 0, info TEXT NOT NULL DEFAULT '{}'
+        );
+        CREATE TABLE functions (id TEXT PRIMARY KEY, body BLOB NOT NULL, name TEXT, created REAL NOT NULL);
+        CREATE TABLE function_owners (
+            function_id TEXT NOT NULL REFERENCES functions(id), user_id TEXT NOT NULL REFERENCES users(id),
+            PRIMARY KEY (function_id, user_id)
+        );
+        CREATE TABLE tasks (
+            id TEXT PRIMARY KEY, user_id TEXT NOT NULL, endpoint_id TEXT NOT NULL REFERENCES endpoints(id),
+            function_id TEXT NOT NULL REFERENCES functions(id), args BLOB,
+            state TEXT NOT NULL CHECK (state IN ('queued', 'leased', 'acked', 'done')),
+            created REAL NOT NULL, expires REAL, timeout REAL, attempts INTEGER NOT NULL DEFAULT 0,
+            leased_until REAL, dispatched REAL, acked REAL, done REAL
+        );
+        CREATE INDEX tasks_queue ON tasks (endpoint_id, state, created);
+        CREATE INDEX tasks_lease ON tasks (state, leased_until);
+        CREATE INDEX tasks_user ON tasks (user_id, state);
+        CREATE TABLE results (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT, task_id TEXT NOT NULL UNIQUE, user_id TEXT NOT NULL,
+            ok INTEGER NOT NULL, data BLOB, started REAL, finished REAL, received REAL NOT NULL, pid INTEGER
+        );
+        CREATE INDEX results_user ON results (user_id, seq);
+        CREATE INDEX results_age ON results (received);
+        """,
+    ),
+]

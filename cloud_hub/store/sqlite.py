@@ -1,0 +1,449 @@
+"""The hub's embedded store: one SQLite file, WAL, ``synchronous=FULL`` (a 2xx means on disk).
+
+Every public method is one transaction run on a single dedicated DB thread: the event loop
+never blocks on fsync, there is exactly one writer (no SQLITE_BUSY games), and a multi-statement
+operation (lease a batch, store a batch of results) costs one thread hop and one fsync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import secrets
+import sqlite3
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence, TypeVar
+
+from cloud_hub.store.migrations import MIGRATIONS
+
+__all__ = ["SqliteStore", "StoreError", "hash_token"]
+
+T = TypeVar("T")
+
+
+class StoreError(RuntimeError):
+    """The hub database cannot be used; the message names the file and the problem."""
+
+
+def hash_token(token: str) -> str:
+    """Tokens are 256-bit random strings, so one SHA-256 is enough (no need for a slow KDF)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _chunks(seq: Sequence[T], n: int = 500) -> Iterable[Sequence[T]]:
+    for i in range(0, len(seq), n):
+        yield seq[i : i + n]
+
+
+class SqliteStore:
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hub-db")
+        self._db: sqlite3.Connection | None = None
+
+    # ------------------------------------------------------------------ plumbing
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _tx(self, fn: Callable[..., T], *args: Any, durable: bool = True) -> T:
+        db = self._conn()
+        if not durable:
+            db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            out = fn(db, *args)
+            db.execute("COMMIT")
+            return out
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        finally:
+            if not durable:
+                db.execute("PRAGMA synchronous=FULL")
+
+    async def tx(self, fn: Callable[..., T], *args: Any, durable: bool = True) -> T:
+        """Run ``fn(db, *args)`` as one transaction on the DB thread. ``durable=False`` skips the
+        fsync for state that is rebuilt after a crash anyway (leases and acks: every lease is
+        re-queued at start-up, and agents de-duplicate re-sent tasks)."""
+        return await self._run(lambda: self._tx(fn, *args, durable=durable))
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise StoreError("store is not open")
+        return self._db
+
+    async def open(self) -> "SqliteStore":
+        await self._run(self._open)
+        return self
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            db.execute("PRAGMA foreign_keys=ON")
+            row = db.execute("PRAGMA quick_check").fetchone()
+            if row is None or row[0] != "ok":
+                raise sqlite3.DatabaseError(f"integrity check failed: {row[0] if row else '?'}")
+            db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+            cur = db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0
+            latest = max(v for v, _ in MIGRATIONS)
+            if cur > latest:
+                raise StoreError(f"{self.path}: database schema v{cur} is newer than this hub (v{latest})")
+            for version, sql in MIGRATIONS:
+                if version > cur:
+                    db.execute("BEGIN IMMEDIATE")
+                    for statement in _statements(sql):  # executescript would commit behind our back
+                        db.execute(statement)
+                    db.execute("INSERT INTO schema_version VALUES (?)", (version,))
+                    db.execute("COMMIT")
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"{self.path}: not a usable hub database ({exc})") from None
+        self._db = db
+
+    async def close(self) -> None:
+        def _close() -> None:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+        await self._run(_close)
+        self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ users and tokens
+    async def create_user(self, name: str) -> str:
+        def q(db: sqlite3.Connection) -> str:
+            row = db.execute("SELECT id FROM users WHERE name=?", (name,)).fetchone()
+            if row:
+                return row[0]
+            uid = "u_" + uuid.uuid4().hex[:16]
+            db.execute("INSERT INTO users (id, name, created) VALUES (?, ?, ?)", (uid, name, time.time()))
+            return uid
+
+        return await self.tx(q)
+
+    async def create_api_token(self, user_id: str, name: str = "default") -> str:
+        token = "cm_" + secrets.token_urlsafe(32)
+
+        def q(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT INTO api_tokens (hash, user_id, name, created) VALUES (?, ?, ?, ?)",
+                (hash_token(token), user_id, name, time.time()),
+            )
+
+        await self.tx(q)
+        return token
+
+    async def user_for_token(self, token: str) -> str | None:
+        def q(db: sqlite3.Connection) -> str | None:
+            row = db.execute("SELECT user_id FROM api_tokens WHERE hash=?", (hash_token(token),)).fetchone()
+            return row[0] if row else None
+
+        return await self._run(lambda: q(self._conn()))
+
+    async def create_enroll_token(self, user_id: str, ttl_s: float, uses: int) -> str:
+        token = "ce_" + secrets.token_urlsafe(32)
+
+        def q(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT INTO enroll_tokens (hash, user_id, expires, uses_left, created) VALUES (?, ?, ?, ?, ?)",
+                (hash_token(token), user_id, time.time() + ttl_s, uses, time.time()),
+            )
+
+        await self.tx(q)
+        return token
+
+    async def enroll_endpoint(self, token: str, name: str, transport: str, key: bytes) -> dict[str, Any] | None:
+        """Consume one use of an enrollment token and create the endpoint, atomically."""
+
+        def q(db: sqlite3.Connection) -> dict[str, Any] | None:
+            row = db.execute(
+                "SELECT user_id FROM enroll_tokens WHERE hash=? AND uses_left > 0 AND expires > ?",
+                (hash_token(token), time.time()),
+            ).fetchone()
+            if row is None:
+                return None
+            db.execute("UPDATE enroll_tokens SET uses_left = uses_left - 1 WHERE hash=?", (hash_token(token),))
+            eid = "ep-" + uuid.uuid4().hex[:12]
+            db.execute(
+                "INSERT INTO endpoints (id, user_id, name, transport, key, created, online, info) "
+                "VALUES (?, ?, ?, ?, ?, ?, 0, '{}')",
+                (eid, row[0], name, transport, key, time.time()),
+            )
+            return {"id": eid, "user_id": row[0]}
+
+        return await self.tx(q)
+
+    # ------------------------------------------------------------------ endpoints
+    async def endpoint_keys(self) -> dict[str, bytes]:
+        return await self._run(lambda: dict(self._conn().execute("SELECT id, key FROM endpoints").fetchall()))
+
+    async def list_endpoints(self, user_id: str | None = None, endpoint_id: str | None = None) -> list[dict[str, Any]]:
+        def q() -> list[dict[str, Any]]:
+            sql = (
+                "SELECT e.id, e.user_id, e.name, e.transport, e.created, e.last_seen, e.online, e.info, "
+                "(SELECT COUNT(*) FROM tasks t WHERE t.endpoint_id=e.id AND t.state='queued'), "
+                "(SELECT COUNT(*) FROM tasks t WHERE t.endpoint_id=e.id AND t.state IN ('leased','acked')) "
+                "FROM endpoints e WHERE 1=1"
+            )
+            args: list[Any] = []
+            if user_id is not None:
+                sql += " AND e.user_id=?"
+                args.append(user_id)
+            if endpoint_id is not None:
+                sql += " AND e.id=?"
+                args.append(endpoint_id)
+            rows = self._conn().execute(sql + " ORDER BY e.created", args).fetchall()
+            cols = ["id", "user_id", "name", "transport", "created", "last_seen", "online", "info", "queued", "in_flight"]
+            out = [dict(zip(cols, r)) for r in rows]
+            for e in out:
+                e["online"] = bool(e["online"])
+                e["info"] = json.loads(e["info"] or "{}")
+            return out
+
+        return await self._run(q)
+
+    async def set_endpoint_state(self, endpoint_id: str, online: bool, last_seen: float, info: dict[str, Any] | None = None) -> None:
+        def q(db: sqlite3.Connection) -> None:
+            if info is None:
+                db.execute("UPDATE endpoints SET online=?, last_seen=? WHERE id=?", (int(online), last_seen, endpoint_id))
+            else:
+                db.execute(
+                    "UPDATE endpoints SET online=?, last_seen=?, info=? WHERE id=?",
+                    (int(online), last_seen, json.dumps(info), endpoint_id),
+                )
+
+        await self.tx(q)
+
+    # ------------------------------------------------------------------ functions
+    async def put_function(self, user_id: str, fid: str, body: bytes, name: str) -> None:
+        def q(db: sqlite3.Connection) -> None:
+            db.execute("INSERT OR IGNORE INTO functions (id, body, name, created) VALUES (?, ?, ?, ?)", (fid, body, name, time.time()))
+            db.execute("INSERT OR IGNORE INTO function_owners (function_id, user_id) VALUES (?, ?)", (fid, user_id))
+
+        await self.tx(q)
+
+    async def list_functions(self, user_id: str) -> list[dict[str, Any]]:
+        def q() -> list[dict[str, Any]]:
+            rows = self._conn().execute(
+                "SELECT f.id, f.name, f.created, LENGTH(f.body) FROM functions f JOIN function_owners o "
+                "ON o.function_id=f.id WHERE o.user_id=? ORDER BY f.created",
+                (user_id,),
+            ).fetchall()
+            return [dict(zip(["id", "name", "created", "size"], r)) for r in rows]
+
+        return await self._run(q)
+
+    async def owned_refs(self, user_id: str, endpoint_ids: Iterable[str], fids: Iterable[str]) -> tuple[set[str], set[str]]:
+        """Which of these endpoints and functions the user may use: one hop on the submit path."""
+        eps, fns = list(set(endpoint_ids)), list(set(fids))
+
+        def q() -> tuple[set[str], set[str]]:
+            db = self._conn()
+            found_e: set[str] = set()
+            found_f: set[str] = set()
+            for chunk in _chunks(eps):
+                found_e.update(r[0] for r in db.execute(
+                    f"SELECT id FROM endpoints WHERE user_id=? AND id IN ({','.join('?' * len(chunk))})", (user_id, *chunk)))
+            for chunk in _chunks(fns):
+                found_f.update(r[0] for r in db.execute(
+                    f"SELECT function_id FROM function_owners WHERE user_id=? AND function_id IN ({','.join('?' * len(chunk))})", (user_id, *chunk)))
+            return found_e, found_f
+
+        return await self._run(q)
+
+    # ------------------------------------------------------------------ tasks
+    async def insert_tasks(self, rows: Sequence[dict[str, Any]]) -> None:
+        """All or nothing: the caller has validated every row before this transaction."""
+
+        def q(db: sqlite3.Connection) -> None:
+            db.executemany(
+                "INSERT INTO tasks (id, user_id, endpoint_id, function_id, args, state, created, expires, timeout, attempts) "
+                "VALUES (:id, :user_id, :endpoint_id, :function_id, :args, 'queued', :created, :expires, :timeout, 0)",
+                rows,
+            )
+
+        await self.tx(q)
+
+    async def lease(self, endpoint_id: str, n: int, lease_s: float, max_bytes: int) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
+        """Take up to ``n`` queued tasks of an endpoint (oldest first) and the function bodies they need."""
+
+        def q(db: sqlite3.Connection) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
+            now = time.time()
+            rows = db.execute(
+                "SELECT id, function_id, args, timeout, expires FROM tasks WHERE endpoint_id=? AND state='queued' "
+                "ORDER BY created, rowid LIMIT ?",
+                (endpoint_id, n),
+            ).fetchall()
+            tasks: list[dict[str, Any]] = []
+            sizes: dict[str, int] = {}
+            size = 0
+            for tid, fid, args, timeout, exp in rows:
+                if fid not in sizes:  # each body travels once per frame: count it once
+                    sizes[fid] = db.execute("SELECT LENGTH(body) FROM functions WHERE id=?", (fid,)).fetchone()[0]
+                    size += sizes[fid]
+                size += len(args)
+                if tasks and size > max_bytes:
+                    break
+                tasks.append({"id": tid, "fn": fid, "args": args, "timeout": timeout, "exp": exp})
+            db.executemany(
+                "UPDATE tasks SET state='leased', leased_until=?, attempts=attempts+1, dispatched=? WHERE id=?",
+                [(now + lease_s, now, t["id"]) for t in tasks],
+            )
+            fids = list({t["fn"] for t in tasks})
+            bodies: dict[str, bytes] = {}
+            for chunk in _chunks(fids):
+                bodies.update(db.execute(f"SELECT id, body FROM functions WHERE id IN ({','.join('?' * len(chunk))})", chunk).fetchall())
+            return tasks, bodies
+
+        return await self.tx(q, durable=False)
+
+    async def ack(self, endpoint_id: str, ids: Sequence[str]) -> None:
+        def q(db: sqlite3.Connection) -> None:
+            now = time.time()
+            db.executemany(
+                "UPDATE tasks SET state='acked', acked=? WHERE id=? AND endpoint_id=? AND state IN ('leased','queued')",
+                [(now, i, endpoint_id) for i in ids],
+            )
+
+        await self.tx(q, durable=False)
+
+    async def requeue(self, endpoint_id: str | None = None, expired_before: float | None = None, not_in: set[str] | None = None) -> int:
+        """Put tasks back in the queue: leases that expired, or an endpoint's leases when it is lost.
+
+        With ``not_in`` (reconciliation after an agent's hello), also tasks the hub believes the
+        agent acked but the agent no longer holds (its disk was wiped or replaced).
+        """
+
+        def q(db: sqlite3.Connection) -> int:
+            n = 0
+            if expired_before is not None:
+                n += db.execute(
+                    "UPDATE tasks SET state='queued', leased_until=NULL WHERE state='leased' AND leased_until < ?",
+                    (expired_before,),
+                ).rowcount
+            if endpoint_id is not None and not_in is None:
+                n += db.execute(
+                    "UPDATE tasks SET state='queued', leased_until=NULL WHERE state='leased' AND endpoint_id=?",
+                    (endpoint_id,),
+                ).rowcount
+            if endpoint_id is not None and not_in is not None:
+                acked = [r[0] for r in db.execute("SELECT id FROM tasks WHERE endpoint_id=? AND state='acked'", (endpoint_id,))]
+                lost = [i for i in acked if i not in not_in]
+                db.executemany("UPDATE tasks SET state='queued' WHERE id=? AND state='acked'", [(i,) for i in lost])
+                n += len(lost)
+            return n
+
+        return await self.tx(q)
+
+    async def store_results(self, endpoint_id: str, results: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+        """Store results exactly once per task; return (task id, user id) of those that were new."""
+
+        def q(db: sqlite3.Connection) -> list[tuple[str, str]]:
+            now = time.time()
+            ids = [r["id"] for r in results]
+            owners: dict[str, str] = {}
+            for chunk in _chunks(ids):
+                owners.update(
+                    db.execute(
+                        f"SELECT id, user_id FROM tasks WHERE endpoint_id=? AND state != 'done' AND id IN ({','.join('?' * len(chunk))})",
+                        (endpoint_id, *chunk),
+                    ).fetchall()
+                )
+            fresh = [r for r in results if r["id"] in owners]
+            db.executemany(
+                "INSERT OR IGNORE INTO results (task_id, user_id, ok, data, started, finished, received, pid) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [(r["id"], owners[r["id"]], int(bool(r["ok"])), r["data"], r.get("started"), r.get("finished"), now, r.get("pid")) for r in fresh],
+            )
+            db.executemany("UPDATE tasks SET state='done', done=?, args=NULL WHERE id=?", [(now, r["id"]) for r in fresh])
+            return [(r["id"], owners[r["id"]]) for r in fresh]
+
+        return await self.tx(q)
+
+    async def expire_tasks(self, now: float, error_blob: Callable[[str], bytes]) -> list[tuple[str, str]]:
+        """Tasks still queued past their expiry get an error result, so the caller learns of it."""
+
+        def q(db: sqlite3.Connection) -> list[tuple[str, str]]:
+            rows = db.execute(
+                "SELECT id, user_id FROM tasks WHERE state='queued' AND expires IS NOT NULL AND expires < ? LIMIT 10000", (now,)
+            ).fetchall()
+            db.executemany(
+                "INSERT OR IGNORE INTO results (task_id, user_id, ok, data, started, finished, received, pid) VALUES (?, ?, 0, ?, ?, ?, ?, 0)",
+                [(tid, uid, error_blob(tid), now, now, now) for tid, uid in rows],
+            )
+            db.executemany("UPDATE tasks SET state='done', done=?, args=NULL WHERE id=?", [(now, tid) for tid, _ in rows])
+            return [(tid, uid) for tid, uid in rows]
+
+        return await self.tx(q)
+
+    async def get_task(self, task_id: str, user_id: str) -> dict[str, Any] | None:
+        def q() -> dict[str, Any] | None:
+            row = self._conn().execute(
+                "SELECT t.id, t.endpoint_id, t.function_id, t.state, t.created, t.dispatched, t.acked, t.done, t.attempts, "
+                "r.ok, r.started, r.finished FROM tasks t LEFT JOIN results r ON r.task_id=t.id WHERE t.id=? AND t.user_id=?",
+                (task_id, user_id),
+            ).fetchone()
+            cols = ["id", "endpoint_id", "function_id", "state", "created", "dispatched", "acked", "done", "attempts", "ok", "started", "finished"]
+            return dict(zip(cols, row)) if row else None
+
+        return await self._run(q)
+
+    async def results(self, user_id: str, task_ids: Sequence[str]) -> list[dict[str, Any]]:
+        def q() -> list[dict[str, Any]]:
+            out: list[dict[str, Any]] = []
+            for chunk in _chunks(list(task_ids)):
+                rows = self._conn().execute(
+                    f"SELECT seq, task_id, ok, data, started, finished FROM results WHERE user_id=? AND task_id IN ({','.join('?' * len(chunk))})",
+                    (user_id, *chunk),
+                ).fetchall()
+                out.extend(_result_rows(rows))
+            return out
+
+        return await self._run(q)
+
+    async def results_after(self, user_id: str, seq: int, limit: int) -> list[dict[str, Any]]:
+        def q() -> list[dict[str, Any]]:
+            rows = self._conn().execute(
+                "SELECT seq, task_id, ok, data, started, finished FROM results WHERE user_id=? AND seq > ? ORDER BY seq LIMIT ?",
+                (user_id, seq, limit),
+            ).fetchall()
+            return _result_rows(rows)
+
+        return await self._run(q)
+
+    async def last_result_seq(self) -> int:
+        return await self._run(lambda: self._conn().execute("SELECT COALESCE(MAX(seq), 0) FROM results").fetchone()[0])
+
+    async def task_counts(self, user_id: str | None = None) -> dict[str, int]:
+        def q() -> dict[str, int]:
+            sql, args = "SELECT state, COUNT(*) FROM tasks", ()
+            if user_id:
+                sql, args = sql + " WHERE user_id=?", (user_id,)
+            return dict(self._conn().execute(sql + " GROUP BY state", args).fetchall())
+
+        return await self._run(q)
+
+    async def prune_results(self, older_than: float) -> int:
+        def q(db: sqlite3.Connection) -> int:
+            old = db.execute("SELECT task_id FROM results WHERE received < ?", (older_than,)).fetchall()
+            db.executemany("DELETE FROM results WHERE task_id=?", old)
+            db.executemany("DELETE FROM tasks WHERE id=?", old)
+            return len(old)
+
+        return await self.tx(q)
+
+
+def _result_rows(rows: Iterable[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    return [
+        {"seq": r[0], "task_id": r[1], "ok": bool(r[2]), "data": r[3], "started": r[4], "finished": r[5]} for r in rows
+    ]
+
+
+def _statements(sql: str) -> list[str]:
+    return [s.strip() for s in sql.split(";") if s.strip()]

@@ -1,0 +1,53 @@
+"""Flox-style federated learning on the Continuum Mesh.
+
+Each client's local training round is a remote function run on the client's own endpoint;
+the server side (this package's pure-logic core) selects clients, validates and aggregates the
+updates that arrive, and records a per-round history. Data stays on devices.
+
+Public surface (numpy only; torch is never imported here):
+
+* strategies: ``FedAvg``, ``FedProx``, ``FedAsync``, ``FedBuff``, ``Hierarchical`` with the hooks
+  ``configure_round`` / ``aggregate`` / ``on_update`` (async) / ``aggregate_metrics``;
+  data types ``ClientUpdate``, ``ClientInstruction``, ``AggregationReport``; ``Weights`` is a
+  list of numpy arrays, one per tensor.
+* data: ``load_federated_digits`` / ``load_client_data`` / ``partition_indices`` (IID or
+  Dirichlet non-IID partitions of scikit-learn's bundled digits).
+* history: ``History`` / ``RoundRecord`` (JSON, CSV, PNG plot).
+"""
+
+from .history import History, RoundRecord
+from .strategies import (
+    AggregationReport,
+    ClientInstruction,
+    ClientUpdate,
+    FedAsync,
+    FedAvg,
+    FedBuff,
+    FedProx,
+    Hierarchical,
+    Strategy,
+    Weights,
+    polynomial_staleness,
+    proximal_term,
+    validate_update,
+    weighted_average,
+)
+
+# fl.data imports scikit-learn lazily (only when digits are loaded), so importing it is cheap.
+from .data import (  # noqa: E402
+    ClientData,
+    FederatedData,
+    load_client_data,
+    load_federated_digits,
+    load_test_data,
+    partition_indices,
+)
+
+__all__ = [
+    "AggregationReport", "ClientInstruction", "ClientUpdate", "FedAsync", "FedAvg", "FedBuff",
+    "FedProx", "Hierarchical", "Strategy", "Weights", "polynomial_staleness", "proximal_term",
+    "validate_update", "weighted_average",
+    "ClientData", "FederatedData", "load_client_data", "load_federated_digits", "load_test_data",
+    "partition_indices",
+    "History", "RoundRecord",
+]

@@ -1,0 +1,403 @@
+"""The agent runtime: durable queue + warm engine + one link to the hub, in one asyncio loop.
+
+Durability rules (DESIGN invariants 1 and 2):
+- a task is written to SQLite *before* the hub is told it was received (ack);
+- a result is written *before* it is sent, and its payload dropped only after the hub acks it;
+- after a crash, every stored task without a result runs again (at least once), and every
+  stored result not yet acked is sent again (the hub de-duplicates by task id).
+
+Flow control is credit based: the agent asks for ``workers + prefetch`` tasks minus what it
+holds, so neither the broker nor ZeroMQ ever has to buffer an unbounded backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import socket
+import time
+from typing import Any, Callable
+
+import psutil
+
+from mesh_agent import __version__
+from mesh_agent.config import AgentConfig, Credentials
+from mesh_agent.engine import EngineResult, EngineTask, LocalEngine, error_result
+from mesh_agent.protocol import MAX_FRAME_BYTES, Envelope, Kind, ProtocolError, ReplayGuard, check_freshness, decode, encode
+from mesh_agent.store import AgentStore, StoredResult
+from mesh_agent.transport import AgentLink, LinkError
+
+__all__ = ["Agent", "make_link"]
+
+log = logging.getLogger("mesh_agent")
+
+#: Results per ``results`` frame; keeps frames well under broker limits.
+_RESULTS_PER_FRAME = 2000
+_RESEND_AFTER_S = 10.0
+_FRAME_BUDGET = 8 * 2**20
+_MAX_RESULT_BYTES = MAX_FRAME_BYTES // 2
+
+
+def make_link(cfg: AgentConfig, creds: Credentials) -> AgentLink:
+    if cfg.transport == "mqtt":
+        from mesh_agent.transport.mqtt import MqttAgentLink
+
+        return MqttAgentLink(
+            cfg.endpoint_id,
+            cfg.mqtt.host,
+            cfg.mqtt.port,
+            username=creds.mqtt_username,
+            password=creds.mqtt_password,
+            keepalive=cfg.mqtt.keepalive,
+            prefix=cfg.mqtt.topic_prefix,
+        )
+    from mesh_agent.transport.zmq import ZmqAgentLink
+
+    return ZmqAgentLink(cfg.endpoint_id, cfg.zmq.address)
+
+
+class _HelloRequired(Exception):
+    """The hub lost our session (it restarted): say hello again on the same link."""
+
+
+class Agent:
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        creds: Credentials,
+        link_factory: Callable[[AgentConfig, Credentials], AgentLink] = make_link,
+    ) -> None:
+        self.cfg = cfg
+        self.endpoint_id = cfg.endpoint_id
+        self._key = creds.key_bytes
+        self._creds = creds
+        self._link_factory = link_factory
+        self.store = AgentStore(cfg.queue_path, cfg.durable_sync)
+        self.engine = LocalEngine(
+            self._on_results,
+            workers=cfg.workers,
+            task_timeout=cfg.task_timeout,
+            memory_limit_mb=cfg.memory_limit_mb,
+            max_batch=cfg.max_batch,
+        )
+        self._replay = ReplayGuard()
+        self._heartbeat_s = cfg.heartbeat_s
+        self._clock_offset = 0.0  # hub clock minus ours, learned from the signed welcome
+        self._link: AgentLink | None = None
+        self._welcomed = asyncio.Event()
+        self._pending: list[EngineResult] = []
+        self._pending_event = asyncio.Event()
+        self._sent_at: dict[str, float] = {}  # results sent, not yet acked
+        self._in_engine: set[str] = set()
+        self._received_since_fetch = 0
+        self._granted = 0
+        self._hello_nonces: dict[str, float] = {}  # hellos awaiting their welcome, nonce -> sent at
+        self.stats = {"tasks_received": 0, "results_sent": 0, "rejected_frames": 0, "reconnects": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run until ``stop`` is set; survives any number of link losses."""
+        await self.store.open()
+        await self.engine.start()
+        flusher = asyncio.create_task(self._flush_results_forever(), name="flush-results")
+        try:
+            await self._resume_stored_tasks()
+            await self._connect_forever(stop)
+        finally:
+            flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flusher
+            await self.engine.stop()
+            # Results that finished during shutdown are still written: nothing finished is lost.
+            with contextlib.suppress(Exception):
+                await self._save_pending()
+            await self.store.close()
+
+    async def _resume_stored_tasks(self) -> None:
+        tasks = await self.store.queued_tasks(exclude=self._in_engine)
+        if tasks:
+            log.info("resuming %d stored tasks", len(tasks))
+            bodies = await self.store.function_bodies(t.function_id for t in tasks)
+            self._submit([(t.id, t.function_id, t.args, t.timeout, t.expires) for t in tasks], bodies)
+
+    async def _connect_forever(self, stop: asyncio.Event) -> None:
+        attempt = 0
+        while not stop.is_set():
+            try:
+                async with self._link_factory(self.cfg, self._creds) as link:
+                    self._link = link
+                    attempt = 0
+                    await self._session(link, stop)
+            except LinkError as exc:
+                log.warning("link to hub lost: %s", exc)
+            finally:
+                self._link = None
+                self._welcomed.clear()
+            if stop.is_set():
+                break
+            attempt += 1
+            self.stats["reconnects"] += 1
+            # Exponential backoff with jitter: a fleet coming back after a regional outage
+            # must not reconnect in lockstep.
+            delay = min(30.0, 0.2 * 2 ** min(attempt, 8)) * random.uniform(0.5, 1.5)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+
+    async def _session(self, link: AgentLink, stop: asyncio.Event) -> None:
+        await self._send_hello()
+        reader = asyncio.create_task(self._read(link))
+        beat = asyncio.create_task(self._heartbeats())
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            done, _ = await asyncio.wait({reader, beat, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t is not stopper and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+        finally:
+            for t in (reader, beat, stopper):
+                t.cancel()
+            await asyncio.gather(reader, beat, stopper, return_exceptions=True)
+
+    # ------------------------------------------------------------------ sending
+    def _now(self) -> float:
+        return time.time() + self._clock_offset
+
+    async def _send(self, kind: Kind, body: dict[str, Any]) -> None:
+        link = self._link
+        if link is None:
+            raise LinkError("not connected")
+        await link.send(encode(Envelope(kind, self.endpoint_id, body, ts=self._now()), self._key))
+
+    async def _send_hello(self) -> None:
+        nonce = os.urandom(8).hex()
+        self._hello_nonces[nonce] = time.time()
+        while len(self._hello_nonces) > 8:
+            self._hello_nonces.pop(next(iter(self._hello_nonces)))
+        await self._send(
+            Kind.HELLO,
+            {
+                "nonce": nonce,
+                "capacity": self.engine.workers,
+                "prefetch": self.cfg.prefetch,
+                "have": await self.store.held_ids(),
+                "engine": "local",
+                "host": socket.gethostname(),
+                "version": __version__,
+                "pid": os.getpid(),
+            },
+        )
+
+    def _want(self) -> int:
+        return max(0, self.engine.workers + self.cfg.prefetch - self.engine.queued - self.engine.running)
+
+    async def _maybe_fetch(self, force: bool = False) -> None:
+        """Tell the hub how many more tasks we can take, when that changed enough to matter."""
+        if not self._welcomed.is_set():
+            return
+        want = self._want()
+        full = self.engine.workers + self.cfg.prefetch
+        # What the hub still believes it may send us: our last grant minus what arrived since.
+        hub_credit = max(0, self._granted - self._received_since_fetch)
+        gap = want - hub_credit
+        if force or (gap > 0 and (gap >= max(1, full // 4) or self.engine.running == 0)):
+            self._granted = want
+            self._received_since_fetch = 0
+            await self._send(Kind.FETCH, {"want": want})
+
+    async def _heartbeats(self) -> None:
+        psutil.cpu_percent(None)
+        last_prune = 0.0
+        while True:
+            if time.monotonic() - last_prune > 3600:
+                last_prune = time.monotonic()
+                await self.store.prune()
+            await asyncio.sleep(self._heartbeat_s)
+            counts = await self.store.counts()
+            mem = psutil.virtual_memory()
+            await self._send(
+                Kind.HEARTBEAT,
+                {
+                    "capacity": self.engine.workers,
+                    "running": self.engine.running,
+                    "queued": self.engine.queued,
+                    "stored": counts["queued"],
+                    "outbox": counts["done"],
+                    "want": self._want(),
+                    "warm": self.engine.warm_functions()[:100],
+                    "cpu": psutil.cpu_percent(None),
+                    "mem_used": mem.percent,
+                    "mem_avail_mb": mem.available // 2**20,
+                },
+            )
+            await self._resend_stale_results()
+            await self._maybe_fetch()  # safety net should a fetch have been lost
+
+    # ------------------------------------------------------------------ receiving
+    async def _read(self, link: AgentLink) -> None:
+        async for frame in link.frames():
+            try:
+                await self._handle(frame)
+            except _HelloRequired:
+                # Many frames may bounce while the hub restarts: one hello per second is enough.
+                recent = max(self._hello_nonces.values(), default=0.0)
+                if time.time() - recent > 1.0:
+                    await self._send_hello()
+
+    async def _handle(self, frame: bytes) -> None:
+        try:
+            env = decode(frame, self._key, now=self._now(), check_fresh=False)
+            if env.endpoint != self.endpoint_id:
+                raise ProtocolError(f"frame addressed to {env.endpoint}")
+            if env.kind is Kind.WELCOME:
+                if env.body.get("reply_to") not in self._hello_nonces:
+                    raise ProtocolError("welcome does not answer a hello of ours")
+            else:
+                now = self._now()
+                check_freshness(env, now=now)
+                self._replay.check(env, now=now)
+        except ProtocolError as exc:
+            self.stats["rejected_frames"] += 1
+            log.warning("rejected frame from hub: %s: %s", exc.reason, exc)
+            return
+        handler = _HANDLERS.get(env.kind)
+        if handler is not None:
+            await handler(self, env.body)
+
+    async def _on_welcome(self, body: dict[str, Any]) -> None:
+        now = time.time()
+        sent = self._hello_nonces.get(body["reply_to"], now)
+        self._hello_nonces.clear()
+        self._clock_offset = float(body["hub_time"]) - (sent + now) / 2
+        hub_beat = body.get("heartbeat_s")
+        if isinstance(hub_beat, (int, float)) and 0 < hub_beat < self.cfg.heartbeat_s:
+            self._heartbeat_s = float(hub_beat)  # the hub declares us lost on its own period
+        self._welcomed.set()
+        await self._resume_stored_tasks()  # anything stored but not running (a session cut mid-batch)
+        await self._maybe_fetch(force=True)
+        await self._resend_stale_results(all_of_them=True)
+
+    async def _on_tasks(self, body: dict[str, Any]) -> None:
+        tasks: list[dict[str, Any]] = body.get("tasks", [])
+        functions: dict[str, bytes] = body.get("functions", {})
+        self._received_since_fetch += len(tasks)
+        fresh = set(await self.store.add_tasks(functions, tasks))
+        self.stats["tasks_received"] += len(fresh)
+        todo = [(t["id"], t["fn"], t["args"], t.get("timeout"), t.get("exp")) for t in tasks if t["id"] in fresh]
+        if todo:
+            missing = {fid for _, fid, *_ in todo} - functions.keys()
+            bodies = dict(functions)
+            if missing:
+                bodies.update(await self.store.function_bodies(missing))
+            self._submit(todo, bodies)  # before the ack: a link that fails now must not strand them
+        # Ack everything, duplicates included: the hub may have missed our earlier ack.
+        await self._send(Kind.ACK, {"ids": [t["id"] for t in tasks]})
+
+    async def _on_result_ack(self, body: dict[str, Any]) -> None:
+        ids = body.get("ids", [])
+        await self.store.mark_acked(ids)
+        for i in ids:
+            self._sent_at.pop(i, None)
+
+    async def _on_error(self, body: dict[str, Any]) -> None:
+        if body.get("code") == "hello_required":
+            raise _HelloRequired()
+        log.error("hub refused: %s", body.get("message", body))
+
+    # ------------------------------------------------------------------ execution
+    def _submit(self, rows: list[tuple[str, str, bytes, float | None, float | None]], bodies: dict[str, bytes]) -> None:
+        now = self._now()
+        batch: list[EngineTask] = []
+        for task_id, fid, args, timeout, exp in rows:
+            if task_id in self._in_engine:
+                continue
+            if fid not in bodies:
+                self._on_results([error_result(task_id, "mesh_agent.FunctionMissing", f"function {fid} not stored")])
+            elif exp and now > exp:
+                self._on_results([error_result(task_id, "mesh_agent.TaskExpired", f"task expired {now - exp:.0f}s before it could run")])
+            else:
+                self._in_engine.add(task_id)
+                batch.append(EngineTask(task_id, fid, bodies[fid], args, timeout))
+        if batch:
+            self.engine.submit(batch)
+
+    def _on_results(self, results: list[EngineResult]) -> None:
+        self._pending.extend(results)
+        self._pending_event.set()
+
+    async def _save_pending(self) -> list[StoredResult]:
+        batch, self._pending = self._pending, []
+        self._pending_event.clear()
+        if not batch:
+            return []
+        stored = [StoredResult(r.task_id, r.ok, r.data, r.started, r.finished, r.worker_pid) for r in map(_fit, batch)]
+        await self.store.save_results(stored)
+        for r in batch:
+            self._in_engine.discard(r.task_id)
+        return stored
+
+    async def _flush_results_forever(self) -> None:
+        while True:
+            await self._pending_event.wait()
+            stored = await self._save_pending()
+            if not stored or not self._welcomed.is_set():
+                continue
+            try:
+                await self._send_results(stored)
+                await self._maybe_fetch()
+            except LinkError:
+                pass  # stored; re-sent after reconnect
+
+    async def _send_results(self, results: list[StoredResult]) -> None:
+        now = time.time()
+        for chunk in _frames_of(results):
+            await self._send(
+                Kind.RESULTS,
+                {"results": [{"id": r.id, "ok": r.ok, "data": r.data, "started": r.started, "finished": r.finished, "pid": r.worker_pid} for r in chunk]},
+            )
+            for r in chunk:
+                self._sent_at[r.id] = now
+            self.stats["results_sent"] += len(chunk)
+
+    async def _resend_stale_results(self, all_of_them: bool = False) -> None:
+        cutoff = time.time() - _RESEND_AFTER_S
+        stale = [
+            r for r in await self.store.unacked_results(limit=50_000)
+            if all_of_them or self._sent_at.get(r.id, 0.0) < cutoff
+        ]
+        if stale:
+            await self._send_results(stale)
+
+
+def _fit(r: EngineResult) -> EngineResult:
+    """A result too big for one frame becomes a clear error instead of a frame re-sent forever."""
+    if len(r.data) <= _MAX_RESULT_BYTES:
+        return r
+    return error_result(
+        r.task_id, "mesh_agent.ResultTooLarge",
+        f"result of {len(r.data)} bytes exceeds the {_MAX_RESULT_BYTES}-byte limit; return a reference to staged data instead",
+        started=r.started, worker_pid=r.worker_pid,
+    )
+
+
+def _frames_of(results: list[StoredResult]) -> list[list[StoredResult]]:
+    """Split by count and by bytes, so no frame comes near MAX_FRAME_BYTES."""
+    frames: list[list[StoredResult]] = [[]]
+    size = 0
+    for r in results:
+        if frames[-1] and (len(frames[-1]) >= _RESULTS_PER_FRAME or size + len(r.data) > _FRAME_BUDGET):
+            frames.append([])
+            size = 0
+        frames[-1].append(r)
+        size += len(r.data)
+    return [f for f in frames if f]
+
+
+_HANDLERS = {
+    Kind.WELCOME: Agent._on_welcome,
+    Kind.TASKS: Agent._on_tasks,
+    Kind.RESULT_ACK: Agent._on_result_ack,
+    Kind.ERROR: Agent._on_error,
+}

@@ -1,0 +1,161 @@
+"""``mesh-agent``: init (enroll with the hub), start (foreground, systemd-friendly), status, queue ls."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mesh_agent.config import AgentConfig, ConfigError, Credentials, MqttSettings, ZmqSettings, load_config
+
+app = typer.Typer(help="Continuum Mesh agent: runs functions from the hub, durably.", no_args_is_help=True)
+queue_app = typer.Typer(help="Inspect the local durable queue.")
+app.add_typer(queue_app, name="queue")
+console = Console()
+
+DEFAULT_CONFIG = Path(os.environ.get("MESH_AGENT_CONFIG", "~/.config/continuum-mesh/agent.yaml")).expanduser()
+ConfigOpt = typer.Option(DEFAULT_CONFIG, "--config", "-c", help="agent config file (env MESH_AGENT_CONFIG)")
+
+
+def enroll(
+    hub_url: str,
+    token: str,
+    name: str,
+    config_path: Path,
+    *,
+    transport: str = "mqtt",
+    data_dir: Path | None = None,
+    workers: int | None = None,
+    prefetch: int = 256,
+    task_timeout: float | None = None,
+    mqtt_host: str | None = None,
+    mqtt_port: int | None = None,
+    zmq_address: str | None = None,
+) -> AgentConfig:
+    """Register this device with the hub and write its config and credentials (both mode 0600)."""
+    r = httpx.post(f"{hub_url.rstrip('/')}/v1/endpoints/enroll", json={"token": token, "name": name, "transport": transport}, timeout=30)
+    if r.status_code >= 400:
+        try:
+            detail = r.json().get("detail", r.text)
+        except ValueError:
+            detail = r.text
+        raise ConfigError(f"hub refused enrollment ({r.status_code}): {detail}")
+    info = r.json()
+    data_dir = (data_dir or config_path.parent / name).expanduser().resolve()
+    mqtt = info.get("mqtt") or {}
+    cfg = AgentConfig(
+        endpoint_id=info["endpoint_id"],
+        name=name,
+        hub_url=hub_url,
+        transport=transport,  # type: ignore[arg-type]
+        mqtt=MqttSettings(host=mqtt_host or mqtt.get("host", "127.0.0.1"), port=mqtt_port or mqtt.get("port", 1883), topic_prefix=mqtt.get("topic_prefix", "mesh")),
+        zmq=ZmqSettings(address=zmq_address or info.get("zmq_address") or "tcp://127.0.0.1:8701"),
+        data_dir=data_dir,
+        credentials_file=config_path.with_name(config_path.stem + ".credentials.json").resolve(),
+        workers=workers,
+        prefetch=prefetch,
+        task_timeout=task_timeout,
+        heartbeat_s=float(info.get("heartbeat_s", 5.0)),
+    )
+    Credentials(endpoint_id=cfg.endpoint_id, key=info["key"], mqtt_username=mqtt.get("username"), mqtt_password=mqtt.get("password")).save(cfg.credentials_file)
+    cfg.save(config_path)
+    return cfg
+
+
+def _load(config: Path) -> tuple[AgentConfig, Credentials]:
+    try:
+        return load_config(config)
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def init(
+    hub: str = typer.Option(..., "--hub", help="hub URL, e.g. https://hub.example.org"),
+    token: str = typer.Option(..., "--token", help="enrollment token from the hub"),
+    name: str = typer.Option(os.uname().nodename.split(".")[0], "--name", help="endpoint name"),
+    transport: str = typer.Option("mqtt", "--transport", help="mqtt (edge) or zmq (LAN/HPC)"),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="where the durable queue lives"),
+    workers: Optional[int] = typer.Option(None, "--workers", help="worker processes (default: one per core)"),
+    config: Path = ConfigOpt,
+) -> None:
+    """Enroll this device with the hub and write its config."""
+    try:
+        cfg = enroll(hub, token, name, config, transport=transport, data_dir=data_dir, workers=workers)
+    except (ConfigError, httpx.HTTPError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    console.print(f"enrolled as [bold]{cfg.endpoint_id}[/bold]; config written to {config}")
+
+
+@app.command()
+def start(config: Path = ConfigOpt, log_level: str = typer.Option("INFO", "--log-level")) -> None:
+    """Run the agent in the foreground until SIGTERM or SIGINT (systemd: Type=simple)."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    cfg, creds = _load(config)
+    from mesh_agent.agent import Agent
+    from mesh_agent.store import StoreError
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await Agent(cfg, creds).run(stop)
+
+    try:
+        asyncio.run(main())
+    except StoreError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(3) from None
+
+
+def _store_view(cfg: AgentConfig) -> tuple[dict[str, int], list[dict[str, object]]]:
+    from mesh_agent.store import AgentStore
+
+    async def q() -> tuple[dict[str, int], list[dict[str, object]]]:
+        store = await AgentStore(cfg.queue_path).open()
+        try:
+            return await store.counts(), await store.listing()
+        finally:
+            await store.close()
+
+    return asyncio.run(q())
+
+
+@app.command()
+def status(config: Path = ConfigOpt) -> None:
+    """Endpoint identity and local queue depth (works offline)."""
+    cfg, _ = _load(config)
+    counts, _ = _store_view(cfg)
+    t = Table(title=f"endpoint {cfg.name}", show_header=False)
+    for k, v in [("endpoint id", cfg.endpoint_id), ("hub", cfg.hub_url), ("transport", cfg.transport),
+                 ("queue", str(cfg.queue_path)), ("tasks waiting", counts["queued"]), ("results not yet acked", counts["done"]),
+                 ("results delivered (retained ids)", counts["acked"])]:
+        t.add_row(k, str(v))
+    console.print(t)
+
+
+@queue_app.command("ls")
+def queue_ls(config: Path = ConfigOpt) -> None:
+    """Tasks and results held on this device."""
+    cfg, _ = _load(config)
+    _, rows = _store_view(cfg)
+    t = Table("task", "function", "state", "ok")
+    for r in rows:
+        t.add_row(str(r["id"]), str(r["function_id"])[:12], str(r["state"]), "" if r["ok"] is None else str(bool(r["ok"])))
+    console.print(t)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,119 @@
+"""Agent configuration: one YAML file written by ``mesh-agent init``, validated by pydantic.
+
+Secrets (the endpoint's signing key, broker password) live in a separate credentials file, both
+written with mode 0600, so the config can be shown or copied without leaking the key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = ["AgentConfig", "Credentials", "ConfigError", "load_config", "write_private"]
+
+
+class ConfigError(ValueError):
+    """The agent's config or credentials file is missing or wrong; the message names the problem."""
+
+
+class MqttSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    host: str = "127.0.0.1"
+    port: int = Field(1883, ge=1, le=65535)
+    keepalive: int = Field(30, ge=5)
+    topic_prefix: str = "mesh"
+
+
+class ZmqSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    address: str = "tcp://127.0.0.1:5555"
+
+
+class AgentConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint_id: str
+    name: str
+    hub_url: str
+    transport: Literal["mqtt", "zmq"] = "mqtt"
+    mqtt: MqttSettings = MqttSettings()
+    zmq: ZmqSettings = ZmqSettings()
+    data_dir: Path
+    credentials_file: Path
+    workers: int | None = Field(None, ge=1, description="worker processes; default one per core")
+    prefetch: int = Field(256, ge=0, description="tasks held beyond the worker count, to hide link latency")
+    task_timeout: float | None = Field(None, gt=0)
+    memory_limit_mb: int | None = Field(None, ge=16)
+    heartbeat_s: float = Field(5.0, gt=0)
+    max_batch: int = Field(32, ge=1, description="tasks per chunk handed to one worker")
+    durable_sync: Literal["full", "normal"] = "full"
+
+    @property
+    def queue_path(self) -> Path:
+        return self.data_dir / "queue.sqlite3"
+
+    def save(self, path: Path) -> None:
+        write_private(path, yaml.safe_dump(json.loads(self.model_dump_json()), sort_keys=False))
+
+
+class Credentials(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    endpoint_id: str
+    key: str  # hex HMAC key shared with the hub
+    mqtt_username: str | None = None
+    mqtt_password: str | None = None
+
+    @property
+    def key_bytes(self) -> bytes:
+        return bytes.fromhex(self.key)
+
+    def save(self, path: Path) -> None:
+        write_private(path, self.model_dump_json(indent=2))
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read, atomically (no window where it is world-readable)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def _errors(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or '(file)'}: {e['msg']}" for e in exc.errors())
+
+
+def load_config(path: Path) -> tuple[AgentConfig, Credentials]:
+    """Load and validate config + credentials; raise ConfigError naming the file and field."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file (run `mesh-agent init` first)") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings")
+    try:
+        cfg = AgentConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: {_errors(exc)}") from None
+    try:
+        creds = Credentials.model_validate_json(cfg.credentials_file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{cfg.credentials_file}: credentials file missing") from None
+    except ValidationError as exc:
+        raise ConfigError(f"{cfg.credentials_file}: {_errors(exc)}") from None
+    if creds.endpoint_id != cfg.endpoint_id:
+        raise ConfigError(f"{cfg.credentials_file}: credentials are for endpoint {creds.endpoint_id}, config is for {cfg.endpoint_id}")
+    return cfg, creds

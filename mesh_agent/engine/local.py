@@ -1,0 +1,559 @@
+"""LocalEngine: a pool of warm worker processes driven from the agent's asyncio event loop.
+
+Design, and why:
+
+* **Warm, spawned workers.** Starting a process per task costs far more than a no-op task, so
+  workers start once and keep deserialized functions cached by id; each body crosses a given
+  worker's pipe once. ``spawn``, never ``fork``: the agent has threads, and forking a threaded
+  process can deadlock the child.
+* **No thread per worker.** Each worker's pipe is registered with ``loop.add_reader``; the
+  parent side is non-blocking with its own output buffer (``add_writer``), so a large argument
+  blob never stalls the event loop while a busy worker is not reading.
+* **Chunks out, batched reads in.** Tasks go out in chunks of up to ``max_batch``; each result is
+  written by the worker as soon as it exists (so a crash never loses a finished result, see
+  ``_worker``) and the parent reads whatever has piled up in one go, delivering it as one
+  ``on_results`` call. At most two chunks' worth are in flight per worker: enough that a worker
+  never waits for the parent, few enough that work stays balanced between workers.
+* **Timeouts without start messages.** Workers report results in order, so the task running on
+  a worker is the head of its in-flight queue and it started no later than when the previous
+  result arrived (or when it was dispatched to an idle worker). That estimate can only be late,
+  so a task is never killed early. A single timer, armed only while tasks run, kills a worker
+  whose current task overran.
+* **Crash isolation.** A dead worker shows up as EOF on its pipe: its current task fails with
+  ``WorkerDied``, the rest of its tasks go back to the front of the queue, and a fresh worker
+  takes its place. Nothing a task does can take the engine down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import math
+import multiprocessing
+import os
+import pickle
+import signal
+import struct
+import sys
+import time
+import types
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Callable, Iterator
+
+from mesh_agent.engine import _worker
+from mesh_agent.protocol.serialize import serialize
+
+__all__ = [
+    "TASK_TIMEOUT",
+    "WORKER_DIED",
+    "EngineResult",
+    "EngineTask",
+    "LocalEngine",
+    "TaskTimeout",
+    "WorkerDied",
+    "error_result",
+]
+
+log = logging.getLogger(__name__)
+
+TASK_TIMEOUT = "mesh_agent.engine.TaskTimeout"
+WORKER_DIED = "mesh_agent.engine.WorkerDied"
+
+_TICK = 0.1  # seconds between timeout checks, only while tasks are running
+_READ_SIZE = 1 << 18
+_START_TIMEOUT = 120.0  # a Raspberry Pi with a cold SD card can take a while to import
+_RESPAWN_DELAY = 1.0  # after a worker died before it was ready: avoid a hot crash loop
+_HEADER = struct.Struct("!i")  # multiprocessing.Connection framing, which the worker reads
+_BIG = struct.Struct("!Q")
+
+
+class TaskTimeout(Exception):
+    """A task ran past its timeout; its worker was killed."""
+
+    __module__ = "mesh_agent.engine"  # the public name, so the type string and pickles agree
+
+
+class WorkerDied(Exception):
+    """The worker running a task died (crash, signal, out of memory)."""
+
+    __module__ = "mesh_agent.engine"
+
+
+@dataclass(slots=True)
+class EngineTask:
+    task_id: str
+    function_id: str
+    function_body: bytes  # output of serialize_function(fn)
+    args: bytes  # output of serialize((args_tuple, kwargs_dict))
+    timeout: float | None = None  # seconds; None -> engine default (which may be None: no limit)
+
+
+@dataclass(slots=True)
+class EngineResult:
+    task_id: str
+    ok: bool
+    data: bytes  # ok: serialize(return value); not ok: serialize(error dict), see make_error
+    started: float  # time.time() when the function started in the worker (or failure detected)
+    finished: float  # time.time() when it finished
+    worker_pid: int  # 0 if no worker was involved
+
+
+def error_result(
+    task_id: str,
+    exc_type: str,
+    message: str,
+    tb: str = "",
+    exception: bytes | None = None,
+    started: float | None = None,
+    worker_pid: int = 0,
+) -> EngineResult:
+    """A failed result for an engine-level failure (timeout, dead worker), same dict as user errors."""
+    now = time.time()
+    error = {"type": exc_type, "message": message, "traceback": tb, "exception": exception}
+    return EngineResult(task_id, False, serialize(error), now if started is None else started, now, worker_pid)
+
+
+def _pickled(exc: BaseException) -> bytes | None:
+    try:
+        return pickle.dumps(exc, protocol=5)
+    except Exception:
+        return None
+
+
+def _describe_exit(pid: int, code: int | None) -> str:
+    if code is None:
+        return f"worker {pid} closed its pipe and was killed"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown signal"
+        return f"worker {pid} was killed by signal {-code} ({name})"
+    return f"worker {pid} exited with code {code}"
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Stop ``spawn`` from re-importing the agent's ``__main__`` in every worker.
+
+    The agent's main module is its CLI (or pytest); importing it costs start-up time and may run
+    side effects, and tasks never need it: code from ``__main__`` reaches workers by value (dill).
+    ``spawn`` reads ``sys.modules["__main__"]`` only while ``Process.start()`` runs.
+    """
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+@dataclass(eq=False, slots=True)
+class _Worker:
+    """Parent-side state of one worker process."""
+
+    process: BaseProcess
+    conn: Connection
+    fd: int
+    pid: int
+    ready: asyncio.Future[None]  # what start() awaits
+    exited: asyncio.Future[int | None]
+    is_ready: bool = False  # imported and reported ready: may take tasks
+    alive: bool = True
+    inflight: deque[EngineTask] = field(default_factory=deque)  # dispatched, in run order
+    head_started: float = 0.0  # time.monotonic() by which inflight[0] had started, at the latest
+    cached: set[str] = field(default_factory=set)  # function ids whose body this worker got
+    inbuf: bytearray = field(default_factory=bytearray)
+    outbuf: bytearray = field(default_factory=bytearray)
+    writing: bool = False
+
+
+class LocalEngine:
+    """Runs tasks on a pool of warm worker processes; results go to ``on_results`` in batches."""
+
+    def __init__(
+        self,
+        on_results: Callable[[list[EngineResult]], None],
+        workers: int | None = None,
+        task_timeout: float | None = None,
+        memory_limit_mb: int | None = None,
+        max_batch: int = 32,
+    ) -> None:
+        self._on_results = on_results
+        self._size = max(1, workers if workers is not None else (os.cpu_count() or 1))
+        self._task_timeout = task_timeout
+        self._memory_limit_mb = memory_limit_mb
+        self._max_batch = max(1, max_batch)
+        self._ctx = multiprocessing.get_context("spawn")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._workers: list[_Worker] = []
+        self._queue: deque[EngineTask] = deque()
+        self._exits: dict[BaseProcess, asyncio.Future[int | None]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._started = False
+        self._stopping = False
+        #: Counters for tests, benchmarks and the agent's status page.
+        self.stats: dict[str, int] = {
+            "tasks_submitted": 0,
+            "results": 0,
+            "chunks_sent": 0,
+            "bodies_sent": 0,
+            "workers_spawned": 0,
+            "timeouts": 0,
+            "worker_deaths": 0,
+        }
+
+    # ------------------------------------------------------------------ public interface
+
+    @property
+    def workers(self) -> int:
+        """Live worker processes, including replacements still starting."""
+        return len(self._workers)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Pids of live workers that are ready to take tasks."""
+        return [w.pid for w in self._workers if w.is_ready]
+
+    @property
+    def running(self) -> int:
+        """Tasks dispatched to workers and not yet reported."""
+        return sum(len(w.inflight) for w in self._workers)
+
+    @property
+    def queued(self) -> int:
+        """Tasks waiting in the engine for a worker."""
+        return len(self._queue)
+
+    def warm_functions(self) -> list[str]:
+        """Function ids cached in at least one live worker."""
+        return sorted(set().union(*(w.cached for w in self._workers)))
+
+    async def start(self) -> None:
+        """Spawn all workers and return once every one has imported and reported ready."""
+        if self._started:
+            raise RuntimeError("engine already started")
+        self._started = True
+        self._loop = asyncio.get_running_loop()
+        spawned = [self._spawn() for _ in range(self._size)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(w.ready for w in spawned)), _START_TIMEOUT)
+        except BaseException:
+            await self.stop(grace=0)
+            raise
+        self._pump()
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop accepting tasks and end all workers: SIGTERM, then SIGKILL after ``grace`` seconds.
+
+        Unfinished tasks are not reported: the agent's durable queue runs them again next start.
+        """
+        if self._stopping:
+            return
+        self._stopping = True
+        self._queue.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for w in list(self._workers):
+            self._detach(w)
+            w.inflight.clear()
+            if not w.ready.done():
+                w.ready.set_exception(RuntimeError("engine stopped while the worker was starting"))
+                w.ready.exception()  # mark retrieved: nobody may be waiting on it
+            with contextlib.suppress(Exception):
+                w.process.terminate()
+        pending = [fut for fut in self._exits.values() if not fut.done()]
+        if not pending:
+            return
+        _done, late = await asyncio.wait(pending, timeout=max(grace, 0.0))
+        if late:
+            for proc, fut in list(self._exits.items()):
+                if not fut.done():
+                    with contextlib.suppress(Exception):
+                        proc.kill()
+            _done, late = await asyncio.wait(late, timeout=5.0)
+            if late:
+                log.error("%d worker(s) did not exit after SIGKILL", len(late))
+
+    def submit(self, tasks: list[EngineTask]) -> None:
+        """Queue tasks (FIFO) and dispatch what fits; never blocks. Call from the loop thread."""
+        if self._stopping:
+            raise RuntimeError("engine is stopped")
+        self._queue.extend(tasks)
+        self.stats["tasks_submitted"] += len(tasks)
+        self._pump()
+
+    # ------------------------------------------------------------------ workers
+
+    def _spawn(self) -> _Worker:
+        assert self._loop is not None
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(
+            target=_worker.main,
+            args=(child_conn, self._memory_limit_mb, os.getpid()),
+            name="mesh-engine-worker",
+            daemon=True,  # torn down by multiprocessing's atexit hook if the agent exits without stop()
+        )
+        with _main_module_hidden():
+            proc.start()
+        child_conn.close()
+        fd = parent_conn.fileno()
+        os.set_blocking(fd, False)
+        assert proc.pid is not None
+        w = _Worker(proc, parent_conn, fd, proc.pid, self._loop.create_future(), self._watch_exit(proc))
+        self._workers.append(w)
+        self._loop.add_reader(fd, self._on_readable, w)
+        self.stats["workers_spawned"] += 1
+        return w
+
+    def _replace(self, lost: _Worker) -> None:
+        """Keep the pool at full size; a worker that never got ready is replaced after a pause."""
+        if self._stopping or not self._started or self._loop is None:
+            return
+        if lost.is_ready:
+            self._spawn()
+        else:
+            self._loop.call_later(_RESPAWN_DELAY, self._replace_late)
+
+    def _replace_late(self) -> None:
+        if not self._stopping and len(self._workers) < self._size:
+            self._spawn()
+
+    def _watch_exit(self, proc: BaseProcess) -> asyncio.Future[int | None]:
+        """A future for the exit code, set from the event loop once the process has exited.
+
+        A pidfd (Linux) is readable exactly when the process exits; the multiprocessing sentinel
+        is the fallback, but grandchildren a task started can keep that pipe open.
+        """
+        assert self._loop is not None
+        loop = self._loop
+        fut: asyncio.Future[int | None] = loop.create_future()
+        self._exits[proc] = fut
+        try:
+            fd, owned = os.pidfd_open(proc.pid), True  # type: ignore[arg-type]
+        except (AttributeError, OSError):
+            fd, owned = proc.sentinel, False
+
+        def check() -> None:
+            code = proc.exitcode  # non-blocking waitpid
+            if code is None:
+                return  # the sentinel can close a moment before the process is reapable
+            loop.remove_reader(fd)
+            if owned:
+                os.close(fd)
+            self._exits.pop(proc, None)
+            proc.close()
+            if not fut.done():
+                fut.set_result(code)
+
+        loop.add_reader(fd, check)
+        return fut
+
+    def _detach(self, w: _Worker) -> None:
+        """Forget a worker: no more reads, writes or dispatches to it."""
+        assert self._loop is not None
+        if not w.alive:
+            return
+        w.alive = False
+        self._loop.remove_reader(w.fd)
+        if w.writing:
+            self._loop.remove_writer(w.fd)
+            w.writing = False
+        w.conn.close()
+        self._workers.remove(w)
+
+    def _retire(self, w: _Worker) -> EngineTask | None:
+        """Detach and kill a worker; requeue its not-yet-run tasks in front. Returns the running one."""
+        self._detach(w)
+        with contextlib.suppress(Exception):
+            w.process.kill()  # no-op if it already died; ends one that merely closed its pipe
+        head = w.inflight.popleft() if w.inflight else None
+        self._queue.extendleft(reversed(w.inflight))
+        w.inflight.clear()
+        return head
+
+    def _on_worker_lost(self, w: _Worker) -> None:
+        """EOF on a worker's pipe: it died. Fail its current task once its exit code is known."""
+        head = self._retire(w)
+        if w.is_ready:
+            self.stats["worker_deaths"] += 1
+            log.warning("engine worker %d died", w.pid)
+        else:
+            log.warning("engine worker %d exited during start-up", w.pid)
+            if not w.ready.done():
+                w.ready.set_exception(RuntimeError(f"engine worker {w.pid} exited during start-up"))
+                w.ready.exception()  # mark retrieved: only start() awaits it, not for replacements
+        if head is not None:
+            started = time.time() - (time.monotonic() - w.head_started)
+            # Reported once the exit code is known: it names the cause (exit code or signal).
+            w.exited.add_done_callback(functools.partial(self._report_death, w.pid, head, started))
+        self._replace(w)
+        self._pump()
+
+    def _report_death(self, pid: int, task: EngineTask, started: float, exited: asyncio.Future[int | None]) -> None:
+        if self._stopping:
+            return
+        code = None if exited.cancelled() else exited.result()
+        message = f"{_describe_exit(pid, code)} while running task {task.task_id}"
+        exception = _pickled(WorkerDied(message))
+        self._deliver([error_result(task.task_id, WORKER_DIED, message, exception=exception,
+                                    started=started, worker_pid=pid)])
+
+    # ------------------------------------------------------------------ I/O
+
+    def _on_readable(self, w: _Worker) -> None:
+        """Read what a worker sent, handle every complete message, deliver results in one batch."""
+        try:
+            data = os.read(w.fd, _READ_SIZE)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._on_worker_lost(w)
+            return
+        buf = w.inbuf
+        buf += data
+        results: list[EngineResult] = []
+        pos, end = 0, len(buf)
+        while end - pos >= 4:
+            (size,) = _HEADER.unpack_from(buf, pos)
+            start = pos + 4
+            if size == -1:
+                if end - pos < 12:
+                    break
+                (size,) = _BIG.unpack_from(buf, start)
+                start += 8
+            stop = start + size
+            if stop > end:
+                break
+            self._handle(w, pickle.loads(buf[start:stop]), results)
+            pos = stop
+        if pos:
+            del buf[:pos]
+        if results:
+            w.head_started = time.monotonic()  # the next task had started by now
+            self._pump()  # refill the workers before the callback, which may take a while
+            self._deliver(results)
+
+    def _handle(self, w: _Worker, msg: tuple, results: list[EngineResult]) -> None:
+        kind = msg[0]
+        if kind == "r":
+            _, task_id, ok, data, started, finished = msg
+            task = w.inflight.popleft()
+            assert task.task_id == task_id, "worker results out of order"
+            results.append(EngineResult(task_id, ok, data, started, finished, w.pid))
+        elif kind == "ready":
+            w.is_ready = True
+            if not w.ready.done():
+                w.ready.set_result(None)
+            self._pump()
+        else:
+            log.error("unknown message %r from engine worker %d", kind, w.pid)
+
+    def _send(self, w: _Worker, payload: bytes) -> None:
+        """Frame a message as multiprocessing.Connection does and write it without blocking."""
+        n = len(payload)
+        w.outbuf += _HEADER.pack(n) if n <= 0x7FFFFFFF else _HEADER.pack(-1) + _BIG.pack(n)
+        w.outbuf += payload
+        if not w.writing:
+            self._flush(w)
+
+    def _flush(self, w: _Worker) -> None:
+        assert self._loop is not None
+        try:
+            sent = os.write(w.fd, w.outbuf)
+        except BlockingIOError:
+            sent = 0
+        except OSError:  # the worker is gone; EOF on the read side reports it
+            sent = len(w.outbuf)
+        del w.outbuf[:sent]
+        if w.outbuf and not w.writing:
+            self._loop.add_writer(w.fd, self._flush, w)
+            w.writing = True
+        elif not w.outbuf and w.writing:
+            self._loop.remove_writer(w.fd)
+            w.writing = False
+
+    def _deliver(self, results: list[EngineResult]) -> None:
+        self.stats["results"] += len(results)
+        try:
+            self._on_results(results)
+        except Exception:
+            log.exception("engine on_results callback failed")
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _pump(self) -> None:
+        """Dispatch queued tasks: chunks to the least-loaded ready worker while they fit."""
+        queue = self._queue
+        if not queue or self._stopping:
+            return
+        ready = [w for w in self._workers if w.is_ready]
+        if not ready:
+            return
+        max_batch = self._max_batch
+        limit = 2 * max_batch
+        while queue:
+            w = min(ready, key=lambda x: len(x.inflight))
+            n = min(max_batch, math.ceil(len(queue) / len(ready)))
+            if len(w.inflight) + n > limit:
+                break
+            self._dispatch(w, n)
+        self._arm_timer()
+
+    def _dispatch(self, w: _Worker, n: int) -> None:
+        queue, cached, inflight = self._queue, w.cached, w.inflight
+        if not inflight:
+            w.head_started = time.monotonic()
+        chunk = []
+        for _ in range(n):
+            task = queue.popleft()
+            fid = task.function_id
+            if fid in cached:
+                body = None
+            else:
+                body = task.function_body
+                cached.add(fid)
+                self.stats["bodies_sent"] += 1
+            chunk.append((task.task_id, fid, body, task.args))
+            inflight.append(task)
+        self.stats["chunks_sent"] += 1
+        self._send(w, pickle.dumps(chunk, protocol=5))
+
+    def _arm_timer(self) -> None:
+        if self._timer is None and self._loop is not None and not self._stopping:
+            if any(w.inflight for w in self._workers):
+                self._timer = self._loop.call_later(_TICK, self._check_timeouts)
+
+    def _check_timeouts(self) -> None:
+        """Kill any worker whose current task has run past its timeout."""
+        self._timer = None
+        for w in list(self._workers):
+            if not w.alive or not w.inflight:
+                continue
+            task = w.inflight[0]
+            limit = task.timeout if task.timeout is not None else self._task_timeout
+            if limit is None or time.monotonic() - w.head_started <= limit:
+                continue
+            self._on_readable(w)  # its result may already be waiting in the pipe
+            if w.alive and w.inflight and w.inflight[0] is task:
+                self._kill_for_timeout(w, task, limit)
+        self._arm_timer()
+
+    def _kill_for_timeout(self, w: _Worker, task: EngineTask, limit: float) -> None:
+        started = time.time() - (time.monotonic() - w.head_started)
+        self._retire(w)
+        self.stats["timeouts"] += 1
+        message = f"task exceeded its {limit:g} s timeout; worker {w.pid} was killed"
+        log.warning("task %s: %s", task.task_id, message)
+        self._replace(w)
+        self._pump()
+        self._deliver([error_result(task.task_id, TASK_TIMEOUT, message, exception=_pickled(TaskTimeout(message)),
+                                    started=started, worker_pid=w.pid)])

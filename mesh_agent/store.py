@@ -1,0 +1,237 @@
+"""The agent's durable queue: one SQLite file (WAL) holding tasks and results across power cuts.
+
+Why one table for both directions: a task row moves ``queued -> done -> acked``. It is written
+before the hub is told "stored" (ack), its result is written into the same row before it is
+sent, and the row keeps its id (without payloads) after the hub acknowledged the result, so a
+late duplicate of the same task is recognised and not run again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import aiosqlite
+
+__all__ = ["AgentStore", "StoreError", "QueuedTask", "StoredResult"]
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS functions (
+    id TEXT PRIMARY KEY, body BLOB NOT NULL, stored_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tasks (
+    id TEXT PRIMARY KEY,
+    function_id TEXT NOT NULL,
+    args BLOB,
+    timeout REAL,
+    expires REAL,
+    state TEXT NOT NULL CHECK (state IN ('queued', 'done', 'acked')),
+    received REAL NOT NULL,
+    ok INTEGER,
+    result BLOB,
+    started REAL,
+    finished REAL,
+    worker_pid INTEGER
+);
+CREATE INDEX IF NOT EXISTS tasks_state ON tasks (state, received);
+"""
+
+
+class StoreError(RuntimeError):
+    """The queue database cannot be used; the message says which file and why."""
+
+
+@dataclass(slots=True)
+class QueuedTask:
+    id: str
+    function_id: str
+    args: bytes
+    timeout: float | None
+    expires: float | None
+
+
+@dataclass(slots=True)
+class StoredResult:
+    id: str
+    ok: bool
+    data: bytes
+    started: float
+    finished: float
+    worker_pid: int
+
+
+class AgentStore:
+    def __init__(self, path: Path, sync: str = "full") -> None:
+        self.path = Path(path)
+        self._sync = sync.upper()
+        self._db: aiosqlite.Connection | None = None
+        # One connection is shared by the reader and the result flusher: transactions must not interleave.
+        self._tx_lock = asyncio.Lock()
+
+    async def open(self) -> "AgentStore":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            db = await aiosqlite.connect(self.path, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path}: cannot open queue database: {exc}") from None
+        try:
+            await db.execute("PRAGMA journal_mode=WAL")
+            await db.execute(f"PRAGMA synchronous={self._sync}")
+            await db.execute("PRAGMA busy_timeout=5000")
+            row = await (await db.execute("PRAGMA quick_check")).fetchone()
+            if row is None or row[0] != "ok":
+                raise sqlite3.DatabaseError(f"integrity check failed: {row[0] if row else 'no answer'}")
+            await db.executescript(_SCHEMA)
+            cur = await db.execute("SELECT value FROM meta WHERE key='schema_version'")
+            found = await cur.fetchone()
+            if found is None:
+                await db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif int(found[0]) > SCHEMA_VERSION:
+                raise StoreError(f"{self.path}: queue schema v{found[0]} is newer than this agent (v{SCHEMA_VERSION})")
+        except sqlite3.DatabaseError as exc:
+            await db.close()
+            raise StoreError(
+                f"{self.path}: not a usable queue database ({exc}). Move it aside to start with an empty "
+                "queue; tasks it held will be re-sent by the hub when their lease expires."
+            ) from None
+        self._db = db
+        return self
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._db.close()
+            self._db = None
+
+    @property
+    def db(self) -> aiosqlite.Connection:
+        if self._db is None:
+            raise StoreError("store is not open")
+        return self._db
+
+    async def add_tasks(self, functions: dict[str, bytes], tasks: Sequence[dict[str, Any]]) -> list[str]:
+        """Store a batch durably in one transaction; return the ids that were new (not duplicates)."""
+        now = time.time()
+        db = self.db
+        async with self._tx_lock:
+            return await self._add_tasks(db, now, functions, tasks)
+
+    async def _add_tasks(self, db: aiosqlite.Connection, now: float, functions: dict[str, bytes], tasks: Sequence[dict[str, Any]]) -> list[str]:
+        await db.execute("BEGIN IMMEDIATE")
+        try:
+            if functions:
+                await db.executemany(
+                    "INSERT OR IGNORE INTO functions (id, body, stored_at) VALUES (?, ?, ?)",
+                    [(fid, body, now) for fid, body in functions.items()],
+                )
+            ids = [t["id"] for t in tasks]
+            known = await self._existing(ids)
+            fresh = [t for t in tasks if t["id"] not in known]
+            await db.executemany(
+                "INSERT OR IGNORE INTO tasks (id, function_id, args, timeout, expires, state, received) "
+                "VALUES (?, ?, ?, ?, ?, 'queued', ?)",
+                [(t["id"], t["fn"], t["args"], t.get("timeout"), t.get("exp"), now) for t in fresh],
+            )
+            await db.execute("COMMIT")
+        except BaseException:
+            await db.execute("ROLLBACK")
+            raise
+        return [t["id"] for t in fresh]
+
+    async def _many(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
+        """One transaction (one fsync) for a whole batch; autocommit would pay one per row."""
+        db = self.db
+        async with self._tx_lock:
+            await db.execute("BEGIN IMMEDIATE")
+            try:
+                await db.executemany(sql, rows)
+                await db.execute("COMMIT")
+            except BaseException:
+                await db.execute("ROLLBACK")
+                raise
+
+    async def _existing(self, ids: Sequence[str]) -> set[str]:
+        found: set[str] = set()
+        for i in range(0, len(ids), 500):
+            chunk = ids[i : i + 500]
+            cur = await self.db.execute(f"SELECT id FROM tasks WHERE id IN ({','.join('?' * len(chunk))})", chunk)
+            found.update(r[0] for r in await cur.fetchall())
+        return found
+
+    async def queued_tasks(self, exclude: Iterable[str] = ()) -> list[QueuedTask]:
+        """Tasks stored but without a result: after a restart these run (again)."""
+        skip = set(exclude)
+        cur = await self.db.execute(
+            "SELECT id, function_id, args, timeout, expires FROM tasks WHERE state='queued' ORDER BY received, rowid"
+        )
+        return [QueuedTask(*r) for r in await cur.fetchall() if r[0] not in skip]
+
+    async def function_bodies(self, ids: Iterable[str]) -> dict[str, bytes]:
+        ids = list(set(ids))
+        out: dict[str, bytes] = {}
+        for i in range(0, len(ids), 500):
+            chunk = ids[i : i + 500]
+            cur = await self.db.execute(f"SELECT id, body FROM functions WHERE id IN ({','.join('?' * len(chunk))})", chunk)
+            out.update({r[0]: r[1] for r in await cur.fetchall()})
+        return out
+
+    async def save_results(self, results: Sequence[StoredResult]) -> None:
+        """Write results before they are sent; a result for an already-acked task is ignored."""
+        await self._many(
+            "UPDATE tasks SET state='done', ok=?, result=?, started=?, finished=?, worker_pid=?, args=NULL "
+            "WHERE id=? AND state='queued'",
+            [(int(r.ok), r.data, r.started, r.finished, r.worker_pid, r.id) for r in results],
+        )
+
+    async def unacked_results(self, limit: int = 1000) -> list[StoredResult]:
+        cur = await self.db.execute(
+            "SELECT id, ok, result, started, finished, worker_pid FROM tasks WHERE state='done' "
+            "ORDER BY finished LIMIT ?",
+            (limit,),
+        )
+        return [StoredResult(r[0], bool(r[1]), r[2], r[3], r[4], r[5] or 0) for r in await cur.fetchall()]
+
+    async def mark_acked(self, ids: Sequence[str]) -> None:
+        """The hub holds these results durably: drop the payloads, keep the ids for de-duplication."""
+        if not ids:
+            return
+        await self._many(
+            "UPDATE tasks SET state='acked', result=NULL, args=NULL WHERE id=? AND state='done'", [(i,) for i in ids]
+        )
+
+    async def held_ids(self, limit: int = 100_000) -> list[str]:
+        """Ids of tasks this agent holds (queued or with a result not yet acked), for the hub's reconciliation."""
+        cur = await self.db.execute("SELECT id FROM tasks WHERE state IN ('queued', 'done') LIMIT ?", (limit,))
+        return [r[0] for r in await cur.fetchall()]
+
+    async def counts(self) -> dict[str, int]:
+        cur = await self.db.execute("SELECT state, COUNT(*) FROM tasks GROUP BY state")
+        out = {"queued": 0, "done": 0, "acked": 0}
+        out.update({r[0]: r[1] for r in await cur.fetchall()})
+        return out
+
+    async def listing(self, limit: int = 50) -> list[dict[str, Any]]:
+        cur = await self.db.execute(
+            "SELECT id, function_id, state, received, finished, ok FROM tasks "
+            "WHERE state != 'acked' ORDER BY received DESC LIMIT ?",
+            (limit,),
+        )
+        cols = ["id", "function_id", "state", "received", "finished", "ok"]
+        return [dict(zip(cols, r)) for r in await cur.fetchall()]
+
+    async def prune(self, older_than_s: float = 7 * 86400) -> int:
+        """Forget acked ids older than the retention window (longer than any message's lifetime)."""
+        cur = await self.db.execute(
+            "DELETE FROM tasks WHERE state='acked' AND finished < ?", (time.time() - older_than_s,)
+        )
+        await self.db.execute(
+            "DELETE FROM functions WHERE id NOT IN (SELECT DISTINCT function_id FROM tasks) AND stored_at < ?",
+            (time.time() - older_than_s,),
+        )
+        return cur.rowcount

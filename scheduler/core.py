@@ -1,0 +1,312 @@
+"""``Scheduler``: the one object the hub (and the simulator) talks to.
+
+It owns the learned :class:`~scheduler.profiles.Profiles`, the :class:`~scheduler.fleet.Fleet`
+(endpoints, in-flight ledger, search index) and one placement policy, and keeps a decision log
+(placement + predictions compared + what actually happened) for the console. It does no I/O and
+reads no clock: every call carries ``now``.
+
+Typical hub wiring::
+
+    sched = Scheduler("delta-outage-aware")
+    sched.add_endpoint(EndpointState("pi-7", workers=4, hardware="pi4", tags=frozenset({"farm"})), now)
+    placements = sched.place([TaskInfo("t1", "fhash", payload_bytes=2048)], now)
+    sched.heartbeat("pi-7", now, queued=3, running=4, warm_functions={"fhash"})
+    sched.message_timing("pi-7", nbytes=2048, seconds=0.041, now=now)
+    sched.task_completed("t1", now, runtime_s=1.8, cold_start_s=0.0, result_bytes=512)
+    dead = sched.sweep(now)          # endpoints silent longer than dead_after_s
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Iterable, Sequence
+
+from .events import EndpointOffline, Event, Heartbeat, MessageTiming, TaskCompleted, TaskRequeued
+from .fleet import Fleet
+from .model import Decision, EndpointState, Placement, TaskInfo
+from .policies import BasePolicy, Policy, make_policy
+from .profiles import Profiles
+
+# Failures that mean "this function cannot run on this endpoint" (Delta blocks them too).
+BLOCKING_ERRORS = frozenset({"ModuleNotFoundError", "ImportError", "MemoryError"})
+
+
+class Scheduler:
+    def __init__(
+        self,
+        policy: str | Policy = "delta",
+        *,
+        profiles: Profiles | None = None,
+        dead_after_s: float = 75.0,
+        keep_decisions: int = 10_000,
+        **policy_kwargs: Any,
+    ) -> None:
+        self.profiles = profiles if profiles is not None else Profiles()
+        self.fleet = Fleet(self.profiles)
+        if isinstance(policy, str):
+            self.policy: Policy = make_policy(policy, self.profiles, **policy_kwargs)
+        else:
+            self.policy = policy
+            self.policy.bind(self.profiles)
+        self.dead_after_s = dead_after_s
+        # Policies that only need to know when their tasks leave get a direct call instead of
+        # an event object per completion (the hot path of a large simulation).
+        self._task_left = None
+        self._watched: object = None
+        if isinstance(self.policy, BasePolicy) and type(self.policy).observe is BasePolicy.observe:
+            self._task_left = self.policy.task_left
+            self._watched = self.policy.watched
+        self._inflight: dict[str, Placement] = {}
+        self.recent: deque[Decision] = deque(maxlen=keep_decisions)
+        self._n_done = 0
+        self._abs_err = 0.0
+        self._rel_err = 0.0
+
+    # ------------------------------------------------------------------ endpoints
+    def add_endpoint(self, ep: EndpointState, now: float | None = None) -> None:
+        """Register (or replace) an endpoint; with ``now`` and ``ep.online`` it counts as seen."""
+        self.fleet.upsert(ep)
+        if now is not None and ep.online:
+            self.profiles.heartbeat(ep.endpoint_id, now)
+            ep.last_seen = now
+
+    def remove_endpoint(self, endpoint_id: str) -> list[str]:
+        """Forget an endpoint; returns the tasks that were in flight there (for the hub to requeue)."""
+        tasks = self.fleet.in_flight(endpoint_id)
+        for t in tasks:
+            self._inflight.pop(t, None)
+        self.fleet.remove(endpoint_id)
+        return tasks
+
+    def heartbeat(
+        self,
+        endpoint_id: str,
+        now: float,
+        *,
+        queued: int | None = None,
+        running: int | None = None,
+        warm_functions: Iterable[str] | None = None,
+        workers: int | None = None,
+        rtt_s: float | None = None,
+    ) -> bool:
+        """The hub heard from the endpoint. Returns True if it was believed offline."""
+        fleet = self.fleet
+        node = fleet.nodes[endpoint_id]
+        node.ep.last_seen = now
+        self.profiles.heartbeat(endpoint_id, now)
+        back = fleet.set_online(endpoint_id, True)
+        if workers is not None:
+            fleet.set_workers(endpoint_id, workers)
+        if queued is not None or running is not None:
+            fleet.set_backlog(endpoint_id, queued or 0, running or 0)
+        if warm_functions is not None:
+            fleet.set_warm(endpoint_id, warm_functions)
+        if rtt_s is not None:
+            self.profiles.observe_rtt(endpoint_id, rtt_s, now)
+            fleet.refresh_link(endpoint_id)
+        return back
+
+    def endpoint_offline(self, endpoint_id: str, now: float, since: float | None = None) -> list[str]:
+        """Declare an endpoint dead (last heard from at ``since``). Returns the tasks placed
+        there and not completed; the hub may requeue the ones the agent never fetched and
+        report them with :meth:`task_requeued`."""
+        node = self.fleet.nodes[endpoint_id]
+        if since is None:
+            since = node.ep.last_seen
+        self.profiles.mark_offline(endpoint_id, now, since)
+        self.fleet.set_online(endpoint_id, False)
+        return self.fleet.in_flight(endpoint_id)
+
+    def sweep(self, now: float) -> list[str]:
+        """Watchdog: declare endpoints silent for more than ``dead_after_s`` offline."""
+        dead = []
+        for node in list(self.fleet.nodes.values()):
+            ep = node.ep
+            if ep.online and ep.last_seen is not None and now - ep.last_seen > self.dead_after_s:
+                self.endpoint_offline(ep.endpoint_id, now, ep.last_seen)
+                dead.append(ep.endpoint_id)
+        return dead
+
+    def message_timing(self, endpoint_id: str, nbytes: int, seconds: float, now: float) -> None:
+        """A message of ``nbytes`` took ``seconds`` one way between hub and endpoint."""
+        self.profiles.observe_transfer(endpoint_id, nbytes, seconds, now)
+        self.fleet.refresh_link(endpoint_id)
+
+    # ------------------------------------------------------------------ tasks
+    def place(
+        self,
+        tasks: Sequence[TaskInfo],
+        now: float,
+        endpoints: Iterable[EndpointState] | None = None,
+    ) -> list[Placement]:
+        """Choose endpoints for a batch (list-scheduled: each placement sees the ones before).
+
+        ``endpoints``, if given, are synced into the fleet first (new objects replace the
+        stored ones); otherwise the fleet as maintained by the other calls is used. Raises
+        :class:`~scheduler.model.NoEligibleEndpoint` if a task's constraints rule out every
+        endpoint (tasks before it in the batch stay placed).
+        """
+        if endpoints is not None:
+            nodes = self.fleet.nodes
+            for ep in endpoints:
+                n = nodes.get(ep.endpoint_id)
+                if n is None or n.ep is not ep:
+                    self.fleet.upsert(ep)
+        placements = self.policy.place(tasks, self.fleet, now)
+        inflight = self._inflight
+        for pl in placements:
+            inflight[pl.task_id] = pl
+        return placements
+
+    def task_completed(
+        self,
+        task_id: str,
+        now: float,
+        runtime_s: float,
+        *,
+        cold_start_s: float = 0.0,
+        result_bytes: int | None = None,
+        ok: bool = True,
+        error: str | None = None,
+        warm_functions: Iterable[str] | None = None,
+        endpoint_id: str | None = None,
+        function_id: str | None = None,
+        payload_bytes: int | None = None,
+    ) -> Decision | None:
+        """A result reached the hub: learn from it and close its decision.
+
+        ``runtime_s`` is the function body's own run time as the agent measured it;
+        ``cold_start_s`` the extra start-up time when the worker was cold. Failed tasks
+        (``ok=False``) teach nothing about runtime; a failure of a type in
+        ``BLOCKING_ERRORS`` blocks the function on that endpoint. ``endpoint_id`` /
+        ``function_id`` / ``payload_bytes`` are only needed for tasks this scheduler did not
+        place (e.g. after a hub restart).
+        """
+        pl = self._inflight.pop(task_id, None)
+        if pl is not None:
+            if endpoint_id is None:
+                endpoint_id = pl.endpoint_id
+            if function_id is None:
+                function_id = pl.function_id
+            if payload_bytes is None:
+                payload_bytes = pl.payload_bytes
+        if endpoint_id is None or function_id is None:
+            raise KeyError(f"unknown task {task_id!r}: pass endpoint_id and function_id")
+        fleet = self.fleet
+        node = fleet.release(task_id)
+        if node is None or node.id != endpoint_id:
+            node = fleet.nodes.get(endpoint_id)
+        if node is not None:
+            ep = node.ep
+            if not ep.online:
+                self.heartbeat(endpoint_id, now)  # a result is proof of life
+            else:
+                ep.last_seen = now
+            if ok:
+                if self.profiles.observe_completion(
+                    function_id, endpoint_id, runtime_s, now,
+                    payload_bytes or 0, result_bytes, cold_start_s,
+                ):
+                    fleet.refresh_deviation(function_id, endpoint_id)
+                if cold_start_s > 0.0:
+                    fleet.refresh_cold(function_id, endpoint_id)
+            elif error in BLOCKING_ERRORS:
+                fleet.block(function_id, endpoint_id)
+            if warm_functions is not None:
+                fleet.set_warm(endpoint_id, warm_functions)
+        if self._task_left is not None:
+            if task_id in self._watched:  # type: ignore[operator]
+                self._task_left(task_id)
+        else:
+            self.policy.observe(TaskCompleted(task_id, now, runtime_s, cold_start_s, result_bytes, ok, error))
+        if pl is None:
+            return None
+        actual = now - pl.placed_at
+        dec = Decision(pl, now, actual, runtime_s, ok)
+        p = pl.raw_predicted
+        if ok and p is not None:
+            err = actual - (p[1] if type(p) is tuple else p.total)
+            if err < 0.0:
+                err = -err
+            self._n_done += 1
+            self._abs_err += err
+            if actual > 0.0:
+                self._rel_err += err / actual
+        self.recent.append(dec)
+        return dec
+
+    def task_requeued(self, task_id: str, now: float) -> None:
+        """The hub took a placed task back (never fetched by a dead endpoint, or cancelled)."""
+        self.fleet.release(task_id)
+        pl = self._inflight.pop(task_id, None)
+        if pl is not None:
+            self.recent.append(Decision(pl, requeued_at=now))
+        if self._task_left is not None:
+            if task_id in self._watched:  # type: ignore[operator]
+                self._task_left(task_id)
+        else:
+            self.policy.observe(TaskRequeued(task_id, now))
+
+    def observe(self, event: Event) -> None:
+        """Single entry point taking an event record (same effect as the specific methods)."""
+        if isinstance(event, TaskCompleted):
+            self.task_completed(event.task_id, event.now, event.runtime_s,
+                                cold_start_s=event.cold_start_s, result_bytes=event.result_bytes,
+                                ok=event.ok, error=event.error, warm_functions=event.warm_functions)
+        elif isinstance(event, Heartbeat):
+            self.heartbeat(event.endpoint_id, event.now, queued=event.queued, running=event.running,
+                           warm_functions=event.warm_functions, workers=event.workers, rtt_s=event.rtt_s)
+        elif isinstance(event, EndpointOffline):
+            self.endpoint_offline(event.endpoint_id, event.now, event.since)
+        elif isinstance(event, MessageTiming):
+            self.message_timing(event.endpoint_id, event.nbytes, event.seconds, event.now)
+        elif isinstance(event, TaskRequeued):
+            self.task_requeued(event.task_id, event.now)
+        else:
+            raise TypeError(f"unknown scheduler event {event!r}")
+
+    # ------------------------------------------------------------------ console / persistence
+    def decision(self, task_id: str) -> Decision | None:
+        """The decision for a task: still open (no actual time yet) or among the recent ones."""
+        pl = self._inflight.get(task_id)
+        if pl is not None:
+            return Decision(pl)
+        for d in reversed(self.recent):
+            if d.placement.task_id == task_id:
+                return d
+        return None
+
+    def decisions(self, limit: int = 100) -> list[Decision]:
+        """Most recent closed decisions first (predicted vs actual)."""
+        out = []
+        for d in reversed(self.recent):
+            out.append(d)
+            if len(out) >= limit:
+                break
+        return out
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    def prediction_error(self) -> dict[str, float]:
+        """Mean absolute and mean relative error of predicted completion times so far."""
+        n = self._n_done
+        return {
+            "completed": n,
+            "mean_abs_error_s": self._abs_err / n if n else 0.0,
+            "mean_rel_error": self._rel_err / n if n else 0.0,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """What the hub persists across restarts: the learned profiles (endpoints and tasks in
+        flight live in the hub's own database and are re-added on start)."""
+        return {"policy": self.policy.name, "profiles": self.profiles.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], **kwargs: Any) -> "Scheduler":
+        kwargs.setdefault("policy", d.get("policy", "delta"))
+        return cls(profiles=Profiles.from_dict(d["profiles"]), **kwargs)
+
+
+__all__ = ["Scheduler", "BLOCKING_ERRORS", "BasePolicy"]
