@@ -23,8 +23,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# Run as a script, this file's folder comes first on sys.path and this module would shadow the
+# `scheduler` package it benchmarks: drop the folder and put the repository root first.
+_HERE = str(Path(__file__).resolve().parent)
+sys.path[:] = [p for p in sys.path if (Path(p).resolve() if p else Path.cwd()) != Path(_HERE)]
+sys.path.insert(0, str(ROOT))
 
 from sim.des import Simulation, load_scenario, run_scenario  # noqa: E402
 
