@@ -283,15 +283,24 @@ class Agent:
         tasks: list[dict[str, Any]] = body.get("tasks", [])
         functions: dict[str, bytes] = body.get("functions", {})
         self._received_since_fetch += len(tasks)
-        fresh = set(await self.store.add_tasks(functions, tasks))
-        self.stats["tasks_received"] += len(fresh)
-        todo = [(t["id"], t["fn"], t["args"], t.get("timeout"), t.get("exp")) for t in tasks if t["id"] in fresh]
-        if todo:
-            missing = {fid for _, fid, *_ in todo} - functions.keys()
-            bodies = dict(functions)
-            if missing:
-                bodies.update(await self.store.function_bodies(missing))
-            self._submit(todo, bodies)  # before the ack: a link that fails now must not strand them
+        by_id = {t["id"]: t for t in tasks}
+        missing: list[tuple[str, str, bytes, float | None, float | None]] = []
+
+        def start(fresh: list[str]) -> None:
+            # Called inside the store's transaction, before its commit: tasks whose function came
+            # with this frame start now; the rest wait for their stored body (below).
+            self.stats["tasks_received"] += len(fresh)
+            ready = []
+            for i in fresh:
+                t = by_id[i]
+                row = (i, t["fn"], t["args"], t.get("timeout"), t.get("exp"))
+                (ready if t["fn"] in functions else missing).append(row)
+            self._submit(ready, functions)
+
+        await self.store.add_tasks(functions, tasks, on_fresh=start)
+        if missing:
+            bodies = await self.store.function_bodies({fid for _, fid, *_ in missing})
+            self._submit(missing, bodies)  # before the ack: a link that fails now must not strand them
         # Ack everything, duplicates included: the hub may have missed our earlier ack.
         await self._send(Kind.ACK, {"ids": [t["id"] for t in tasks]})
 

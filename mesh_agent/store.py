@@ -13,7 +13,7 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import aiosqlite
 
@@ -115,24 +115,40 @@ class AgentStore:
             raise StoreError("store is not open")
         return self._db
 
-    async def add_tasks(self, functions: dict[str, bytes], tasks: Sequence[dict[str, Any]]) -> list[str]:
-        """Store a batch durably in one transaction; return the ids that were new (not duplicates)."""
+    async def add_tasks(
+        self, functions: dict[str, bytes], tasks: Sequence[dict[str, Any]],
+        on_fresh: Callable[[list[str]], None] | None = None,
+    ) -> list[str]:
+        """Store a batch durably in one transaction; return the ids that were new (not duplicates).
+
+        ``on_fresh(ids)`` is called once the duplicates are known, before the insert is written:
+        the agent starts running new tasks while their rows are committed instead of after (the
+        fsync is off the critical path). It is safe because the transaction lock is held until
+        the commit, so a result of one of these tasks cannot be saved before its row exists, and
+        the hub is acknowledged only after this returns: a crash before the commit means the
+        hub re-sends, and the task runs again (at least once).
+        """
         now = time.time()
         db = self.db
         async with self._tx_lock:
-            return await self._add_tasks(db, now, functions, tasks)
+            return await self._add_tasks(db, now, functions, tasks, on_fresh)
 
-    async def _add_tasks(self, db: aiosqlite.Connection, now: float, functions: dict[str, bytes], tasks: Sequence[dict[str, Any]]) -> list[str]:
+    async def _add_tasks(
+        self, db: aiosqlite.Connection, now: float, functions: dict[str, bytes], tasks: Sequence[dict[str, Any]],
+        on_fresh: Callable[[list[str]], None] | None,
+    ) -> list[str]:
         await db.execute("BEGIN IMMEDIATE")
         try:
+            ids = [t["id"] for t in tasks]
+            known = await self._existing(ids)
+            fresh = [t for t in tasks if t["id"] not in known]
+            if on_fresh is not None and fresh:
+                on_fresh([t["id"] for t in fresh])
             if functions:
                 await db.executemany(
                     "INSERT OR IGNORE INTO functions (id, body, stored_at) VALUES (?, ?, ?)",
                     [(fid, body, now) for fid, body in functions.items()],
                 )
-            ids = [t["id"] for t in tasks]
-            known = await self._existing(ids)
-            fresh = [t for t in tasks if t["id"] not in known]
             await db.executemany(
                 "INSERT OR IGNORE INTO tasks (id, function_id, args, timeout, expires, state, received) "
                 "VALUES (?, ?, ?, ?, ?, 'queued', ?)",
@@ -148,6 +164,9 @@ class AgentStore:
         """One transaction (one fsync) for a whole batch; autocommit would pay one per row."""
         db = self.db
         async with self._tx_lock:
+            if len(rows) == 1:  # one autocommit statement is its own transaction: 1 thread hop, not 3
+                await db.execute(sql, rows[0])
+                return
             await db.execute("BEGIN IMMEDIATE")
             try:
                 await db.executemany(sql, rows)
@@ -160,8 +179,8 @@ class AgentStore:
         found: set[str] = set()
         for i in range(0, len(ids), 500):
             chunk = ids[i : i + 500]
-            cur = await self.db.execute(f"SELECT id FROM tasks WHERE id IN ({','.join('?' * len(chunk))})", chunk)
-            found.update(r[0] for r in await cur.fetchall())
+            rows = await self.db.execute_fetchall(f"SELECT id FROM tasks WHERE id IN ({','.join('?' * len(chunk))})", chunk)
+            found.update(r[0] for r in rows)
         return found
 
     async def queued_tasks(self, exclude: Iterable[str] = ()) -> list[QueuedTask]:
