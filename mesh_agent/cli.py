@@ -26,6 +26,14 @@ DEFAULT_CONFIG = Path(os.environ.get("MESH_AGENT_CONFIG", "~/.config/continuum-m
 ConfigOpt = typer.Option(DEFAULT_CONFIG, "--config", "-c", help="agent config file (env MESH_AGENT_CONFIG)")
 
 
+class EnrollError(ConfigError):
+    """The hub answered the enrollment with an error; ``status`` is its HTTP status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 def enroll(
     hub_url: str,
     token: str,
@@ -48,7 +56,7 @@ def enroll(
             detail = r.json().get("detail", r.text)
         except ValueError:
             detail = r.text
-        raise ConfigError(f"hub refused enrollment ({r.status_code}): {detail}")
+        raise EnrollError(f"hub refused enrollment ({r.status_code}): {detail}", r.status_code)
     info = r.json()
     data_dir = (data_dir or config_path.parent / name).expanduser().resolve()
     mqtt = info.get("mqtt") or {}
@@ -100,8 +108,20 @@ def init(
 
 @app.command()
 def start(config: Path = ConfigOpt, log_level: str = typer.Option("INFO", "--log-level")) -> None:
-    """Run the agent in the foreground until SIGTERM or SIGINT (systemd: Type=simple)."""
+    """Run the agent in the foreground until SIGTERM or SIGINT (systemd: Type=simple).
+
+    On first boot (no config file) with ``MESH_HUB_URL`` and ``MESH_ENROLL_TOKEN`` set, the
+    device enrolls itself first (see :mod:`mesh_agent.bootstrap`).
+    """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from mesh_agent.bootstrap import HubUnreachable, ensure_enrolled
+
+    try:
+        ensure_enrolled(config)
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        # 4: try again later (systemd/balena restart us); 2: a human must fix the settings.
+        raise typer.Exit(4 if isinstance(exc, HubUnreachable) else 2) from None
     cfg, creds = _load(config)
     from mesh_agent.agent import Agent
     from mesh_agent.store import StoreError
