@@ -19,7 +19,7 @@ import os
 import random
 import socket
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import psutil
 
@@ -29,6 +29,9 @@ from mesh_agent.engine import EngineResult, EngineTask, LocalEngine, error_resul
 from mesh_agent.protocol import MAX_FRAME_BYTES, Envelope, Kind, ProtocolError, ReplayGuard, check_freshness, decode, encode
 from mesh_agent.store import AgentStore, StoredResult
 from mesh_agent.transport import AgentLink, LinkError
+
+if TYPE_CHECKING:
+    from mesh_agent.engine.parsl_engine import ParslEngine
 
 __all__ = ["Agent", "make_link"]
 
@@ -76,13 +79,20 @@ class Agent:
         self._creds = creds
         self._link_factory = link_factory
         self.store = AgentStore(cfg.queue_path, cfg.durable_sync)
-        self.engine = LocalEngine(
-            self._on_results,
-            workers=cfg.workers,
-            task_timeout=cfg.task_timeout,
-            memory_limit_mb=cfg.memory_limit_mb,
-            max_batch=cfg.max_batch,
-        )
+        self.engine: LocalEngine | ParslEngine
+        if cfg.engine == "parsl":  # HPC: same interface and result semantics, work on batch-job workers
+            from mesh_agent.engine.parsl_engine import ParslEngine
+
+            self.engine = ParslEngine(self._on_results, cfg.parsl, cfg.data_dir / "parsl", workers=cfg.workers,
+                                      task_timeout=cfg.task_timeout, memory_limit_mb=cfg.memory_limit_mb)
+        else:
+            self.engine = LocalEngine(
+                self._on_results,
+                workers=cfg.workers,
+                task_timeout=cfg.task_timeout,
+                memory_limit_mb=cfg.memory_limit_mb,
+                max_batch=cfg.max_batch,
+            )
         self._replay = ReplayGuard()
         self._heartbeat_s = cfg.heartbeat_s
         self._clock_offset = 0.0  # hub clock minus ours, learned from the signed welcome
@@ -183,7 +193,7 @@ class Agent:
                 "capacity": self.engine.workers,
                 "prefetch": self.cfg.prefetch,
                 "have": await self.store.held_ids(),
-                "engine": "local",
+                "engine": self.cfg.engine,
                 "host": socket.gethostname(),
                 "version": __version__,
                 "pid": os.getpid(),

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-__all__ = ["AgentConfig", "Credentials", "ConfigError", "load_config", "write_private"]
+__all__ = ["AgentConfig", "Credentials", "ConfigError", "ParslSettings", "load_config", "write_private"]
 
 
 class ConfigError(ValueError):
@@ -32,6 +32,49 @@ class MqttSettings(BaseModel):
 class ZmqSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     address: str = "tcp://127.0.0.1:5555"
+
+
+class ParslSettings(BaseModel):
+    """``engine: parsl``: where Parsl's HighThroughputExecutor gets its workers (HPC).
+
+    ``provider`` picks the Parsl provider: ``local`` (this machine; tests, a big workstation),
+    ``slurm`` or ``pbspro`` (batch jobs from a login node). Blocks are batch jobs; Parsl's
+    ``htex_auto_scale`` strategy keeps between ``min_blocks`` and ``max_blocks`` of them,
+    submitting more while tasks wait and releasing idle ones after ``max_idletime`` seconds.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    provider: Literal["local", "slurm", "pbspro"] = "local"
+    min_blocks: int = Field(0, ge=0)
+    init_blocks: int = Field(1, ge=0)
+    max_blocks: int = Field(1, ge=1)
+    nodes_per_block: int = Field(1, ge=1)
+    max_workers_per_node: int | None = Field(None, ge=1, description="default: cores / cores_per_worker")
+    cores_per_worker: float = Field(1.0, gt=0)
+    parallelism: float = Field(1.0, gt=0, le=1, description="blocks per waiting task Parsl aims for")
+    max_idletime: float = Field(120.0, ge=0, description="seconds an idle block is kept")
+    strategy_period: float = Field(5.0, gt=0, description="seconds between scaling decisions")
+    walltime: str = Field("01:00:00", pattern=r"^\d+:\d{2}:\d{2}$")
+    partition: str | None = None  # slurm
+    qos: str | None = None  # slurm
+    account: str | None = None  # slurm, pbspro
+    queue: str | None = None  # pbspro
+    scheduler_options: str = Field("", description="extra #SBATCH / #PBS lines")
+    worker_init: str = Field("", description="shell run before workers start, e.g. 'module load python'")
+    launcher: Literal["single", "srun", "mpiexec"] = "single"
+    address: str | None = Field(None, description="address workers use to reach this agent; default loopback for local, detected otherwise")
+    heartbeat_period: int = Field(30, ge=1, description="seconds; also how often a dead worker is noticed")
+    heartbeat_threshold: int = Field(120, ge=2, description="seconds of silence before a node is declared lost")
+
+    @model_validator(mode="after")
+    def _blocks_in_order(self) -> "ParslSettings":
+        if not self.min_blocks <= self.init_blocks <= self.max_blocks:
+            raise ValueError(f"need min_blocks <= init_blocks <= max_blocks, got {self.min_blocks}, {self.init_blocks}, {self.max_blocks}")
+        if self.provider != "slurm" and (self.partition or self.qos):
+            raise ValueError("partition and qos apply to provider 'slurm' only")
+        if self.provider != "pbspro" and self.queue:
+            raise ValueError("queue applies to provider 'pbspro' only")
+        return self
 
 
 class AgentConfig(BaseModel):
@@ -52,6 +95,8 @@ class AgentConfig(BaseModel):
     heartbeat_s: float = Field(5.0, gt=0)
     max_batch: int = Field(32, ge=1, description="tasks per chunk handed to one worker")
     durable_sync: Literal["full", "normal"] = "full"
+    engine: Literal["local", "parsl"] = Field("local", description="local: warm worker pool; parsl: HPC batch jobs")
+    parsl: ParslSettings = ParslSettings()
 
     @property
     def queue_path(self) -> Path:
