@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = ["HubConfig"]
 
@@ -35,6 +35,17 @@ class HubConfig(BaseModel):
     result_ttl_s: float = Field(7 * 86400, gt=0)
     frame_ttl_s: float = Field(120.0, gt=0, description="lifetime of one signed message")
     bootstrap_user: str | None = Field(None, description="create this user at start-up if missing")
+    scheduler_policy: str = Field("delta-outage-aware", description="placement policy for endpoint 'auto' / lists / tag selectors")
+    scheduler_save_s: float = Field(30.0, gt=0, description="how often learned scheduler profiles are saved (and at shutdown)")
+
+    @field_validator("scheduler_policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        from scheduler.policies import POLICIES
+
+        if v not in POLICIES or v == "oracle":
+            raise ValueError(f"unknown scheduler policy {v!r}; choose one of: {', '.join(p for p in POLICIES if p != 'oracle')}")
+        return v
 
     @classmethod
     def from_env(cls, **overrides: object) -> "HubConfig":

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cloud_hub.config import HubConfig
+from cloud_hub.observer import DispatchObserver
 from cloud_hub.store import SqliteStore
 from mesh_agent.protocol import (
     Envelope,
@@ -83,6 +84,13 @@ class Dispatcher:
         self._replay = ReplayGuard()
         self._watchdog: asyncio.Task[None] | None = None
         self.stats = {"rejected_frames": 0, "tasks_sent": 0, "results_stored": 0, "duplicate_results": 0}
+        self.observer = DispatchObserver()  # the hub plugs in its placement service
+
+    def _observe(self, hook: str, *args: Any) -> None:
+        try:
+            getattr(self.observer, hook)(*args)
+        except Exception:
+            log.exception("observer hook %s failed", hook)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, links: list[HubLink]) -> None:
@@ -186,6 +194,7 @@ class Dispatcher:
             return
         s.last_seen = time.time()
         s.link = link
+        self._observe("frame_received", endpoint_id, env.kind.value, len(frame), env.ts, s.last_seen)
         handler = _HANDLERS.get(env.kind)
         if handler is not None:
             await handler(self, s, env.body)
@@ -197,7 +206,7 @@ class Dispatcher:
         old = self._sessions.get(env.endpoint)
         if old is not None:
             s.credit = old.credit  # a repeated (or replayed) hello must not starve the agent
-        s.info = {k: b.get(k) for k in ("host", "version", "engine", "pid", "prefetch")}
+        s.info = {k: b.get(k) for k in ("host", "version", "engine", "pid", "prefetch", "tags", "hardware", "gpu", "memory_mb")}
         self._sessions[env.endpoint] = s
         held = set(b.get("have", []))
         await self.store.requeue(endpoint_id=env.endpoint)
@@ -205,6 +214,7 @@ class Dispatcher:
         if lost:
             log.warning("%s no longer holds %d acked tasks; re-queued", env.endpoint, lost)
         await self.store.set_endpoint_state(env.endpoint, True, now, {**s.info, "capacity": s.capacity})
+        self._observe("endpoint_online", env.endpoint, now, {**s.info, "capacity": s.capacity})
         await self._send(s, Kind.WELCOME, {"reply_to": b.get("nonce"), "hub_time": time.time(), "heartbeat_s": self.cfg.heartbeat_s})
         log.info("endpoint %s online via %s (capacity %d)", env.endpoint, link.name, s.capacity)
 
@@ -223,12 +233,14 @@ class Dispatcher:
         # Ack all, duplicates too: the agent must stop re-sending them either way.
         if fresh:
             self.bus.notify({u for _, u in fresh})
+        self._observe("results_stored", s.endpoint_id, time.time(), results, {t for t, _ in fresh})
         await self._send(s, Kind.RESULT_ACK, {"ids": [r["id"] for r in results]})
 
     async def _on_heartbeat(self, s: _Session, body: dict[str, Any]) -> None:
         s.info.update({k: body.get(k) for k in ("running", "queued", "stored", "outbox", "cpu", "mem_used", "mem_avail_mb", "want")})
         s.info["warm"] = body.get("warm", [])
         await self.store.set_endpoint_state(s.endpoint_id, True, s.last_seen, {**s.info, "capacity": s.capacity})
+        self._observe("heartbeat", s.endpoint_id, s.last_seen, {**s.info, "capacity": s.capacity})
 
     # ------------------------------------------------------------------ watchdog
     async def _watch(self) -> None:
@@ -242,6 +254,7 @@ class Dispatcher:
                         del self._sessions[ep]
                         n = await self.store.requeue(endpoint_id=ep)
                         await self.store.set_endpoint_state(ep, False, s.last_seen)
+                        self._observe("endpoint_lost", ep, now, s.last_seen)
                         log.warning("endpoint %s lost (silent %.0fs); %d leased tasks re-queued", ep, now - s.last_seen, n)
                 if await self.store.requeue(expired_before=now):
                     for ep in self._sessions:

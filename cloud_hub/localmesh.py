@@ -183,10 +183,12 @@ class LocalMesh:
         return self._client
 
     def add_agent(self, name: str, transport: str = "mqtt", *, workers: int | None = 2, prefetch: int = 256,
-                  task_timeout: float | None = None, start: bool = True) -> AgentProcess:
+                  task_timeout: float | None = None, start: bool = True, tags: list[str] | None = None,
+                  hardware: str | None = None) -> AgentProcess:
         token = self.client.create_enrollment_token()
         config_path = self.workdir / "agents" / f"{name}.yaml"
-        cfg = enroll(self.url, token, name, config_path, transport=transport, workers=workers, prefetch=prefetch, task_timeout=task_timeout)
+        cfg = enroll(self.url, token, name, config_path, transport=transport, workers=workers, prefetch=prefetch, task_timeout=task_timeout,
+                     tags=tags, hardware=hardware)
         agent = AgentProcess(cfg, config_path, self.workdir / "agents" / f"{name}.log")
         self.agents.append(agent)
         return agent.start() if start else agent

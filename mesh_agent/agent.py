@@ -197,6 +197,11 @@ class Agent:
                 "host": socket.gethostname(),
                 "version": __version__,
                 "pid": os.getpid(),
+                # for placement: selectors, constraints, pooled profiles
+                "tags": list(self.cfg.tags),
+                "hardware": self.cfg.hardware,
+                "gpu": self.cfg.gpu,
+                "memory_mb": psutil.virtual_memory().total // 2**20,
             },
         )
 

@@ -48,8 +48,12 @@ def enroll(
     mqtt_host: str | None = None,
     mqtt_port: int | None = None,
     zmq_address: str | None = None,
+    tags: list[str] | None = None,
+    hardware: str | None = None,
+    gpu: bool = False,
 ) -> AgentConfig:
     """Register this device with the hub and write its config and credentials (both mode 0600)."""
+    _check_placement(tags, hardware)  # before the hub spends an enrollment token on us
     r = httpx.post(f"{hub_url.rstrip('/')}/v1/endpoints/enroll", json={"token": token, "name": name, "transport": transport}, timeout=30)
     if r.status_code >= 400:
         try:
@@ -73,10 +77,25 @@ def enroll(
         prefetch=prefetch,
         task_timeout=task_timeout,
         heartbeat_s=float(info.get("heartbeat_s", 5.0)),
+        tags=tags or [],
+        hardware=hardware,
+        gpu=gpu,
     )
     Credentials(endpoint_id=cfg.endpoint_id, key=info["key"], mqtt_username=mqtt.get("username"), mqtt_password=mqtt.get("password")).save(cfg.credentials_file)
     cfg.save(config_path)
     return cfg
+
+
+def _check_placement(tags: list[str] | None, hardware: str | None) -> None:
+    from pydantic import TypeAdapter, ValidationError
+
+    from mesh_agent.config import Tag
+
+    try:
+        TypeAdapter(list[Tag]).validate_python(tags or [])
+        TypeAdapter(Optional[Tag]).validate_python(hardware)
+    except ValidationError as exc:
+        raise ConfigError(f"bad tag or hardware class (letters, digits and _.:- only, 1-64 characters): {exc.errors()[0]['input']!r}") from None
 
 
 def _load(config: Path) -> tuple[AgentConfig, Credentials]:
@@ -95,11 +114,15 @@ def init(
     transport: str = typer.Option("mqtt", "--transport", help="mqtt (edge) or zmq (LAN/HPC)"),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="where the durable queue lives"),
     workers: Optional[int] = typer.Option(None, "--workers", help="worker processes (default: one per core)"),
+    tag: Optional[list[str]] = typer.Option(None, "--tag", help="placement label (repeatable), for {\"tags\": [...]} selectors"),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help="hardware class shared by identical devices, e.g. pi4"),
+    gpu: bool = typer.Option(False, "--gpu", help="functions may use a GPU here"),
     config: Path = ConfigOpt,
 ) -> None:
     """Enroll this device with the hub and write its config."""
     try:
-        cfg = enroll(hub, token, name, config, transport=transport, data_dir=data_dir, workers=workers)
+        cfg = enroll(hub, token, name, config, transport=transport, data_dir=data_dir, workers=workers,
+                     tags=tag, hardware=hardware, gpu=gpu)
     except (ConfigError, httpx.HTTPError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None

@@ -9,16 +9,20 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 __all__ = ["AgentConfig", "Credentials", "ConfigError", "ParslSettings", "load_config", "write_private"]
 
 
 class ConfigError(ValueError):
     """The agent's config or credentials file is missing or wrong; the message names the problem."""
+
+
+#: A placement label (``tags:`` in the config, ``{"tags": [...]}`` selectors at the hub).
+Tag = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
 
 
 class MqttSettings(BaseModel):
@@ -97,6 +101,11 @@ class AgentConfig(BaseModel):
     durable_sync: Literal["full", "normal"] = "full"
     engine: Literal["local", "parsl"] = Field("local", description="local: warm worker pool; parsl: HPC batch jobs")
     parsl: ParslSettings = ParslSettings()
+    # What the hub's scheduler may select this endpoint by (sent in every hello).
+    tags: list[Tag] = Field(default_factory=list, max_length=32, description="labels for tag selectors, e.g. [field-data, solar]")
+    hardware: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:-]{1,64}$",
+                                 description="hardware class shared by identical devices (their run-time profiles are pooled), e.g. pi4")
+    gpu: bool = Field(False, description="a GPU usable by functions (tasks may require one)")
 
     @property
     def queue_path(self) -> Path:

@@ -247,6 +247,20 @@ class Scheduler:
         else:
             self.policy.observe(TaskRequeued(task_id, now))
 
+    def retract(self, task_ids: Iterable[str]) -> None:
+        """Undo placements that never took effect (the hub refused the rest of the batch or
+        could not store it): they leave the ledger and record no decision, as if never made."""
+        for task_id in task_ids:
+            self.fleet.release(task_id)
+            self._inflight.pop(task_id, None)
+            # also for tasks placed by a batch that then failed (never in ``_inflight``): the
+            # policy may have marked them as probes
+            if self._task_left is not None:
+                if task_id in self._watched:  # type: ignore[operator]
+                    self._task_left(task_id)
+            else:
+                self.policy.observe(TaskRequeued(task_id, 0.0))
+
     def observe(self, event: Event) -> None:
         """Single entry point taking an event record (same effect as the specific methods)."""
         if isinstance(event, TaskCompleted):

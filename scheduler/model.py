@@ -26,9 +26,12 @@ class NoEligibleEndpoint(LookupError):
         self.task_id = task.task_id
         self.constraints = task.constraints
         self.considered = considered
+        scope = f"all {considered} endpoints"
+        if task.endpoints is not None:
+            scope = f"the {len(task.endpoints)} listed endpoints"
         msg = (
             f"no eligible endpoint for task {task.task_id!r} (function {task.function_id!r}): "
-            f"constraints {task.constraints.describe()} rule out all {considered} endpoints"
+            f"constraints {task.constraints.describe()} rule out {scope}"
         )
         if detail:
             msg += f"; {detail}"
@@ -102,6 +105,11 @@ class TaskInfo:
     payload_bytes: int = 0
     constraints: Constraints = NO_CONSTRAINTS
     result_bytes: int | None = None
+    #: Only these endpoints may run the task (a user's explicit list); ``None``: any endpoint
+    #: the constraints allow. Kept out of :class:`Constraints` on purpose: constraints are
+    #: static attributes shared by whole groups of endpoints (the search index prunes by
+    #: group), whereas an id list cuts across groups and is checked per member.
+    endpoints: frozenset[str] | None = None
 
 
 @dataclass(slots=True, eq=False)

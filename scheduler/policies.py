@@ -74,6 +74,9 @@ class BasePolicy:
 
     def eligible(self, task: TaskInfo, fleet: Fleet) -> list[Node]:
         allowed = fleet.eligible(task.constraints)
+        if task.endpoints is not None:
+            ids = task.endpoints
+            allowed = [n for n in allowed if n.id in ids]
         f = task.function_id
         nodes = allowed
         if any(n.blocked for n in allowed):
@@ -110,6 +113,12 @@ class BasePolicy:
             out.append(Placement(task.task_id, task.function_id, node.id, name, now, pred,
                                  compared, pruned, reason, expl, task.payload_bytes))
         return out
+
+
+def _nothing_left(task: TaskInfo) -> str:
+    if task.endpoints is not None:
+        return "or the function is blocked on every one that would qualify"
+    return "the function is blocked on every eligible endpoint"
 
 
 class RandomPolicy(BasePolicy):
@@ -239,12 +248,13 @@ class FastestEndpointPolicy(_Exploring):
                     return node, f"probe: first run of {f} on {node.ep.hardware}", (), 0, None
         node = self._fastest(task, groups)
         if node is None:
-            raise NoEligibleEndpoint(task, len(fleet), "the function is blocked on every eligible endpoint")
+            raise NoEligibleEndpoint(task, len(fleet), _nothing_left(task))
         return node, "fastest known runtime", (), 0, None
 
     def _fastest(self, task: TaskInfo, groups: Sequence[Group]) -> Node | None:
         p = self.profiles
         f = task.function_id
+        ids = task.endpoints
         best, best_r = None, INF
         for g in groups:
             r, _ = p.group_runtime(f, g.hardware, task.payload_bytes, g.speed)  # type: ignore[union-attr]
@@ -252,7 +262,7 @@ class FastestEndpointPolicy(_Exploring):
             if r * (gf.dev_min if gf is not None else 1.0) > best_r:
                 continue
             for node in g.nodes.values():
-                if f in node.blocked:
+                if f in node.blocked or (ids is not None and node.id not in ids):
                     continue
                 rr = r * node.dev.get(f, 1.0)
                 if rr < best_r or (rr == best_r and node.idx < best.idx):  # type: ignore[union-attr]
@@ -300,7 +310,7 @@ class DeltaPolicy(_Exploring):
             res = self._search(task, groups, now)
         node = res.node
         if node is None:
-            raise NoEligibleEndpoint(task, len(fleet), "the function is blocked on every eligible endpoint")
+            raise NoEligibleEndpoint(task, len(fleet), _nothing_left(task))
         assemble = pr.assemble  # type: ignore[union-attr]
         ob = res.ob
         pred = assemble(task, node, now, res.run, res.cold, res.source, outage_aware=aware, ob=ob)

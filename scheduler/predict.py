@@ -159,6 +159,7 @@ class Predictor:
         rb = task.result_bytes
         ob = float(rb) if rb is not None else p.result_bytes(f)
         bo = b + ob
+        ids = task.endpoints  # an explicit id list: members outside it are skipped
         res = SearchResult()
         res.ob = ob
 
@@ -243,6 +244,8 @@ class Predictor:
                     continue
                 if skip_offline and not node.ep.online:
                     continue
+                if ids is not None and node.id not in ids:
+                    continue
                 seen += 1
                 if node.dev:
                     s = node.dev.get(f)
@@ -271,6 +274,8 @@ class Predictor:
                     if node.blocked and f in node.blocked:
                         continue
                     if skip_offline and not node.ep.online:
+                        continue
+                    if ids is not None and node.id not in ids:
                         continue
                     seen += 1
                     if node.dev:

@@ -40,6 +40,7 @@ from cloud_hub.api.schemas import (
 )
 from cloud_hub.config import HubConfig
 from cloud_hub.dispatcher import Dispatcher, ResultBus
+from cloud_hub.placement import PlacementError, PlacementService
 from cloud_hub.store import SqliteStore, hash_token
 from mesh_agent.protocol import SerializationError, function_id, method_of, new_key
 from mesh_agent.transport import HubLink
@@ -51,6 +52,7 @@ _bearer = HTTPBearer(auto_error=False)
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorOut},
     404: {"model": ErrorOut},
+    409: {"model": ErrorOut},
     413: {"model": ErrorOut},
     422: {"model": ErrorOut},
 }
@@ -64,11 +66,14 @@ class Hub:
         self.store = SqliteStore(cfg.db_path)
         self.bus = ResultBus()
         self.dispatcher = Dispatcher(cfg, self.store, self.bus)
+        self.placement = PlacementService(cfg, self.store, self.dispatcher.kick)
+        self.dispatcher.observer = self.placement
         self._token_cache: dict[str, str] = {}
         self.bootstrap_token: str | None = None
 
     async def start(self) -> None:
         await self.store.open()
+        await self.placement.start()
         links: list[HubLink] = []
         if self.cfg.mqtt_host:
             from mesh_agent.transport.mqtt import MqttHubLink
@@ -90,6 +95,7 @@ class Hub:
 
     async def stop(self) -> None:
         await self.dispatcher.stop()
+        await self.placement.stop()
         await self.store.close()
 
     @property
@@ -146,6 +152,9 @@ def create_app(cfg: HubConfig) -> FastAPI:
 
     app = FastAPI(title="Continuum Mesh hub", version=__version__, lifespan=lifespan, responses=_ERRORS)
     app.state.hub = hub
+    from cloud_hub.api import scheduler as scheduler_api  # here: it imports this module's dependencies
+
+    app.include_router(scheduler_api.router)
 
     @app.get("/v1/health")
     async def health(h: HubDep) -> dict[str, Any]:
@@ -207,14 +216,15 @@ def create_app(cfg: HubConfig) -> FastAPI:
     # -------------------------------------------------------------- tasks
     @app.post("/v1/tasks", response_model=TaskOut, status_code=201)
     async def submit(body: TaskIn, h: HubDep, user: UserDep) -> TaskOut:
-        ids = await _accept(h, user, [body])
-        return TaskOut(task_id=ids[0])
+        ids, eps = await _accept(h, user, [body])
+        return TaskOut(task_id=ids[0], endpoint_id=eps[0])
 
     @app.post("/v1/tasks/batch", response_model=BatchOut, status_code=201)
     async def submit_batch(body: BatchIn, h: HubDep, user: UserDep) -> BatchOut:
         if len(body.tasks) > cfg.max_batch:
             raise HTTPException(413, f"batch of {len(body.tasks)} tasks exceeds the limit of {cfg.max_batch}")
-        return BatchOut(task_ids=await _accept(h, user, body.tasks))
+        ids, eps = await _accept(h, user, body.tasks)
+        return BatchOut(task_ids=ids, endpoint_ids=eps)
 
     @app.get("/v1/tasks/{task_id}", response_model=TaskStatus)
     async def task_status(task_id: str, h: HubDep, user: UserDep) -> TaskStatus:
@@ -275,15 +285,21 @@ def _check_size(h: Hub, what: str, blob: bytes) -> None:
         )
 
 
-async def _accept(h: Hub, user: str, tasks: list[TaskIn]) -> list[str]:
-    """Validate every task, then insert all in one transaction, then wake the dispatcher."""
+async def _accept(h: Hub, user: str, tasks: list[TaskIn]) -> tuple[list[str], list[str]]:
+    """Validate every task, place those with a selector ("auto", a list, tags), then insert all
+    (with the placement decisions) in one transaction, then wake the dispatcher."""
     for i, t in enumerate(tasks):
         _check_size(h, f"task {i} arguments", t.args)
         try:
             method_of(t.args)
         except SerializationError as exc:
             raise HTTPException(422, f"task {i} arguments: {exc}") from None
-    eps = {t.endpoint_id for t in tasks}
+    eps: set[str] = set()
+    for t in tasks:
+        if isinstance(t.endpoint_id, list):
+            eps.update(t.endpoint_id)
+        elif isinstance(t.endpoint_id, str) and t.endpoint_id != "auto":
+            eps.add(t.endpoint_id)
     fids = {t.function_id for t in tasks}
     found_eps, found_fids = await h.store.owned_refs(user, eps, fids)
     if eps - found_eps:
@@ -295,7 +311,7 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn]) -> list[str]:
         {
             "id": uuid.uuid4().hex,
             "user_id": user,
-            "endpoint_id": t.endpoint_id,
+            "endpoint_id": t.endpoint_id if isinstance(t.endpoint_id, str) and t.endpoint_id != "auto" else None,
             "function_id": t.function_id,
             "args": t.args,
             "created": now,
@@ -304,10 +320,18 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn]) -> list[str]:
         }
         for t in tasks
     ]
-    await h.store.insert_tasks(rows)
-    for ep in {t.endpoint_id for t in tasks}:
+    try:
+        decisions = h.placement.place(user, tasks, rows, now)
+    except PlacementError as exc:
+        raise HTTPException(exc.status, str(exc)) from None
+    try:
+        await h.store.insert_tasks(rows, also=h.placement.writer(decisions))
+    except BaseException:
+        h.placement.retract(decisions)
+        raise
+    for ep in {r["endpoint_id"] for r in rows}:
         h.dispatcher.kick(ep)
-    return [r["id"] for r in rows]
+    return [r["id"] for r in rows], [r["endpoint_id"] for r in rows]
 
 
 def _endpoint_out(h: Hub, e: dict[str, Any]) -> EndpointOut:

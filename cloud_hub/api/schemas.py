@@ -6,9 +6,9 @@ produced and read by ``mesh_agent.protocol.serialize``, so the header inside nam
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Base64Bytes, BaseModel, ConfigDict, Field
+from pydantic import Base64Bytes, BaseModel, ConfigDict, Field, StringConstraints
 
 _strict = ConfigDict(extra="forbid")
 
@@ -26,9 +26,31 @@ class FunctionOut(BaseModel):
     size: int | None = None
 
 
+Tag = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+EndpointRef = Annotated[str, StringConstraints(min_length=1, max_length=100)]
+
+
+class TagSelector(BaseModel):
+    """Any of the caller's endpoints that has all these tags."""
+
+    model_config = _strict
+    tags: list[Tag] = Field(min_length=1, max_length=32)
+
+
+class TaskConstraints(BaseModel):
+    """What the function needs from an endpoint (the scheduler never places it elsewhere)."""
+
+    model_config = _strict
+    tags: list[Tag] = Field(default_factory=list, max_length=32)
+    gpu: bool = False
+    min_memory_mb: int = Field(0, ge=0, le=2**31)
+
+
 class TaskIn(BaseModel):
     model_config = _strict
-    endpoint_id: str = Field(min_length=1, max_length=100)
+    endpoint_id: Union[EndpointRef, Annotated[list[EndpointRef], Field(min_length=1, max_length=1000)], TagSelector] = Field(
+        description='an endpoint id; "auto" (the scheduler picks among yours); a list of ids; or {"tags": [...]}')
+    constraints: TaskConstraints | None = None
     function_id: str = Field(min_length=64, max_length=64)
     args: Base64Bytes = Field(description="serialize((args, kwargs)), base64")
     timeout_s: float | None = Field(None, gt=0, description="per-run limit on the endpoint")
@@ -37,6 +59,7 @@ class TaskIn(BaseModel):
 
 class TaskOut(BaseModel):
     task_id: str
+    endpoint_id: str | None = None  # where it was placed
 
 
 class BatchIn(BaseModel):
@@ -46,6 +69,7 @@ class BatchIn(BaseModel):
 
 class BatchOut(BaseModel):
     task_ids: list[str]
+    endpoint_ids: list[str] | None = None  # where each was placed, same order
 
 
 class TaskStatus(BaseModel):

@@ -11,7 +11,10 @@ import httpx
 
 from mesh_agent.protocol import function_id, serialize, serialize_function
 
-__all__ = ["Client", "HubError"]
+__all__ = ["Client", "HubError", "EndpointSelector", "selector", "constraints_spec"]
+
+#: Where a task may run: an endpoint id, ``"auto"``, a list of ids, or ``{"tags": [...]}``.
+EndpointSelector = str | Sequence[str] | dict[str, Any]
 
 
 class HubError(RuntimeError):
@@ -25,6 +28,42 @@ class HubError(RuntimeError):
 
 def _b64(b: bytes) -> str:
     return base64.b64encode(b).decode()
+
+
+def selector(endpoint: EndpointSelector) -> str | list[str] | dict[str, list[str]]:
+    """Check an endpoint selector locally (clear errors before any request) and return its JSON form."""
+    if isinstance(endpoint, str):
+        if not endpoint:
+            raise ValueError("endpoint must not be empty: an endpoint id, 'auto', a list of ids or {'tags': [...]}")
+        return endpoint
+    if isinstance(endpoint, dict):
+        if set(endpoint) != {"tags"}:
+            raise ValueError(f"a tag selector is {{'tags': [...]}}, got keys {sorted(endpoint)}")
+        tags = endpoint["tags"]
+        if isinstance(tags, str) or not all(isinstance(t, str) for t in tags) or not tags:
+            raise ValueError("{'tags': [...]} needs a non-empty list of tag strings")
+        return {"tags": list(tags)}
+    if isinstance(endpoint, (list, tuple, set, frozenset)):
+        ids = list(endpoint)
+        if not ids or not all(isinstance(e, str) and e for e in ids):
+            raise ValueError("an endpoint list needs one or more endpoint id strings")
+        return ids
+    raise TypeError(f"endpoint must be an id, 'auto', a list of ids or {{'tags': [...]}}, not {type(endpoint).__name__}")
+
+
+def constraints_spec(constraints: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Check function-level constraints (``tags``, ``gpu``, ``min_memory_mb``) locally."""
+    if constraints is None:
+        return None
+    unknown = set(constraints) - {"tags", "gpu", "min_memory_mb"}
+    if unknown:
+        raise ValueError(f"unknown constraint(s) {sorted(unknown)}; use tags, gpu, min_memory_mb")
+    out = dict(constraints)
+    if "tags" in out:
+        if isinstance(out["tags"], str):
+            raise ValueError("constraints tags must be a list of strings")
+        out["tags"] = list(out["tags"])
+    return out
 
 
 class Client:
@@ -91,20 +130,44 @@ class Client:
 
     # ---------------------------------------------------------------- tasks
     @staticmethod
-    def task_spec(endpoint_id: str, function_id: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
-                  timeout_s: float | None = None, ttl_s: float | None = None) -> dict[str, Any]:
-        spec: dict[str, Any] = {"endpoint_id": endpoint_id, "function_id": function_id, "args": _b64(serialize((tuple(args), kwargs or {})))}
+    def task_spec(endpoint_id: EndpointSelector, function_id: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+                  timeout_s: float | None = None, ttl_s: float | None = None,
+                  constraints: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One task for ``submit_batch``. ``endpoint_id``: an id, ``"auto"``, a list of ids or
+        ``{"tags": [...]}``; ``constraints``: ``{"tags": [...], "gpu": True, "min_memory_mb": N}``."""
+        spec: dict[str, Any] = {"endpoint_id": selector(endpoint_id), "function_id": function_id,
+                                "args": _b64(serialize((tuple(args), kwargs or {})))}
         if timeout_s is not None:
             spec["timeout_s"] = timeout_s
         if ttl_s is not None:
             spec["ttl_s"] = ttl_s
+        cons = constraints_spec(constraints)
+        if cons is not None:
+            spec["constraints"] = cons
         return spec
 
     def submit(self, endpoint_id: str, function_id: str, *args: Any, **kwargs: Any) -> str:
         return str(self.request("POST", "/v1/tasks", json=self.task_spec(endpoint_id, function_id, args, kwargs))["task_id"])
 
     def submit_batch(self, specs: Iterable[dict[str, Any]]) -> list[str]:
-        return list(self.request("POST", "/v1/tasks/batch", json={"tasks": list(specs)})["task_ids"])
+        return self.submit_batch_placed(specs)[0]
+
+    def submit_batch_placed(self, specs: Iterable[dict[str, Any]]) -> tuple[list[str], list[str]]:
+        """Like ``submit_batch``, also returning the endpoint each task was placed on."""
+        out = self.request("POST", "/v1/tasks/batch", json={"tasks": list(specs)})
+        ids = list(out["task_ids"])
+        return ids, list(out.get("endpoint_ids") or [None] * len(ids))
+
+    # ---------------------------------------------------------------- scheduler
+    def scheduler_decisions(self, limit: int = 50, before: int | None = None, *, task_id: str | None = None,
+                            endpoint_id: str | None = None, function_id: str | None = None) -> dict[str, Any]:
+        """Placement decisions for your tasks, newest first, with predicted vs actual times
+        (``{"decisions": [...], "next_before": seq | None, "summary": {...}}``; see docs/scheduler.md)."""
+        params: dict[str, Any] = {"limit": limit}
+        for k, v in (("before", before), ("task_id", task_id), ("endpoint_id", endpoint_id), ("function_id", function_id)):
+            if v is not None:
+                params[k] = v
+        return dict(self.request("GET", "/v1/scheduler/decisions", params=params))
 
     def task_status(self, task_id: str) -> dict[str, Any]:
         return dict(self.request("GET", f"/v1/tasks/{task_id}"))

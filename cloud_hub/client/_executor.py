@@ -17,7 +17,7 @@ from concurrent.futures import Executor as _Executor
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Iterator
 
-from cloud_hub.client._client import Client, HubError
+from cloud_hub.client._client import Client, EndpointSelector, HubError, constraints_spec, selector
 from cloud_hub.client._results import decode_result
 
 __all__ = ["Executor"]
@@ -28,18 +28,35 @@ _ORPHAN_TTL_S = 300.0
 
 
 class Executor(_Executor):
+    """Runs calls on the mesh.
+
+    ``endpoint`` says where: an endpoint id, ``"auto"`` (the default: the hub's scheduler places
+    each batch on your endpoints by predicted completion time), a list of ids, or
+    ``{"tags": [...]}``. ``endpoint_id=`` is the older spelling and still works.
+    ``constraints`` (``{"tags": [...], "gpu": True, "min_memory_mb": 2048}``) are what every
+    function submitted here needs; the scheduler never places it elsewhere. Each future gets
+    ``task_id`` and ``endpoint_id`` (where it was placed) once it is submitted.
+    """
+
     def __init__(
         self,
         client: Client,
-        endpoint_id: str,
+        endpoint_id: EndpointSelector | None = None,
         *,
+        endpoint: EndpointSelector | None = None,
+        constraints: dict[str, Any] | None = None,
         batch_size: int = 5000,
         batch_interval_s: float = 0.002,
         task_timeout_s: float | None = None,
         task_ttl_s: float | None = None,
     ) -> None:
+        if endpoint is not None and endpoint_id is not None and endpoint != endpoint_id:
+            raise ValueError("pass either endpoint= or endpoint_id=, not both")
+        where = endpoint if endpoint is not None else endpoint_id
         self.client = client
-        self.endpoint_id = endpoint_id
+        self.endpoint = selector("auto" if where is None else where)
+        self.endpoint_id = self.endpoint  # older name
+        self.constraints = constraints_spec(constraints)
         self.batch_size = batch_size
         self.batch_interval_s = batch_interval_s
         self.task_timeout_s = task_timeout_s
@@ -61,7 +78,7 @@ class Executor(_Executor):
         if self._shutdown:
             raise RuntimeError("cannot submit after shutdown")
         fid = self.client.register_function(fn)
-        spec = Client.task_spec(self.endpoint_id, fid, args, kwargs, self.task_timeout_s, self.task_ttl_s)
+        spec = Client.task_spec(self.endpoint, fid, args, kwargs, self.task_timeout_s, self.task_ttl_s, self.constraints)
         fut: Future[Any] = Future()
         self._queue.put((fut, spec))
         return fut
@@ -158,14 +175,15 @@ class Executor(_Executor):
 
     def _post(self, batch: list[tuple["Future[Any]", dict[str, Any]]]) -> None:
         try:
-            ids = self.client.submit_batch(s for _, s in batch)
+            ids, eps = self.client.submit_batch_placed(s for _, s in batch)
         except (HubError, OSError, Exception) as exc:  # the hub refused or is unreachable
             for f, _ in batch:
                 f.set_exception(exc)
             return
         with self._lock:
-            for (f, _), tid in zip(batch, ids):
+            for (f, _), tid, ep in zip(batch, ids, eps):
                 f.task_id = tid  # type: ignore[attr-defined]
+                f.endpoint_id = ep  # type: ignore[attr-defined]
                 orphan = self._orphans.pop(tid, None)
                 if orphan is not None:
                     self._complete(f, orphan[1])

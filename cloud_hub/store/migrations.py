@@ -43,4 +43,25 @@ MIGRATIONS: list[tuple[int, str]] = [
         CREATE INDEX results_age ON results (received);
         """,
     ),
+    (
+        2,
+        # Scheduler (cloud_hub/placement.py): learned profiles as one JSON document, and one row
+        # per placement decision with predicted vs actual (GET /v1/scheduler/decisions).
+        """
+        CREATE TABLE scheduler_state (
+            id INTEGER PRIMARY KEY CHECK (id = 1), saved REAL NOT NULL, policy TEXT NOT NULL, state TEXT NOT NULL
+        );
+        CREATE TABLE scheduler_decisions (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT, task_id TEXT NOT NULL, user_id TEXT NOT NULL,
+            function_id TEXT NOT NULL, endpoint_id TEXT NOT NULL, policy TEXT NOT NULL,
+            placed_at REAL NOT NULL, predicted_s REAL,
+            state TEXT NOT NULL CHECK (state IN ('placed', 'done', 'moved')),
+            completed_at REAL, actual_s REAL, runtime_s REAL, ok INTEGER,
+            detail TEXT NOT NULL
+        );
+        CREATE INDEX scheduler_decisions_user ON scheduler_decisions (user_id, seq);
+        CREATE INDEX scheduler_decisions_task ON scheduler_decisions (task_id, state);
+        CREATE INDEX scheduler_decisions_age ON scheduler_decisions (placed_at);
+        """,
+    ),
 ]

@@ -258,8 +258,9 @@ class SqliteStore:
         return await self._run(q)
 
     # ------------------------------------------------------------------ tasks
-    async def insert_tasks(self, rows: Sequence[dict[str, Any]]) -> None:
-        """All or nothing: the caller has validated every row before this transaction."""
+    async def insert_tasks(self, rows: Sequence[dict[str, Any]], also: Callable[[sqlite3.Connection], None] | None = None) -> None:
+        """All or nothing: the caller has validated every row before this transaction.
+        ``also`` runs in the same transaction (the scheduler stores its decisions with the tasks)."""
 
         def q(db: sqlite3.Connection) -> None:
             db.executemany(
@@ -267,6 +268,8 @@ class SqliteStore:
                 "VALUES (:id, :user_id, :endpoint_id, :function_id, :args, 'queued', :created, :expires, :timeout, 0)",
                 rows,
             )
+            if also is not None:
+                also(db)
 
         await self.tx(q)
 

@@ -22,7 +22,7 @@ def _fleet(rng: random.Random, n: int) -> list[EndpointState]:
     return eps
 
 
-def _run(prune: bool, seed: int, policy: str) -> list[tuple[str, str]]:
+def _run(prune: bool, seed: int, policy: str, lists: bool = False) -> list[tuple[str, str]]:
     """Drive one scheduler through a random but reproducible history; return its choices."""
     rng = random.Random(seed)
     sched = Scheduler(policy, prune=prune)
@@ -36,6 +36,7 @@ def _run(prune: bool, seed: int, policy: str) -> list[tuple[str, str]]:
                 for ep in eps}
     inflight: list[tuple[str, str, str]] = []
     choices = []
+    lists_of: dict[str, frozenset[str] | None] = {}
     tid = 0
     for step in range(120):
         now += rng.uniform(0.1, 3.0)
@@ -44,9 +45,16 @@ def _run(prune: bool, seed: int, policy: str) -> list[tuple[str, str]]:
         for _ in range(rng.randrange(1, 12)):
             f = rng.choice(FUNCS)
             c = Constraints(frozenset({"sensor"})) if rng.random() < 0.2 else Constraints(min_memory_mb=rng.choice([0, 0, 1024]))
-            batch.append(TaskInfo(f"t{tid}", f, rng.randrange(0, 3_000_000), c))
+            ids = None
+            if lists and rng.random() < 0.3:  # a user's explicit list of endpoints
+                c = Constraints()
+                ids = frozenset(e.endpoint_id for e in rng.sample(eps, rng.randrange(1, 12)))
+            batch.append(TaskInfo(f"t{tid}", f, rng.randrange(0, 3_000_000), c, endpoints=ids))
+            lists_of[f"t{tid}"] = ids
             tid += 1
         for pl in sched.place(batch, now):
+            allowed = lists_of[pl.task_id]
+            assert allowed is None or pl.endpoint_id in allowed
             choices.append((pl.task_id, pl.endpoint_id))
             inflight.append((pl.task_id, pl.endpoint_id, pl.function_id))
         # complete a random subset, with cold starts and warm-set reports sometimes
@@ -80,6 +88,29 @@ def test_pruned_search_equals_full_scan(seed: int, policy: str) -> None:
     full = _run(False, seed, policy)
     assert len(pruned) == len(full) > 500
     assert pruned == full
+
+
+@pytest.mark.parametrize("policy", ["delta", "delta-outage-aware"])
+def test_explicit_endpoint_lists_keep_the_search_exact(policy: str) -> None:
+    """A third of the tasks name a random list of endpoints (``TaskInfo.endpoints``): every
+    choice is in its list, and pruning still chooses what a full scan chooses."""
+    pruned = _run(True, 4, policy, lists=True)
+    assert pruned == _run(False, 4, policy, lists=True)
+
+
+@pytest.mark.parametrize("policy", ["random", "round-robin", "least-loaded", "warming-aware", "fastest-endpoint"])
+def test_every_policy_respects_explicit_endpoint_lists(policy: str) -> None:
+    sched = Scheduler(policy)
+    rng = random.Random(4)
+    eps = _fleet(rng, 30)
+    for ep in eps:
+        sched.add_endpoint(ep, 0.0)
+    for i in range(300):
+        ids = frozenset(e.endpoint_id for e in rng.sample(eps, rng.randrange(1, 6)))
+        pl = sched.place([TaskInfo(f"t{i}", rng.choice(FUNCS), 1000, endpoints=ids)], float(i))[0]
+        assert pl.endpoint_id in ids
+        if i % 3 == 0:
+            sched.task_completed(pl.task_id, i + 0.5, 1.0)
 
 
 def test_pruning_actually_prunes() -> None:

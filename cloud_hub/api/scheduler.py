@@ -1,0 +1,94 @@
+"""``/v1/scheduler``: the scheduler's placement decisions, predicted against actual.
+
+Read-only and per user: a caller sees the decisions for their own tasks only (every endpoint
+a decision names is theirs too, since selectors only ever choose among the caller's
+endpoints). The JSON shape is documented in docs/scheduler.md; the console builds on it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel
+
+from cloud_hub.api.app import HubDep, UserDep
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/scheduler", tags=["scheduler"])
+
+
+class PredictionOut(BaseModel):
+    endpoint_id: str
+    total: float | None
+    transfer_in: float | None
+    queue: float | None
+    cold: float | None
+    run: float | None
+    transfer_out: float | None
+    outage: float | None
+    source: str
+    exploration: bool
+
+
+class SelectorOut(BaseModel):
+    kind: Literal["auto", "list", "tags"]
+    endpoints: list[str] | None
+    tags: list[str] | None
+
+
+class ConstraintsOut(BaseModel):
+    tags: list[str]
+    gpu: bool
+    min_memory_mb: int
+
+
+class DecisionOut(BaseModel):
+    seq: int
+    task_id: str
+    function_id: str
+    endpoint_id: str
+    policy: str
+    selector: SelectorOut
+    constraints: ConstraintsOut
+    reason: str
+    exploration: bool
+    placed_at: float
+    predicted_s: float | None
+    predicted: PredictionOut | None
+    compared: list[PredictionOut]
+    pruned: int
+    state: Literal["placed", "done", "moved"]
+    completed_at: float | None
+    actual_s: float | None
+    runtime_s: float | None
+    error_s: float | None
+    ok: bool | None
+
+
+class DecisionSummary(BaseModel):
+    decisions: int
+    completed: int
+    mean_abs_error_s: float | None
+    mean_rel_error: float | None
+
+
+class DecisionsOut(BaseModel):
+    decisions: list[DecisionOut]
+    next_before: int | None
+    summary: DecisionSummary
+
+
+@router.get("/decisions", response_model=DecisionsOut)
+async def decisions(
+    h: HubDep,
+    user: UserDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    before: Annotated[int | None, Query(ge=1, description="seq cursor from next_before: older decisions")] = None,
+    task_id: Annotated[str | None, Query(min_length=1, max_length=100)] = None,
+    endpoint_id: Annotated[str | None, Query(min_length=1, max_length=100)] = None,
+    function_id: Annotated[str | None, Query(min_length=1, max_length=64)] = None,
+) -> Any:
+    """Recent placement decisions for the caller's tasks, newest first, with predicted vs actual."""
+    return await h.placement.decisions(user, limit, before, task_id, endpoint_id, function_id)

@@ -1,0 +1,602 @@
+"""Hub-side scheduling: one :class:`scheduler.Scheduler`, fed from what the dispatcher sees.
+
+Why it lives here and not in the dispatcher: the scheduler is pure logic and the dispatcher
+moves bytes; this module is the glue between them and the database.
+
+* **Feeding it.** :class:`PlacementService` is the dispatcher's observer
+  (:class:`cloud_hub.observer.DispatchObserver`): hellos register endpoints (workers, tags,
+  hardware class, GPU, memory), heartbeats report backlog and warm functions, every verified
+  frame is a timed message for the link model, the watchdog's "lost" feeds the availability
+  model, and every fresh result is a completion with the function's own run time
+  (``finished - started`` on the agent).
+* **Placing.** ``POST /v1/tasks[/batch]`` with ``endpoint_id`` = ``"auto"``, a list of ids or
+  ``{"tags": [...]}`` calls :meth:`PlacementService.place` before anything is stored; the whole
+  batch is placed in one call (list-scheduled by earliest predicted finish). Each placement
+  becomes a decision row written in the same transaction as the task rows, so a 2xx means both
+  are on disk, and a refusal stores neither.
+* **Tenancy.** Every endpoint carries a private tag naming its owner (``@owner:<user>``; user
+  tags cannot contain ``@``), and every request adds its caller's, so one user's "auto" can
+  never land on another user's device. An explicit list is checked against ownership by the
+  API first, and is passed to the scheduler as ``TaskInfo.endpoints``.
+* **Outages.** When the watchdog loses an endpoint, tasks the scheduler placed there that never
+  left the hub (queued, never dispatched) are placed again under the same selector; with the
+  outage-aware policy they move to a live endpoint (the old decision becomes ``moved``). Tasks
+  already handed to the agent stay: its durable queue runs them when it is back.
+* **Persistence.** Learned profiles are saved as one JSON document every
+  ``scheduler_save_s`` and at shutdown, and loaded at start-up; decisions are rows from the
+  start. After a restart, endpoints are re-registered from the endpoints table (offline until
+  their agents say hello again).
+
+The agent does not report cold starts separately: a worker's first call of a function pays
+its deserialization (and the function's own imports) inside the measured run time. The hub
+therefore uses a small cold-start prior (:data:`COLD_START_PRIOR_S`) for endpoints where a
+function is not warm yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import logging
+import math
+import pickle
+import re
+import sqlite3
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+from cloud_hub.observer import DispatchObserver
+from scheduler import Constraints, EndpointState, NoEligibleEndpoint, Scheduler, TaskInfo
+from scheduler.model import Placement
+from scheduler.profiles import Profiles
+
+if TYPE_CHECKING:
+    from cloud_hub.api.schemas import TaskIn
+    from cloud_hub.config import HubConfig
+    from cloud_hub.store import SqliteStore
+
+__all__ = ["PlacementService", "PlacementError", "owner_tag", "OWNER_PREFIX"]
+
+log = logging.getLogger("cloud_hub.placement")
+
+OWNER_PREFIX = "@owner:"
+COLD_START_PRIOR_S = 0.25
+MAX_COMPARED = 8  # predictions kept per decision (best first)
+_TAG = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_MOVE_LIMIT = 50_000  # stranded tasks re-placed per lost endpoint in one pass
+
+
+def owner_tag(user_id: str) -> str:
+    return OWNER_PREFIX + user_id
+
+
+class PlacementError(Exception):
+    """A placement request the hub refuses; ``status`` is the HTTP code."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(slots=True)
+class _Req:
+    """One task's selector, as stored with its decision (to explain it and to re-place it)."""
+
+    kind: str  # "auto" | "list" | "tags"
+    endpoints: list[str] | None
+    tags: list[str] | None
+    constraints: dict[str, Any]
+
+    def selector(self) -> dict[str, Any]:
+        return {"kind": self.kind, "endpoints": self.endpoints, "tags": self.tags}
+
+    def task_info(self, user_id: str, task_id: str, function_id: str, payload_bytes: int) -> TaskInfo:
+        c = self.constraints
+        tags = set(c.get("tags") or ()) | set(self.tags or ()) | {owner_tag(user_id)}
+        cons = Constraints(frozenset(tags), bool(c.get("gpu", False)), int(c.get("min_memory_mb", 0)))
+        ids = frozenset(self.endpoints) if self.endpoints is not None else None
+        return TaskInfo(task_id, function_id, payload_bytes, cons, endpoints=ids)
+
+
+def _finite(x: float | None, nd: int = 6) -> float | None:
+    if x is None or not math.isfinite(x):
+        return None
+    return round(x, nd)
+
+
+def _pred_dict(p: Any) -> dict[str, Any]:
+    d = p.to_dict()
+    for k, v in d.items():
+        if isinstance(v, float):
+            d[k] = _finite(v)
+    return d
+
+
+class _NoGlobals(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:  # noqa: ARG002 - never resolve anything
+        raise pickle.UnpicklingError("globals are not allowed here")
+
+
+def error_type(data: bytes | None) -> str | None:
+    """The remote exception's type name from a failed result's error blob, without running any
+    code: JSON is parsed, a pickle is read with an unpickler that resolves no globals (the
+    error dict is plain str/bytes; the exception inside stays opaque bytes)."""
+    if not data:
+        return None
+    try:
+        if data.startswith(b"json\n"):
+            d = json.loads(data[5:])
+        elif data.startswith(b"pickle\n"):
+            d = _NoGlobals(io.BytesIO(data[7:])).load()
+        else:
+            return None
+    except Exception:
+        return None
+    t = d.get("type") if isinstance(d, dict) else None
+    if not isinstance(t, str):
+        return None
+    return t.rsplit(".", 1)[-1]
+
+
+def _int(v: Any, default: int = 0) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return default
+
+
+class PlacementService(DispatchObserver):
+    def __init__(self, cfg: "HubConfig", store: "SqliteStore", kick: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.kick = kick or (lambda endpoint_id: None)
+        self.sched = self._new_scheduler(None)
+        self._owner: dict[str, str] = {}  # endpoint -> user
+        self._bg: set[asyncio.Task[Any]] = set()
+        self._saver: asyncio.Task[None] | None = None
+        self._changes = 0  # observations since the last save
+        self.stats = {"placed": 0, "moved": 0, "refused": 0, "saves": 0}
+
+    def _new_scheduler(self, state: dict[str, Any] | None) -> Scheduler:
+        kw: dict[str, Any] = {"policy": self.cfg.scheduler_policy, "dead_after_s": self.cfg.lost_after_s, "keep_decisions": 1000}
+        if state is not None:
+            return Scheduler.from_dict(state, **kw)
+        return Scheduler(profiles=Profiles(default_cold_start_s=COLD_START_PRIOR_S), **kw)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Load saved profiles and re-register every endpoint (offline until its hello)."""
+
+        def load(db: sqlite3.Connection) -> str | None:
+            row = db.execute("SELECT state FROM scheduler_state WHERE id=1").fetchone()
+            return row[0] if row else None
+
+        raw = await self.store.tx(load, durable=False)
+        if raw is not None:
+            try:
+                self.sched = self._new_scheduler(json.loads(raw))
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("saved scheduler profiles unusable (%s); starting with empty profiles", exc)
+        for e in await self.store.list_endpoints():
+            self._register(e["id"], e["user_id"], e["info"], online=False, now=None)
+        self._saver = asyncio.create_task(self._save_forever(), name="scheduler-save")
+
+    async def stop(self) -> None:
+        if self._saver is not None:
+            self._saver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._saver
+        if self._bg:
+            await asyncio.wait(list(self._bg), timeout=10)
+        await self.save()
+
+    async def save(self) -> None:
+        state = json.dumps(self.sched.to_dict(), separators=(",", ":"))
+        self._changes = 0
+
+        def q(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT INTO scheduler_state (id, saved, policy, state) VALUES (1, ?, ?, ?) "
+                "ON CONFLICT(id) DO UPDATE SET saved=excluded.saved, policy=excluded.policy, state=excluded.state",
+                (time.time(), self.sched.policy.name, state),
+            )
+
+        await self.store.tx(q)
+        self.stats["saves"] += 1
+
+    async def _save_forever(self) -> None:
+        last_prune = time.time()
+        while True:
+            await asyncio.sleep(self.cfg.scheduler_save_s)
+            try:
+                if self._changes:
+                    await self.save()
+                if time.time() - last_prune > 3600:
+                    last_prune = time.time()
+                    await self._prune(time.time() - self.cfg.result_ttl_s)
+            except Exception:
+                log.exception("saving scheduler state failed")
+
+    async def _prune(self, older_than: float) -> None:
+        def q(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM scheduler_decisions WHERE placed_at < ? AND state != 'placed'", (older_than,))
+
+        await self.store.tx(q, durable=False)
+
+    def _spawn(self, coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(t)
+
+        def done(task: asyncio.Task[Any]) -> None:
+            self._bg.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                log.error("scheduler background work failed", exc_info=task.exception())
+
+        t.add_done_callback(done)
+
+    # ------------------------------------------------------------------ endpoints
+    def _register(self, endpoint_id: str, user_id: str, info: dict[str, Any], *, online: bool, now: float | None) -> None:
+        self._owner[endpoint_id] = user_id
+        raw_tags = info.get("tags") or []
+        tags = {t for t in raw_tags if isinstance(t, str) and _TAG.match(t)} if isinstance(raw_tags, list) else set()
+        hw = info.get("hardware")
+        # Without a declared hardware class each endpoint is its own group: profiled on its own.
+        hardware = hw if isinstance(hw, str) and _TAG.match(hw) else f"endpoint:{endpoint_id}"
+        ep = EndpointState(
+            endpoint_id,
+            workers=max(1, _int(info.get("capacity"), 1)),
+            hardware=hardware,
+            tags=frozenset(tags | {owner_tag(user_id)}),
+            gpu=info.get("gpu") is True,
+            memory_mb=max(0, _int(info.get("memory_mb"))),
+            online=online,
+        )
+        nodes = self.sched.fleet.nodes
+        old = nodes[endpoint_id].ep if endpoint_id in nodes else None
+        if old is None or (old.signature(), old.workers, old.online) != (ep.signature(), ep.workers, ep.online):
+            self.sched.add_endpoint(ep, now)
+
+    def endpoint_online(self, endpoint_id: str, now: float, info: dict[str, Any]) -> None:
+        user = self._owner.get(endpoint_id)
+        if user is None:  # enrolled since start-up: look its owner up
+            self._spawn(self._register_new(endpoint_id, now, info))
+            return
+        self._register(endpoint_id, user, info, online=True, now=now)
+        self.sched.heartbeat(endpoint_id, now)
+        self._changes += 1
+
+    async def _register_new(self, endpoint_id: str, now: float, info: dict[str, Any]) -> None:
+        rows = await self.store.list_endpoints(endpoint_id=endpoint_id)
+        if rows:
+            self._register(endpoint_id, rows[0]["user_id"], info, online=True, now=now)
+            self.sched.heartbeat(endpoint_id, now)
+            self._changes += 1
+
+    def endpoint_lost(self, endpoint_id: str, now: float, last_seen: float) -> None:
+        if endpoint_id not in self.sched.fleet:
+            return
+        self.sched.endpoint_offline(endpoint_id, now, last_seen)
+        self._changes += 1
+        self._spawn(self._replace_stranded(endpoint_id))
+
+    def heartbeat(self, endpoint_id: str, now: float, info: dict[str, Any]) -> None:
+        if endpoint_id not in self.sched.fleet:
+            return
+        warm = info.get("warm")
+        self.sched.heartbeat(
+            endpoint_id, now,
+            queued=max(0, _int(info.get("queued"))),
+            running=max(0, _int(info.get("running"))),
+            warm_functions=[w for w in warm if isinstance(w, str)] if isinstance(warm, list) else None,
+            workers=max(1, _int(info.get("capacity"), 1)),
+        )
+        self._changes += 1
+
+    def frame_received(self, endpoint_id: str, kind: str, nbytes: int, sent_at: float, now: float) -> None:
+        # A hello may come from a device whose clock is still wrong (it learns ours from the
+        # welcome), so only later frames are timed. Clock error between hub and agent is at
+        # most half the welcome's round trip; a slightly negative reading counts as 0.
+        if kind == "hello" or endpoint_id not in self.sched.fleet:
+            return
+        dt = now - sent_at
+        if -1.0 < dt < 120.0:
+            self.sched.message_timing(endpoint_id, nbytes, max(dt, 0.0), now)
+
+    def results_stored(self, endpoint_id: str, now: float, results: Sequence[dict[str, Any]], fresh: set[str]) -> None:
+        if not fresh:
+            return
+        done: list[tuple[float, float | None, int, str]] = []  # decision updates
+        unknown: list[tuple[str, float, int, bool, str | None]] = []
+        for r in results:
+            tid = r.get("id")
+            if tid not in fresh:
+                continue
+            ok = bool(r.get("ok"))
+            started, finished = r.get("started"), r.get("finished")
+            runtime = None
+            if isinstance(started, (int, float)) and isinstance(finished, (int, float)) and finished >= started:
+                runtime = float(finished - started)
+            data = r.get("data") or b""
+            err = None if ok else error_type(data)
+            done.append((now, runtime, int(ok), tid))
+            if runtime is None:
+                continue
+            try:
+                self.sched.task_completed(tid, now, runtime, result_bytes=len(data), ok=ok, error=err)
+            except KeyError:  # not placed by this scheduler (an explicit endpoint, or before a restart)
+                unknown.append((tid, runtime, len(data), ok, err))
+        self._changes += len(done)
+        self._spawn(self._record_results(endpoint_id, now, done, unknown))
+
+    async def _record_results(self, endpoint_id: str, now: float, done: list[tuple[float, float | None, int, str]],
+                              unknown: list[tuple[str, float, int, bool, str | None]]) -> None:
+        def q(db: sqlite3.Connection) -> dict[str, str]:
+            db.executemany(
+                "UPDATE scheduler_decisions SET state='done', completed_at=?1, actual_s=?1 - placed_at, runtime_s=?2, ok=?3 "
+                "WHERE task_id=?4 AND state='placed'",
+                done,
+            )
+            fns: dict[str, str] = {}
+            ids = [u[0] for u in unknown]
+            for i in range(0, len(ids), 500):
+                chunk = ids[i:i + 500]
+                fns.update(db.execute(f"SELECT id, function_id FROM tasks WHERE id IN ({','.join('?' * len(chunk))})", chunk).fetchall())
+            return fns
+
+        fns = await self.store.tx(q, durable=False)
+        if endpoint_id not in self.sched.fleet:
+            return
+        for tid, runtime, nbytes, ok, err in unknown:
+            f = fns.get(tid)
+            if f is not None:
+                self.sched.task_completed(tid, now, runtime, result_bytes=nbytes, ok=ok, error=err,
+                                          endpoint_id=endpoint_id, function_id=f, payload_bytes=0)
+
+    # ------------------------------------------------------------------ placement at submit
+    @staticmethod
+    def request_of(t: "TaskIn") -> _Req | None:
+        """The selector of one submitted task, or None for a concrete endpoint id."""
+        sel = t.endpoint_id
+        cons = t.constraints.model_dump() if t.constraints is not None else {"tags": [], "gpu": False, "min_memory_mb": 0}
+        if isinstance(sel, str):
+            if sel != "auto":
+                return None
+            return _Req("auto", None, None, cons)
+        if isinstance(sel, list):
+            return _Req("list", sorted(set(sel)), None, cons)
+        return _Req("tags", None, sorted(set(sel.tags)), cons)
+
+    def place(self, user_id: str, tasks: Sequence["TaskIn"], rows: list[dict[str, Any]], now: float) -> list[tuple[Any, ...]]:
+        """Place every selector task of a batch at once; fill in ``rows[i]["endpoint_id"]`` and
+        return the decision rows to store with them. Raises :class:`PlacementError` (and leaves
+        no trace) when a task cannot be placed."""
+        infos: list[TaskInfo] = []
+        reqs: dict[str, _Req] = {}
+        index: dict[str, int] = {}
+        for i, (t, row) in enumerate(zip(tasks, rows)):
+            req = self.request_of(t)
+            if req is None:
+                self._check_concrete(i, t, row["endpoint_id"])
+                continue
+            infos.append(req.task_info(user_id, row["id"], t.function_id, len(t.args)))
+            reqs[row["id"]] = req
+            index[row["id"]] = i
+        if not infos:
+            return []
+        self._check_eligible(user_id, infos, reqs, index)
+        try:
+            placements = self.sched.place(infos, now)
+        except NoEligibleEndpoint as exc:
+            # Every endpoint the selector allows has blocked the function (it failed there
+            # with a missing module or out of memory); the scheduler's message names the task.
+            self.sched.retract(i.task_id for i in infos)
+            self.stats["refused"] += 1
+            raise PlacementError(409, f"no eligible endpoint for task {index.get(exc.task_id, '?')}: "
+                                      "the function failed with a missing module or out of memory on every endpoint it may use") from None
+        by_id = {r["id"]: r for r in rows}
+        out = []
+        for pl in placements:
+            by_id[pl.task_id]["endpoint_id"] = pl.endpoint_id
+            out.append(self._decision_row(user_id, pl, reqs[pl.task_id]))
+        self.stats["placed"] += len(out)
+        return out
+
+    def retract(self, decisions: Iterable[tuple[Any, ...]]) -> None:
+        """The batch was not stored after all: forget its placements."""
+        self.sched.retract(d[0] for d in decisions)
+
+    @staticmethod
+    def writer(decisions: list[tuple[Any, ...]]) -> Callable[[sqlite3.Connection], None] | None:
+        """Stores the decisions inside the transaction that inserts their tasks."""
+        if not decisions:
+            return None
+
+        def q(db: sqlite3.Connection) -> None:
+            db.executemany(
+                "INSERT INTO scheduler_decisions (task_id, user_id, function_id, endpoint_id, policy, placed_at, predicted_s, state, detail) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, 'placed', ?)",
+                decisions,
+            )
+
+        return q
+
+    def _decision_row(self, user_id: str, pl: Placement, req: _Req) -> tuple[Any, ...]:
+        pred = pl.predicted
+        compared = pl.compared[:MAX_COMPARED]
+        detail = {
+            "selector": req.selector(),
+            "constraints": req.constraints,
+            "reason": pl.reason,
+            "exploration": pl.exploration,
+            "pruned": pl.pruned,
+            "predicted": _pred_dict(pred) if pred is not None else None,
+            "compared": [_pred_dict(p) for p in compared],
+        }
+        return (pl.task_id, user_id, pl.function_id, pl.endpoint_id, pl.policy, pl.placed_at,
+                _finite(pred.total) if pred is not None else None, json.dumps(detail, separators=(",", ":")))
+
+    def _check_concrete(self, i: int, t: "TaskIn", endpoint_id: str) -> None:
+        """A concrete endpoint with constraints: refuse if it is known not to satisfy them."""
+        c = t.constraints
+        nodes = self.sched.fleet.nodes
+        if c is None or endpoint_id not in nodes:
+            return
+        cons = Constraints(frozenset(c.tags), c.gpu, c.min_memory_mb)
+        if not cons.allows(nodes[endpoint_id].ep):
+            self.stats["refused"] += 1
+            raise PlacementError(409, f"task {i}: endpoint {endpoint_id} does not satisfy the constraints {cons.describe()}")
+
+    def _check_eligible(self, user_id: str, infos: list[TaskInfo], reqs: dict[str, _Req], index: dict[str, int]) -> None:
+        """A clear 409 naming the first task nothing can run, before anything is placed."""
+        fleet = self.sched.fleet
+        mine = fleet.eligible(Constraints(frozenset({owner_tag(user_id)})))
+        seen: set[tuple[Constraints, frozenset[str] | None]] = set()
+        for info in infos:
+            key = (info.constraints, info.endpoints)
+            if key in seen:
+                continue
+            seen.add(key)
+            nodes = fleet.eligible(info.constraints)
+            if info.endpoints is not None:
+                nodes = [n for n in nodes if n.id in info.endpoints]
+            if nodes:
+                continue
+            self.stats["refused"] += 1
+            req = reqs[info.task_id]
+            want = Constraints(info.constraints.tags - {owner_tag(user_id)}, info.constraints.gpu, info.constraints.min_memory_mb)
+            if not mine:
+                why = "none of your endpoints has connected to the hub yet (start an agent first)"
+            elif req.kind == "list":
+                known = [e for e in req.endpoints or () if e in fleet]
+                if not known:
+                    why = f"none of the listed endpoints has connected to the hub yet: {', '.join(req.endpoints or ())}"
+                else:
+                    why = f"none of the listed endpoints satisfies {want.describe()}"
+            else:
+                why = f"none of your {len(mine)} endpoints satisfies {want.describe()}"
+            raise PlacementError(409, f"no eligible endpoint for task {index[info.task_id]} (endpoint_id {req.kind}): {why}")
+
+    # ------------------------------------------------------------------ outages
+    async def _replace_stranded(self, endpoint_id: str) -> None:
+        """Tasks placed on a lost endpoint that never left the hub go where they can run now."""
+
+        def find(db: sqlite3.Connection) -> list[tuple[str, str, str, str, int]]:
+            return db.execute(
+                "SELECT t.id, t.user_id, t.function_id, d.detail, LENGTH(t.args) FROM tasks t "
+                "JOIN scheduler_decisions d ON d.task_id = t.id AND d.state = 'placed' "
+                "WHERE t.endpoint_id = ? AND t.state = 'queued' AND t.dispatched IS NULL "
+                "ORDER BY t.created LIMIT ?",
+                (endpoint_id, _MOVE_LIMIT),
+            ).fetchall()
+
+        rows = await self.store.tx(find, durable=False)
+        if not rows:
+            return
+        node = self.sched.fleet.nodes.get(endpoint_id)
+        if node is None or node.ep.online:  # it came back meanwhile: leave them
+            return
+        now = time.time()
+        infos, reqs, users = [], {}, {}
+        for tid, uid, fid, detail, nbytes in rows:
+            d = json.loads(detail)
+            sel = d["selector"]
+            req = _Req(sel["kind"], sel.get("endpoints"), sel.get("tags"), d.get("constraints") or {})
+            self.sched.task_requeued(tid, now)
+            infos.append(req.task_info(uid, tid, fid, nbytes or 0))
+            reqs[tid], users[tid] = req, uid
+        try:
+            placements = self.sched.place(infos, now)
+        except NoEligibleEndpoint:
+            self.sched.retract(i.task_id for i in infos)
+            return  # nowhere else allowed (the function is blocked elsewhere): they wait
+        moves = [pl for pl in placements if pl.endpoint_id != endpoint_id]
+        if not moves:
+            return
+        decisions = [self._decision_row(users[pl.task_id], pl, reqs[pl.task_id]) for pl in moves]
+
+        def move(db: sqlite3.Connection) -> list[int]:
+            ok = []
+            for i, pl in enumerate(moves):
+                n = db.execute(
+                    "UPDATE tasks SET endpoint_id=? WHERE id=? AND endpoint_id=? AND state='queued' AND dispatched IS NULL",
+                    (pl.endpoint_id, pl.task_id, endpoint_id),
+                ).rowcount
+                if n:
+                    db.execute("UPDATE scheduler_decisions SET state='moved' WHERE task_id=? AND state='placed'", (pl.task_id,))
+                    db.execute(
+                        "INSERT INTO scheduler_decisions (task_id, user_id, function_id, endpoint_id, policy, placed_at, predicted_s, state, detail) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, 'placed', ?)",
+                        decisions[i],
+                    )
+                    ok.append(i)
+            return ok
+
+        moved = set(await self.store.tx(move))
+        lost = [pl.task_id for i, pl in enumerate(moves) if i not in moved]
+        if lost:  # leased meanwhile (the endpoint came back): those placements never happened
+            self.sched.retract(lost)
+        self.stats["moved"] += len(moved)
+        log.info("endpoint %s lost: %d queued tasks placed again elsewhere", endpoint_id, len(moved))
+        for ep in {moves[i].endpoint_id for i in moved}:
+            self.kick(ep)
+
+    # ------------------------------------------------------------------ decisions API
+    async def decisions(self, user_id: str, limit: int, before: int | None = None, task_id: str | None = None,
+                        endpoint_id: str | None = None, function_id: str | None = None) -> dict[str, Any]:
+        def q(db: sqlite3.Connection) -> dict[str, Any]:
+            sql = ("SELECT seq, task_id, function_id, endpoint_id, policy, placed_at, predicted_s, state, completed_at, "
+                   "actual_s, runtime_s, ok, detail FROM scheduler_decisions WHERE user_id=?")
+            args: list[Any] = [user_id]
+            for col, val in (("task_id", task_id), ("endpoint_id", endpoint_id), ("function_id", function_id)):
+                if val is not None:
+                    sql += f" AND {col}=?"
+                    args.append(val)
+            if before is not None:
+                sql += " AND seq < ?"
+                args.append(before)
+            rows = db.execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit + 1)).fetchall()
+            more = len(rows) > limit
+            rows = rows[:limit]
+            n, n_done, mae, mre = db.execute(
+                "SELECT COUNT(*), COUNT(actual_s), AVG(CASE WHEN ok=1 THEN ABS(actual_s - predicted_s) END), "
+                "AVG(CASE WHEN ok=1 AND actual_s > 0 THEN ABS(actual_s - predicted_s) / actual_s END) "
+                "FROM scheduler_decisions WHERE user_id=?",
+                (user_id,),
+            ).fetchone()
+            return {
+                "decisions": [_decision_out(r) for r in rows],
+                "next_before": rows[-1][0] if more and rows else None,
+                "summary": {"decisions": n, "completed": n_done, "mean_abs_error_s": _finite(mae), "mean_rel_error": _finite(mre)},
+            }
+
+        return await self.store.tx(q, durable=False)
+
+
+def _decision_out(r: tuple[Any, ...]) -> dict[str, Any]:
+    seq, tid, fid, eid, policy, placed, pred_s, state, completed, actual, runtime, ok, detail = r
+    d = json.loads(detail)
+    return {
+        "seq": seq,
+        "task_id": tid,
+        "function_id": fid,
+        "endpoint_id": eid,
+        "policy": policy,
+        "selector": d.get("selector"),
+        "constraints": d.get("constraints"),
+        "reason": d.get("reason", ""),
+        "exploration": bool(d.get("exploration")),
+        "placed_at": placed,
+        "predicted_s": pred_s,
+        "predicted": d.get("predicted"),
+        "compared": d.get("compared", []),
+        "pruned": d.get("pruned", 0),
+        "state": state,
+        "completed_at": completed,
+        "actual_s": _finite(actual),
+        "runtime_s": _finite(runtime),
+        "error_s": _finite(actual - pred_s) if actual is not None and pred_s is not None else None,
+        "ok": None if ok is None else bool(ok),
+    }
