@@ -279,3 +279,35 @@ def test_backlog_reported_by_heartbeat_counts_as_queue() -> None:
     pl = s.place([TaskInfo("b", "f")], 3.0)[0]
     assert pl.endpoint_id == "idle"
     assert s.fleet.node("busy").wait > 1.0
+
+
+def test_retract_undoes_a_batch_including_its_probes() -> None:
+    """A batch the hub refuses after placing it (a later task had no eligible endpoint, or the
+    database write failed) must leave no trace: no ledger entries, no probes in flight."""
+    s = Scheduler("delta")
+    s.add_endpoint(ep("a", "pi4"), 0.0)
+    s.add_endpoint(ep("b", "pi5"), 0.0)
+    bad = TaskInfo("t-bad", "f", constraints=Constraints(gpu=True))
+    with pytest.raises(NoEligibleEndpoint):
+        s.place([TaskInfo("t0", "f"), TaskInfo("t1", "f"), bad], 0.0)
+    assert len(s.fleet.ledger) == 2  # the two before the failure are in the ledger ...
+    s.retract(["t0", "t1", "t-bad"])
+    assert s.fleet.ledger == {} and s.in_flight == 0  # ... and gone after retract
+    assert s.policy.probes == {}
+    # so the next batch probes both hardware groups again
+    pls = s.place([TaskInfo("u0", "f"), TaskInfo("u1", "f")], 1.0)
+    assert {p.endpoint_id for p in pls} == {"a", "b"} and all(p.reason.startswith("probe") for p in pls)
+    s.retract(["u0"])
+    assert list(s.fleet.ledger) == ["u1"] and s.in_flight == 1
+
+
+def test_an_explicit_endpoint_list_limits_every_placement() -> None:
+    s = Scheduler("delta-outage-aware")
+    for e, hw in (("a", "x"), ("b", "y"), ("c", "z")):
+        s.add_endpoint(ep(e, hw, tags=frozenset({"farm"}) if e != "c" else frozenset()), 0.0)
+    teach(s, "f", {"a": 8.0, "b": 4.0, "c": 1.0}, 0.0)
+    pls = s.place([TaskInfo(f"t{i}", "f", endpoints=frozenset({"a", "b"})) for i in range(30)], 1.0)
+    assert {p.endpoint_id for p in pls} == {"a", "b"}  # c, the fastest, is not in the list
+    assert all({c.endpoint_id for c in p.compared} <= {"a", "b"} for p in pls)
+    with pytest.raises(NoEligibleEndpoint, match="rule out the 1 listed endpoints"):
+        s.place([TaskInfo("x", "f", constraints=Constraints(frozenset({"farm"})), endpoints=frozenset({"c"}))], 2.0)
