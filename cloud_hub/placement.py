@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from cloud_hub.observer import DispatchObserver
 from scheduler import Constraints, EndpointState, NoEligibleEndpoint, Scheduler, TaskInfo
-from scheduler.model import Placement
+from scheduler.model import Placement, Prediction
 from scheduler.profiles import Profiles
 
 if TYPE_CHECKING:
@@ -67,6 +67,7 @@ COLD_START_PRIOR_S = 0.25
 MAX_COMPARED = 8  # predictions kept per decision (best first)
 _TAG = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _MOVE_LIMIT = 50_000  # stranded tasks re-placed per lost endpoint in one pass
+_PLACE_CHUNK = 500  # tasks placed between two yields to the event loop
 
 
 def owner_tag(user_id: str) -> str:
@@ -107,12 +108,18 @@ def _finite(x: float | None, nd: int = 6) -> float | None:
     return round(x, nd)
 
 
-def _pred_dict(p: Any) -> dict[str, Any]:
-    d = p.to_dict()
-    for k, v in d.items():
-        if isinstance(v, float):
-            d[k] = _finite(v)
-    return d
+_PRED_FIELDS = ("endpoint_id", "total", "transfer_in", "queue", "cold", "run", "transfer_out", "outage", "source", "exploration")
+
+
+def _pred_row(p: Prediction) -> list[Any]:
+    """A prediction as stored: a compact array in :data:`_PRED_FIELDS` order (a decision row is
+    written for every placed task, so its size matters)."""
+    return [p.endpoint_id, _finite(p.total), _finite(p.transfer_in), _finite(p.queue), _finite(p.cold), _finite(p.run),
+            _finite(p.transfer_out), _finite(p.outage), p.source, p.exploration]
+
+
+def _pred_out(a: list[Any] | None) -> dict[str, Any] | None:
+    return dict(zip(_PRED_FIELDS, a)) if a is not None else None
 
 
 class _NoGlobals(pickle.Unpickler):
@@ -369,8 +376,23 @@ class PlacementService(DispatchObserver):
             return _Req("list", sorted(set(sel)), None, cons)
         return _Req("tags", None, sorted(set(sel.tags)), cons)
 
-    def place(self, user_id: str, tasks: Sequence["TaskIn"], rows: list[dict[str, Any]], now: float) -> list[tuple[Any, ...]]:
-        """Place every selector task of a batch at once; fill in ``rows[i]["endpoint_id"]`` and
+    async def _place(self, infos: list[TaskInfo], now: float) -> list[Placement]:
+        """``Scheduler.place`` in chunks, yielding to the event loop in between so that a big
+        batch does not stall heartbeats and results. List scheduling is sequential anyway: each
+        chunk sees the ledger as the previous ones left it. On error nothing stays placed."""
+        out: list[Placement] = []
+        try:
+            for i in range(0, len(infos), _PLACE_CHUNK):
+                if i:
+                    await asyncio.sleep(0)
+                out.extend(self.sched.place(infos[i:i + _PLACE_CHUNK], now))
+        except BaseException:
+            self.sched.retract(x.task_id for x in infos)
+            raise
+        return out
+
+    async def place(self, user_id: str, tasks: Sequence["TaskIn"], rows: list[dict[str, Any]], now: float) -> list[tuple[Any, ...]]:
+        """Place every selector task of a batch together; fill in ``rows[i]["endpoint_id"]`` and
         return the decision rows to store with them. Raises :class:`PlacementError` (and leaves
         no trace) when a task cannot be placed."""
         infos: list[TaskInfo] = []
@@ -388,11 +410,10 @@ class PlacementService(DispatchObserver):
             return []
         self._check_eligible(user_id, infos, reqs, index)
         try:
-            placements = self.sched.place(infos, now)
+            placements = await self._place(infos, now)
         except NoEligibleEndpoint as exc:
             # Every endpoint the selector allows has blocked the function (it failed there
             # with a missing module or out of memory); the scheduler's message names the task.
-            self.sched.retract(i.task_id for i in infos)
             self.stats["refused"] += 1
             raise PlacementError(409, f"no eligible endpoint for task {index.get(exc.task_id, '?')}: "
                                       "the function failed with a missing module or out of memory on every endpoint it may use") from None
@@ -432,8 +453,8 @@ class PlacementService(DispatchObserver):
             "reason": pl.reason,
             "exploration": pl.exploration,
             "pruned": pl.pruned,
-            "predicted": _pred_dict(pred) if pred is not None else None,
-            "compared": [_pred_dict(p) for p in compared],
+            "p": _pred_row(pred) if pred is not None else None,
+            "c": [_pred_row(p) for p in compared],
         }
         return (pl.task_id, user_id, pl.function_id, pl.endpoint_id, pl.policy, pl.placed_at,
                 _finite(pred.total) if pred is not None else None, json.dumps(detail, separators=(",", ":")))
@@ -508,9 +529,8 @@ class PlacementService(DispatchObserver):
             infos.append(req.task_info(uid, tid, fid, nbytes or 0))
             reqs[tid], users[tid] = req, uid
         try:
-            placements = self.sched.place(infos, now)
+            placements = await self._place(infos, now)
         except NoEligibleEndpoint:
-            self.sched.retract(i.task_id for i in infos)
             return  # nowhere else allowed (the function is blocked elsewhere): they wait
         moves = [pl for pl in placements if pl.endpoint_id != endpoint_id]
         if not moves:
@@ -590,8 +610,8 @@ def _decision_out(r: tuple[Any, ...]) -> dict[str, Any]:
         "exploration": bool(d.get("exploration")),
         "placed_at": placed,
         "predicted_s": pred_s,
-        "predicted": d.get("predicted"),
-        "compared": d.get("compared", []),
+        "predicted": _pred_out(d.get("p")),
+        "compared": [_pred_out(c) for c in d.get("c", [])],
         "pruned": d.get("pruned", 0),
         "state": state,
         "completed_at": completed,

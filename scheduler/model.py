@@ -195,8 +195,8 @@ class Placement:
     """Where one task goes and why.
 
     ``predicted`` is the prediction for the chosen endpoint; ``compared`` the predictions the
-    policy compared, best first (for delta with pruning: the best endpoint of every hardware
-    group it looked at, winner included); ``pruned`` counts the endpoints it proved could not
+    policy compared, best first (for delta with pruning: the best endpoint of each of the
+    best groups it looked at, at most ``max_compared``, winner included); ``pruned`` counts the endpoints it proved could not
     win without evaluating them. ``reason`` is a short text for the console ("smallest
     predicted completion", "probe: first run of f on pi4", ...). Policies may store the
     predictions as tuples (``raw_predicted``/``raw_compared``, in :class:`Prediction` field

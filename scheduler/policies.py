@@ -15,6 +15,7 @@ Every placement carries the predictions the policy compared, so the console can 
 
 from __future__ import annotations
 
+import heapq
 import random
 from typing import Callable, Container, Protocol, Sequence, runtime_checkable
 
@@ -281,10 +282,14 @@ class DeltaPolicy(_Exploring):
     name = "delta"
 
     def __init__(self, profiles: Profiles | None = None, *, probe: bool = True, prune: bool = True,
-                 explain: bool = True) -> None:
+                 explain: bool = True, max_compared: int = 8) -> None:
         super().__init__(profiles, probe=probe)
         self.prune = prune
         self.explain = explain
+        # Predictions kept per placement: the best endpoint of each of the best groups. With
+        # hundreds of small groups (endpoints without a shared hardware class) assembling all
+        # of them would cost more than the search itself.
+        self.max_compared = max(1, max_compared)
 
     def _search(self, task: TaskInfo, groups: Sequence[Group], now: float, probe: bool = False):
         return self.predictor.search(task, groups, now, prune=self.prune, batch_stable=not probe)  # type: ignore[union-attr]
@@ -320,6 +325,8 @@ class DeltaPolicy(_Exploring):
             if len(gb) == 1:
                 compared = (pred,)
             else:
+                if len(gb) > self.max_compared:  # the winner is the smallest (total, idx): kept
+                    gb = heapq.nsmallest(self.max_compared, gb, key=lambda x: (x[0], x[1].idx))
                 compared = tuple(
                     pred if n is node else assemble(task, n, now, run, cold, src, outage_aware=aware, ob=ob)
                     for _, n, run, cold, src in gb

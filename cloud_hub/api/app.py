@@ -321,7 +321,7 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn]) -> tuple[list[str], li
         for t in tasks
     ]
     try:
-        decisions = h.placement.place(user, tasks, rows, now)
+        decisions = await h.placement.place(user, tasks, rows, now)
     except PlacementError as exc:
         raise HTTPException(exc.status, str(exc)) from None
     try:
