@@ -11,10 +11,12 @@ import typer
 from rich.console import Console
 
 from cloud_hub.config import HubConfig
+from cloud_hub.fleet_cli import fleet_app
 
 app = typer.Typer(help="Continuum Mesh hub.", no_args_is_help=True)
 token_app = typer.Typer(help="API tokens (stored hashed; shown once).")
 app.add_typer(token_app, name="token")
+app.add_typer(fleet_app, name="fleet")
 console = Console()
 
 

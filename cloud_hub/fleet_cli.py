@@ -1,0 +1,71 @@
+"""``mesh-hub fleet``: balena fleet devices and their enrollment tokens (see cloud_hub/fleet.py)."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["fleet_app"]
+
+fleet_app = typer.Typer(help="balena fleets: device online state, per-device enrollment tokens.", no_args_is_help=True)
+console = Console()
+
+BalenaToken = typer.Option("", "--balena-token", envvar="BALENA_API_TOKEN", help="balena API token (env BALENA_API_TOKEN)")
+BalenaApi = typer.Option(None, "--balena-api-url", envvar="BALENA_API_URL", help="API URL (openBalena); default https://api.balena-cloud.com/")
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    console.print(f"[red]error:[/red] {exc}")
+    return typer.Exit(2)
+
+
+@fleet_app.command("ls")
+def fleet_ls(fleet: str = typer.Argument(..., help="fleet slug, e.g. my-org/field-pis"),
+             balena_token: str = BalenaToken, balena_api_url: Optional[str] = BalenaApi) -> None:
+    """The fleet's devices: online state, last contact, whether they hold an enrollment token."""
+    from cloud_hub.fleet import TOKEN_VAR, BalenaFleet, FleetError
+
+    try:
+        with BalenaFleet(balena_token, api_url=balena_api_url) as bf:
+            devices = bf.devices(fleet)
+    except FleetError as exc:
+        raise _fail(exc) from None
+    t = Table("device", "uuid", "online", "last seen", "enroll token", title=f"fleet {fleet}")
+    for d in devices:
+        t.add_row(d.name, d.uuid[:7], "[green]online[/green]" if d.online else "[red]offline[/red]", d.last_seen or "-",
+                  "set" if TOKEN_VAR in d.env else "-")
+    console.print(t)
+    console.print(f"{sum(d.online for d in devices)}/{len(devices)} online")
+
+
+@fleet_app.command("push-tokens")
+def fleet_push_tokens(
+    fleet: str = typer.Argument(..., help="fleet slug, e.g. my-org/field-pis"),
+    hub: str = typer.Option(..., "--hub", envvar="MESH_HUB_URL", help="hub URL used to mint tokens"),
+    token: str = typer.Option(..., "--token", envvar="MESH_HUB_TOKEN", help="your hub API token (env MESH_HUB_TOKEN)"),
+    device_hub_url: Optional[str] = typer.Option(None, "--device-hub-url", help="hub URL as devices reach it (default: --hub)"),
+    ttl_s: float = typer.Option(7 * 86400, "--ttl-s", help="token lifetime in seconds"),
+    force: bool = typer.Option(False, "--force", help="also devices that have a token or are enrolled"),
+    device: Optional[List[str]] = typer.Option(None, "--device", help="only these device names (repeatable)"),
+    balena_token: str = BalenaToken,
+    balena_api_url: Optional[str] = BalenaApi,
+) -> None:
+    """Mint one single-use enrollment token per device and set it as its device variable."""
+    import httpx
+
+    from cloud_hub.client import Client, HubError
+    from cloud_hub.fleet import BalenaFleet, FleetError, push_tokens
+
+    try:
+        with BalenaFleet(balena_token, api_url=balena_api_url) as bf, Client(hub, token) as client:
+            outcomes = push_tokens(bf, fleet, client, device_hub_url or hub, ttl_s=ttl_s, force=force,
+                                   only=set(device) if device else None)
+    except (FleetError, HubError, httpx.HTTPError) as exc:
+        raise _fail(exc) from None
+    t = Table("device", "result", title=f"fleet {fleet}")
+    for o in outcomes:
+        t.add_row(o.device, o.action)
+    console.print(t)
