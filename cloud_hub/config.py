@@ -37,6 +37,26 @@ class HubConfig(BaseModel):
     bootstrap_user: str | None = Field(None, description="create this user at start-up if missing")
     scheduler_policy: str = Field("delta-outage-aware", description="placement policy for endpoint 'auto' / lists / tag selectors")
     scheduler_save_s: float = Field(30.0, gt=0, description="how often learned scheduler profiles are saved (and at shutdown)")
+    # Globus Auth (cloud_hub/globus_auth.py): accept Globus access tokens issued for this client.
+    globus_client_id: str | None = None
+    globus_client_secret: str | None = None
+    globus_scope: str | None = Field(None, description="a scope the token must carry (the hub's own scope)")
+    globus_allowed_domains: list[str] = Field(default_factory=list, description="identity domains that get a hub user on first use")
+    globus_users: dict[str, str] = Field(default_factory=dict, description="Globus username -> hub user name")
+    globus_cache_s: float = Field(60.0, ge=0, description="how long an introspection answer is reused")
+
+    @field_validator("globus_allowed_domains", mode="before")
+    @classmethod
+    def _comma_list(cls, v: object) -> object:
+        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
+
+    @field_validator("globus_users", mode="before")
+    @classmethod
+    def _pairs(cls, v: object) -> object:
+        """``MESH_HUB_GLOBUS_USERS="alice@uni.edu=alice,bob@lab.org=bob"``."""
+        if isinstance(v, str):
+            return dict(p.split("=", 1) for p in v.split(",") if "=" in p)
+        return v
 
     @field_validator("scheduler_policy")
     @classmethod

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import random
@@ -79,6 +80,8 @@ class Agent:
         self._creds = creds
         self._link_factory = link_factory
         self.store = AgentStore(cfg.queue_path, cfg.durable_sync)
+        if cfg.globus is not None:  # workers (spawned later, they inherit it) stage Globus files
+            os.environ["MESH_STAGING"] = json.dumps({**json.loads(cfg.globus.model_dump_json()), "credentials_file": str(cfg.credentials_file)})
         self.engine: LocalEngine | ParslEngine
         if cfg.engine == "parsl":  # HPC: same interface and result semantics, work on batch-job workers
             from mesh_agent.engine.parsl_engine import ParslEngine

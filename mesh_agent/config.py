@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
-__all__ = ["AgentConfig", "Credentials", "ConfigError", "ParslSettings", "load_config", "write_private"]
+__all__ = ["AgentConfig", "Credentials", "ConfigError", "GlobusStaging", "ParslSettings", "load_config", "write_private"]
 
 
 class ConfigError(ValueError):
@@ -81,6 +81,22 @@ class ParslSettings(BaseModel):
         return self
 
 
+class GlobusStaging(BaseModel):
+    """``globus:``: this endpoint's own Globus collection, where task inputs are staged to.
+
+    ``local_root`` is the local directory that the collection's ``/`` maps to (for Globus Connect
+    Personal, its shared folder). The client id and secret of the Globus service client that
+    runs the transfers go in the credentials file (``globus_client_id``, ``globus_client_secret``).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    local_collection: str = Field(min_length=1, description="collection (endpoint) id of this machine")
+    local_root: Path
+    staging_dir: Path | None = Field(None, description="under local_root; default <local_root>/.mesh-staging")
+    timeout_s: float = Field(3600.0, gt=0, description="a transfer not done by then fails the task and is cancelled")
+    poll_s: float = Field(2.0, gt=0, description="longest wait between transfer status checks")
+
+
 class AgentConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -101,6 +117,7 @@ class AgentConfig(BaseModel):
     durable_sync: Literal["full", "normal"] = "full"
     engine: Literal["local", "parsl"] = Field("local", description="local: warm worker pool; parsl: HPC batch jobs")
     parsl: ParslSettings = ParslSettings()
+    globus: GlobusStaging | None = None
     # What the hub's scheduler may select this endpoint by (sent in every hello).
     tags: list[Tag] = Field(default_factory=list, max_length=32, description="labels for tag selectors, e.g. [field-data, solar]")
     hardware: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:-]{1,64}$",
@@ -121,6 +138,8 @@ class Credentials(BaseModel):
     key: str  # hex HMAC key shared with the hub
     mqtt_username: str | None = None
     mqtt_password: str | None = None
+    globus_client_id: str | None = None  # data staging (GlobusStaging)
+    globus_client_secret: str | None = None
 
     @property
     def key_bytes(self) -> bytes:
@@ -168,6 +187,8 @@ def load_config(path: Path) -> tuple[AgentConfig, Credentials]:
         raise ConfigError(f"{cfg.credentials_file}: credentials file missing") from None
     except ValidationError as exc:
         raise ConfigError(f"{cfg.credentials_file}: {_errors(exc)}") from None
+    if cfg.globus is not None and not (creds.globus_client_id and creds.globus_client_secret):
+        raise ConfigError(f"{cfg.credentials_file}: `globus:` staging is configured but globus_client_id / globus_client_secret are missing")
     if creds.endpoint_id != cfg.endpoint_id:
         raise ConfigError(f"{cfg.credentials_file}: credentials are for endpoint {creds.endpoint_id}, config is for {cfg.endpoint_id}")
     return cfg, creds

@@ -39,6 +39,7 @@ from cloud_hub.api.schemas import (
     WaitIn,
 )
 from cloud_hub.config import HubConfig
+from cloud_hub.globus_auth import GlobusUnavailable
 from cloud_hub.dispatcher import Dispatcher, ResultBus
 from cloud_hub.placement import PlacementError, PlacementService
 from cloud_hub.store import SqliteStore, hash_token
@@ -70,6 +71,7 @@ class Hub:
         self.dispatcher.observer = self.placement
         self._token_cache: dict[str, str] = {}
         self.bootstrap_token: str | None = None
+        self.globus = _globus_auth(cfg, self.store)
 
     async def start(self) -> None:
         await self.store.open()
@@ -116,6 +118,23 @@ class Hub:
                 self._token_cache[h] = uid
         return uid
 
+    async def auth(self, token: str) -> tuple[str | None, str]:
+        """(user id or None, why refused): hub API tokens first, then Globus Auth if configured."""
+        uid = await self.user_for(token)
+        if uid is not None or self.globus is None or token.startswith("cm_"):
+            return uid, "invalid API token"
+        verdict = await self.globus.user_for(token)
+        return verdict.user_id, verdict.reason
+
+
+def _globus_auth(cfg: HubConfig, store: Any) -> Any:
+    if not cfg.globus_client_id:
+        return None
+    from cloud_hub.globus_auth import GlobusAuth  # imports globus-sdk only when configured
+
+    return GlobusAuth(cfg.globus_client_id, cfg.globus_client_secret or "", store.create_user, required_scope=cfg.globus_scope,
+                      allowed_domains=cfg.globus_allowed_domains, users=cfg.globus_users, cache_s=cfg.globus_cache_s)
+
 
 def _hub(request: Request) -> Hub:
     return request.app.state.hub  # type: ignore[no-any-return]
@@ -126,9 +145,12 @@ async def _user(
 ) -> str:
     if cred is None or cred.scheme.lower() != "bearer":
         raise HTTPException(401, "missing API token (Authorization: Bearer ...)", headers={"WWW-Authenticate": "Bearer"})
-    uid = await _hub(request).user_for(cred.credentials)
+    try:
+        uid, why = await _hub(request).auth(cred.credentials)
+    except GlobusUnavailable as exc:  # the token is neither good nor bad yet: the client may retry
+        raise HTTPException(503, str(exc), headers={"Retry-After": "5"}) from None
     if uid is None:
-        raise HTTPException(401, "invalid API token", headers={"WWW-Authenticate": "Bearer"})
+        raise HTTPException(401, why, headers={"WWW-Authenticate": "Bearer"})
     return uid
 
 

@@ -126,10 +126,30 @@ def run_task(cache: dict[str, Any], task: Task) -> Result:
         args, kwargs = _split_call(args_blob)
     except SerializationError as exc:
         return _failure(task_id, exc, started)
+    staging = sys.modules.get("mesh_agent.staging")  # loaded only if an argument or a function uses it
+    if staging is not None:
+        return _run_staged(staging, task_id, fn, args, kwargs, started)
     try:
         value = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - user code must never take the worker down
         return _failure(task_id, exc, started)
+    return _success(task_id, value, started)
+
+
+def _run_staged(staging: Any, task_id: str, fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], started: float) -> Result:
+    """Globus file references in, the function, outputs pushed out (see mesh_agent.staging)."""
+    try:
+        args, kwargs = staging.stage_in(task_id, args, kwargs)
+        value = fn(*args, **kwargs)
+        value = staging.stage_out(task_id, value)
+    except BaseException as exc:  # noqa: BLE001
+        return _failure(task_id, exc, started)
+    finally:
+        staging.cleanup(task_id)
+    return _success(task_id, value, started)
+
+
+def _success(task_id: str, value: Any, started: float) -> Result:
     try:
         data = serialize(value)
     except Exception as exc:
