@@ -26,6 +26,7 @@ import psutil
 
 from mesh_agent import __version__
 from mesh_agent.config import AgentConfig, Credentials
+from mesh_agent.datasets import export_worker_env
 from mesh_agent.engine import EngineResult, EngineTask, LocalEngine, error_result
 from mesh_agent.protocol import MAX_FRAME_BYTES, Envelope, Kind, ProtocolError, ReplayGuard, check_freshness, decode, encode
 from mesh_agent.store import AgentStore, StoredResult
@@ -114,6 +115,7 @@ class Agent:
     async def run(self, stop: asyncio.Event) -> None:
         """Run until ``stop`` is set; survives any number of link losses."""
         await self.store.open()
+        export_worker_env(self.cfg.endpoint_id, self.cfg.name, self.cfg.datasets, self.cfg.data_dir)  # before workers spawn
         await self.engine.start()
         flusher = asyncio.create_task(self._flush_results_forever(), name="flush-results")
         try:

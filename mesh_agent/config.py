@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
+from mesh_agent.datasets import DatasetDecl, DatasetName
+
 __all__ = ["AgentConfig", "Credentials", "ConfigError", "GlobusStaging", "ParslSettings", "load_config", "write_private"]
 
 
@@ -123,6 +125,7 @@ class AgentConfig(BaseModel):
     hardware: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:-]{1,64}$",
                                  description="hardware class shared by identical devices (their run-time profiles are pooled), e.g. pi4")
     gpu: bool = Field(False, description="a GPU usable by functions (tasks may require one)")
+    datasets: dict[DatasetName, DatasetDecl] = Field(default_factory=dict, description="named datasets on this device (FL): module:function, a path, or {loader|path, kwargs}")
 
     @property
     def queue_path(self) -> Path:

@@ -295,6 +295,9 @@ def create_app(cfg: HubConfig) -> FastAPI:
         """Where a new stream reader should start: results stored after this belong to later tasks."""
         return {"cursor": await h.store.last_result_seq()}
 
+    from cloud_hub.api.fl import router as fl_router  # here: it imports this module's auth dependencies
+
+    app.include_router(fl_router)
     return app
 
 

@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import httpx
 
+from cloud_hub.client._fl import FLRunsMixin
 from mesh_agent.protocol import function_id, serialize, serialize_function
 
 __all__ = ["Client", "HubError", "EndpointSelector", "selector", "constraints_spec"]
@@ -66,7 +67,7 @@ def constraints_spec(constraints: dict[str, Any] | None) -> dict[str, Any] | Non
     return out
 
 
-class Client:
+class Client(FLRunsMixin):
     def __init__(self, url: str, token: str, *, timeout: float = 60.0) -> None:
         self.url = url.rstrip("/")
         self._http = httpx.Client(

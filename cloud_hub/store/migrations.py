@@ -64,4 +64,27 @@ MIGRATIONS: list[tuple[int, str]] = [
         CREATE INDEX scheduler_decisions_age ON scheduler_decisions (placed_at);
         """,
     ),
+    (
+        3,
+        # FL runs (cloud_hub/store/fl.py, /v1/fl/runs): run metadata, one record per round, the
+        # latest global-weights checkpoint.
+        """
+        CREATE TABLE fl_runs (
+            id TEXT PRIMARY KEY, user_id TEXT NOT NULL REFERENCES users(id), name TEXT NOT NULL,
+            status TEXT NOT NULL CHECK (status IN ('running', 'finished', 'failed', 'aborted')),
+            error TEXT, strategy TEXT NOT NULL, mode TEXT NOT NULL, rounds_planned INTEGER NOT NULL,
+            rounds_done INTEGER NOT NULL DEFAULT 0, clients TEXT NOT NULL, client_names TEXT NOT NULL,
+            config TEXT NOT NULL, created REAL NOT NULL, updated REAL NOT NULL
+        );
+        CREATE INDEX fl_runs_user ON fl_runs (user_id, created);
+        CREATE TABLE fl_rounds (
+            run_id TEXT NOT NULL REFERENCES fl_runs(id), round INTEGER NOT NULL, record TEXT NOT NULL,
+            loss REAL, accuracy REAL, created REAL NOT NULL, PRIMARY KEY (run_id, round)
+        );
+        CREATE TABLE fl_checkpoints (
+            run_id TEXT PRIMARY KEY REFERENCES fl_runs(id), round INTEGER NOT NULL, weights BLOB NOT NULL,
+            state TEXT NOT NULL, created REAL NOT NULL
+        );
+        """,
+    ),
 ]
