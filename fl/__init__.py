@@ -13,6 +13,10 @@ Public surface (numpy only; torch is never imported here):
 * data: ``load_federated_digits`` / ``load_client_data`` / ``partition_indices`` (IID or
   Dirichlet non-IID partitions of scikit-learn's bundled digits).
 * history: ``History`` / ``RoundRecord`` (JSON, CSV, PNG plot).
+* on the mesh (loaded on first use, so an endpoint importing ``fl`` pays only for what it runs):
+  ``Federation`` (the driver), ``TorchClientApp`` / ``FunctionClientApp`` / ``TrainerConfig``
+  (what runs on the endpoints), ``FlowerClientApp`` / ``FlowerStrategy`` (Flower interop), and
+  ``fl.datasets`` (datasets the endpoint declares, by name).
 """
 
 from .history import History, RoundRecord
@@ -51,3 +55,24 @@ __all__ = [
     "partition_indices",
     "History", "RoundRecord",
 ]
+
+_LAZY = {
+    "Federation": "fl.federation",
+    "FederationError": "fl.federation",
+    "TorchClientApp": "fl.client",
+    "FunctionClientApp": "fl.client",
+    "ClientApp": "fl.client",
+    "TrainerConfig": "fl.client",
+    "FlowerClientApp": "fl.flower",
+    "FlowerStrategy": "fl.flower",
+}
+__all__ += list(_LAZY)
+
+
+def __getattr__(name: str):  # PEP 562: heavy parts load on first use
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'fl' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(mod), name)

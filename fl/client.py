@@ -66,7 +66,7 @@ def _check_task(task: Any, kind: str) -> Dict[str, Any]:
                         f" {task.get('kind') if isinstance(task, dict) else ''!r}")
     here = _datasets.endpoint_id()
     cid = task.get("client_id")
-    if kind == "train" and here is not None and cid != here:
+    if kind in ("train", "warmup") and here is not None and cid != here:
         raise TaskError(f"task for client {cid!r} arrived at endpoint {here!r}")
     return task
 
@@ -107,16 +107,21 @@ class ClientApp:
     :meth:`initial_weights` and :meth:`evaluate` (central evaluation)."""
 
     name = "client"
+    #: ``fit`` gets the endpoint's dataset (loaded by name); False: the app loads its own data
+    loads_data = True
 
     def __call__(self, task: Dict[str, Any]) -> Dict[str, Any]:
+        if isinstance(task, dict) and task.get("kind") == "warmup":
+            return self._warmup(task)
         t0 = time.perf_counter()
         task = _check_task(task, "train")
         weights = decode_weights(task["weights"])
         t_data = time.perf_counter()
-        data = _datasets.load(task["dataset"], **dict(task.get("dataset_kwargs") or {}))
+        data = self._load(task)
         data_time = time.perf_counter() - t_data
         cfg = dict(task.get("config") or {})
         cfg.setdefault("round", task["round"])
+        cfg["dataset"] = task["dataset"]
         cfg["seed"] = client_seed(int(cfg.get("seed", 0)), int(task["round"]), str(task["client_id"]))
         t_fit = time.perf_counter()
         new, n, metrics, device = self.fit(weights, data, cfg)
@@ -129,6 +134,32 @@ class ClientApp:
             "train_time_s": train_time, "data_time_s": data_time, "task_time_s": time.perf_counter() - t0,
             "device": device,
         }
+
+    def _warmup(self, task: Dict[str, Any]) -> Dict[str, Any]:
+        """Before round 1: load the dataset and build the model in this warm worker, so the first
+        round's deadline measures training, not imports; and a device that lacks the dataset
+        says so before any round counts on it."""
+        t0 = time.perf_counter()
+        task = _check_task(task, "warmup")
+        data = self._load(task)
+        device = self.prepare(data)
+        try:
+            n = None if data is None else (len(data[1]) if isinstance(data, tuple) and len(data) == 2 else len(data))
+        except TypeError:
+            n = None
+        return {"v": PROTOCOL, "kind": "ready", "client_id": task["client_id"], "num_samples": n, "device": device,
+                "warmup_time_s": time.perf_counter() - t0}
+
+    def _load(self, task: Dict[str, Any]) -> Any:
+        if self.loads_data:
+            return _datasets.load(task["dataset"], **dict(task.get("dataset_kwargs") or {}))
+        if task["dataset"] not in _datasets.declared() and _datasets.endpoint_id() is not None:
+            raise _datasets.DatasetNotFound(f"dataset {task['dataset']!r} is not declared on {_datasets.endpoint_name()}")
+        return None
+
+    def prepare(self, data: Any) -> str:
+        """Build what ``fit`` needs (model, device) and pay one-time costs; return the device."""
+        return "cpu"
 
     def fit(self, weights: Weights, data: Any, config: Dict[str, Any]) -> Tuple[Weights, int, Dict[str, Any], str]:
         """Train from ``weights`` on the local ``data``; return (weights, num_samples, metrics, device)."""
@@ -199,6 +230,18 @@ class TorchClientApp(ClientApp):
         if weights is not None:
             ts.set_weights(self._model, weights)
         return self._model
+
+    def prepare(self, data: Any) -> str:
+        """Build the model and run one forward/backward pass on a few samples with a zero step
+        (no weight changes): torch initialises autograd and the optimizer lazily, which costs
+        seconds on a busy or small device, and that must not count against round 1's deadline."""
+        from fl import torch_support as ts
+
+        model = self._build(None)
+        X, y = data
+        if len(y):
+            ts.train_supervised(model, X[:8], y[:8], epochs=1, batch_size=8, lr=0.0, momentum=0.0, device=self._device)
+        return str(self._device)
 
     def fit(self, weights: Weights, data: Any, config: Dict[str, Any]) -> Tuple[Weights, int, Dict[str, Any], str]:
         from fl import torch_support as ts

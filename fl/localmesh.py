@@ -1,0 +1,38 @@
+"""FL on a ``LocalMesh``: agents that each declare their own share of a dataset.
+
+Used by the demo, the tests and the benchmark; also a template for a real fleet, where each
+device's ``agent.yaml`` gets the same ``datasets:`` entry with its own ``index``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List
+
+from cloud_hub.localmesh import AgentProcess, LocalMesh
+from mesh_agent.datasets import DatasetDecl
+
+__all__ = ["declare_datasets", "add_digits_agents"]
+
+
+def declare_datasets(agent: AgentProcess, datasets: Dict[str, DatasetDecl]) -> None:
+    """Write ``datasets`` into a (not yet started, or to be restarted) agent's config file."""
+    raw = json.loads(agent.cfg.model_dump_json())
+    raw["datasets"] = {**raw.get("datasets", {}), **{k: (v.model_dump() if hasattr(v, "model_dump") else v) for k, v in datasets.items()}}
+    agent.cfg = type(agent.cfg).model_validate(raw)  # validated before it is written
+    agent.cfg.save(agent.config_path)
+
+
+def add_digits_agents(mesh: LocalMesh, num_clients: int, *, scheme: str = "dirichlet", alpha: float = 0.5,
+                      seed: int = 0, prefix: str = "fl-client", transport: str = "mqtt", workers: int = 1,
+                      start: bool = True, extra: Dict[str, Any] | None = None) -> List[AgentProcess]:
+    """``num_clients`` agents; agent k declares ``digits`` = partition k of ``num_clients``."""
+    agents = []
+    for k in range(num_clients):
+        a = mesh.add_agent(f"{prefix}-{k}", transport, workers=workers, prefetch=4, start=False)
+        kwargs = {"index": k, "num_clients": num_clients, "scheme": scheme, "alpha": alpha, "seed": seed}
+        declare_datasets(a, {"digits": {"loader": "fl.datasets:digits", "kwargs": kwargs}, **(extra or {})})
+        if start:
+            a.start()
+        agents.append(a)
+    return agents
