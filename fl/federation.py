@@ -473,6 +473,8 @@ class Federation:
             round_time = time.monotonic() - t0
             train_times = {c: float(i["train_time_s"]) for c, i in col.info.items() if c in set(accepted) and "train_time_s" in i}
             extra.update(self._col_extra(col))
+            if self._outage_s:  # the whole round's, including waiting to select clients
+                extra["hub_outage_s"] = round(self._outage_s, 3)
             extra.update({"version": version, "train_time_s": train_times,
                           "client_metrics": {c: col.info[c].get("metrics", {}) for c in accepted if c in col.info}})
             if train_times:
