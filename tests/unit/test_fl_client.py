@@ -1,0 +1,175 @@
+"""What runs on an endpoint: the torch client app (shipped like any mesh function), the
+function app, the gateway aggregator, task checks; and the driver's refusal of bad updates."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fl.client import FunctionClientApp, GatewayAggregator, TaskError, TrainerConfig
+from fl.federation import Federation
+from fl.strategies import ClientUpdate, FedAvg, weighted_average
+from fl.wire import decode_weights, encode_weights
+from mesh_agent.datasets import ENV_DATASETS, ENV_ENDPOINT_ID, ENV_ENDPOINT_NAME, export_worker_env
+from mesh_agent.protocol import deserialize, deserialize_function, serialize, serialize_function
+
+
+@pytest.fixture
+def on_endpoint(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """This process plays endpoint ep-1 holding digits partition 0 of 5."""
+    from fl import datasets
+
+    for k in (ENV_DATASETS, ENV_ENDPOINT_ID, ENV_ENDPOINT_NAME):
+        monkeypatch.setenv(k, "")
+    datasets.clear_cache()
+    export_worker_env("ep-1", "pi-1", {"digits": {"loader": "fl.datasets:digits", "kwargs": {"index": 0, "num_clients": 5}}}, tmp_path)
+    yield
+    datasets.clear_cache()
+
+
+def _task(weights, kind="train", client="ep-1", **extra):
+    t = {"v": 1, "kind": kind, "run_id": "flr-x", "round": 3, "client_id": client, "base_version": 2,
+         "weights": encode_weights(weights), "dataset": "digits", "config": {"local_epochs": 1}}
+    t.update(extra)
+    return t
+
+
+def test_torch_app_ships_without_weights_and_trains_on_the_endpoint(on_endpoint) -> None:
+    torch = pytest.importorskip("torch")
+    from fl.client import TorchClientApp
+    from fl.models import MLP
+
+    torch.manual_seed(0)
+    app = TorchClientApp(MLP(), TrainerConfig(threads=1, lr=0.1))
+    body = serialize_function(app)
+    assert len(body) < 4000  # architecture and settings only: the weights travel per round
+    remote = deserialize_function(body)  # what the agent's worker does
+    w0 = app.initial_weights()
+    ready = remote(_task(w0, kind="warmup"))
+    assert ready["kind"] == "ready" and ready["num_samples"] > 0 and ready["device"] == "cpu"
+    out = deserialize(serialize(remote(_task(w0))))  # and the result crosses the wire
+    assert out["kind"] == "update" and out["client_id"] == "ep-1" and out["round"] == 3 and out["base_version"] == 2
+    w1 = decode_weights(out["weights"])
+    assert [a.shape for a in w1] == [a.shape for a in w0] and not np.allclose(w1[0], w0[0])
+    assert out["num_samples"] == ready["num_samples"] and 0 <= out["metrics"]["accuracy"] <= 1
+    # same task again: deterministic (seeded per run, round and client)
+    again = decode_weights(remote(_task(w0))["weights"])
+    assert all(np.array_equal(a, b) for a, b in zip(w1, again))
+    # FedProx: the proximal term keeps the weights closer to the global model
+    prox = decode_weights(remote(_task(w0, config={"local_epochs": 1, "proximal_mu": 10.0}))["weights"])
+    assert np.linalg.norm(prox[0] - w0[0]) < np.linalg.norm(w1[0] - w0[0])
+    loss, metrics = app.evaluate(w1, (np.zeros((4, 64), np.float32), np.zeros(4, np.int64)))
+    assert loss > 0 and 0 <= metrics["accuracy"] <= 1
+
+
+def test_device_auto_is_cuda_only_when_present() -> None:
+    torch = pytest.importorskip("torch")
+    from fl.torch_support import select_device
+
+    assert select_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert select_device("cpu").type == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            select_device("cuda")
+
+
+def test_tasks_for_another_endpoint_or_malformed_are_refused(on_endpoint) -> None:
+    app = FunctionClientApp(lambda w, data, cfg: (w, len(data[1]), {}))
+    w = [np.zeros(2)]
+    with pytest.raises(TaskError, match="task for client 'ep-9' arrived at endpoint 'ep-1'"):
+        app(_task(w, client="ep-9"))
+    with pytest.raises(TaskError, match="expected an fl 'train' task"):
+        app({"kind": "train", "v": 99})
+    with pytest.raises(TaskError):
+        app("not a task")  # type: ignore[arg-type]
+
+
+def test_function_app_any_framework(on_endpoint) -> None:
+    def train(weights, data, config):
+        X, y = data
+        return [weights[0] + X.mean()], len(y), {"seen_round": config["round"]}
+
+    remote = deserialize_function(serialize_function(FunctionClientApp(train)))
+    out = remote(_task([np.zeros(3)]))
+    assert out["metrics"] == {"seen_round": 3} and decode_weights(out["weights"])[0][0] > 0
+
+
+def test_gateway_aggregator_equals_fedavg_over_its_group_and_drops_bad_blobs() -> None:
+    cur = [np.zeros(2, np.float32)]
+    ups = [("a", [np.array([1.0, 2.0], np.float32)], 1), ("b", [np.array([3.0, 6.0], np.float32)], 3)]
+    task = {"v": 1, "kind": "aggregate", "round": 1, "gateway_id": "gw", "current": encode_weights(cur),
+            "updates": [{"client_id": c, "weights": encode_weights(w), "num_samples": n, "metrics": {"loss": n}} for c, w, n in ups]
+            + [{"client_id": "junk", "weights": b"garbage", "num_samples": 5}]}
+    remote = deserialize_function(serialize_function(GatewayAggregator(FedAvg())))
+    out = remote(task)
+    np.testing.assert_allclose(decode_weights(out["weights"])[0], [2.5, 5.0])  # (1*[1,2] + 3*[3,6]) / 4
+    assert out["num_samples"] == 4 and out["accepted"] == ["a", "b"]
+    assert out["rejected"][0][0] == "junk" and "undecodable" in out["rejected"][0][1]
+    expect = weighted_average([w for _, w, _ in ups], [1, 3], cur)
+    assert np.allclose(decode_weights(out["weights"])[0], expect[0])
+
+
+@pytest.mark.parametrize("value, reason", [
+    ("just a string", "not an fl update"),
+    ({"v": 1, "kind": "update", "client_id": "ep-2", "weights": encode_weights([np.zeros(1)]), "num_samples": 1}, "claims client 'ep-2'"),
+    ({"v": 1, "kind": "update", "client_id": "ep-1", "weights": b"FLW1junk", "num_samples": 1}, "undecodable weights"),
+    ({"v": 1, "kind": "update", "client_id": "ep-1", "weights": encode_weights([np.zeros(1)]), "num_samples": "many"}, "not an integer"),
+])
+def test_driver_turns_bad_client_results_into_reasons(value, reason) -> None:
+    upd, why, _ = Federation._to_update("ep-1", value, 0)
+    assert upd is None and reason in why
+
+
+def test_driver_accepts_a_good_update() -> None:
+    value = {"v": 1, "kind": "update", "client_id": "ep-1", "weights": encode_weights([np.ones(2)]), "num_samples": 4,
+             "base_version": 3, "metrics": {"loss": 0.5}, "train_time_s": 0.1}
+    upd, why, info = Federation._to_update("ep-1", value, 0)
+    assert why is None and isinstance(upd, ClientUpdate) and upd.num_samples == 4 and upd.base_version == 3
+    assert info["train_time_s"] == 0.1 and "weights" not in info
+
+
+def test_trainer_config_validation() -> None:
+    for bad in ({"lr": 0}, {"batch_size": 0}, {"optimizer": "lbfgs"}, {"threads": 0}):
+        with pytest.raises(ValueError):
+            TrainerConfig.of(bad)
+    with pytest.raises(TypeError):
+        TrainerConfig.of({"learning_rate": 0.1})
+
+
+def test_agent_and_plain_tasks_never_import_torch(tmp_path: Path) -> None:
+    """The agent (and a worker running an ordinary task) stays light: torch only in FL paths."""
+    code = textwrap.dedent("""
+        import asyncio, sys
+        import mesh_agent, mesh_agent.agent, mesh_agent.cli, mesh_agent.datasets, mesh_agent.engine
+        import fl, fl.datasets, fl.client, fl.federation, fl.wire, fl.strategies, fl.flower
+        assert "torch" not in sys.modules, "import"
+        from mesh_agent.engine import EngineTask, LocalEngine
+        from mesh_agent.protocol import deserialize, serialize, serialize_function, function_id
+
+        def task():
+            import sys
+            return sorted(m for m in ("torch", "flwr", "sklearn") if m in sys.modules)
+
+        async def main():
+            got = []
+            done = asyncio.Event()
+            def on_results(rs):
+                got.extend(rs); done.set()
+            eng = LocalEngine(on_results, workers=1)
+            await eng.start()
+            body = serialize_function(task)
+            eng.submit([EngineTask("t1", function_id(body), body, serialize(((), {})))])
+            await asyncio.wait_for(done.wait(), 60)
+            await eng.stop()
+            return deserialize(got[0].data)
+        print(asyncio.run(main()))
+        assert "torch" not in sys.modules
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
