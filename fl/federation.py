@@ -42,7 +42,7 @@ from cloud_hub.client import Client, HubError
 from cloud_hub.client._results import decode_result
 from fl.client import PROTOCOL, ClientApp, GatewayAggregator, TorchClientApp, TrainerConfig
 from fl.history import History, RoundRecord
-from fl.strategies import ClientUpdate, FedAvg, Hierarchical, Strategy, Weights
+from fl.strategies import ClientInstruction, ClientUpdate, FedAvg, Hierarchical, Strategy, Weights
 from fl.wire import WireError, decode_weights, encode_weights
 
 __all__ = ["Federation", "FederationError"]
@@ -115,6 +115,14 @@ class Federation:
         self._late: Dict[str, Tuple[str, int]] = {}  # task id -> (client, round) of rounds already over
         self._outage_s = 0.0
         self._excluded: Dict[str, str] = {}  # clients that failed the warm-up -> why
+        self._late_seen: List[Dict[str, Any]] = []  # late updates noticed, until recorded in a round
+        # Warming-aware selection: a client that is new, or was offline (its worker may have died
+        # with it), gets a warm-up task first and is asked to train only once that is back, so
+        # its cold start (importing torch, loading data) never costs a round its deadline.
+        self._cold: set = set()
+        self._warming: Dict[str, str] = {}  # warm-up task id -> client
+        self._warm_sent: Dict[str, float] = {}  # warm-up task id -> when it was sent
+        self._warm_info: Dict[str, Dict[str, Any]] = {}
         self.run_id: Optional[str] = None
         self.final_weights: Optional[Weights] = None
 
@@ -172,11 +180,14 @@ class Federation:
         return {tid: ep for tid, (ep, _) in zip(ids, items)}
 
     def _wait(self, task_ids: Sequence[str], timeout_s: float) -> List[Tuple[str, _Arrival]]:
-        """Results among ``task_ids`` (waits up to ``timeout_s`` for the first)."""
-        if not task_ids:
+        """Results among ``task_ids`` (waits up to ``timeout_s`` for the first). Warm-up answers
+        and late updates of finished rounds are picked up on the way and handled here."""
+        wanted = set(task_ids)
+        ids = list(task_ids) + [t for t in list(self._warming) + list(self._late) if t not in wanted]
+        if not ids:
             time.sleep(max(0.0, timeout_s))
             return []
-        rows = self._hub(self.client.wait_results, list(task_ids), max(0.0, timeout_s))
+        rows = self._hub(self.client.wait_results, ids, max(0.0, timeout_s))
         out = []
         for row in rows:
             try:
@@ -188,14 +199,55 @@ class Federation:
                 arr.value = value
             else:
                 arr.error = _short_error(value)
-            out.append((row["task_id"], arr))
+            tid = row["task_id"]
+            if tid in wanted:
+                out.append((tid, arr))
+            elif tid in self._warming:
+                self._warm_sent.pop(tid, None)
+                self._on_warm(self._warming.pop(tid), arr)
+            elif tid in self._late:
+                client, rnd = self._late.pop(tid)
+                self._late_seen.append({"client": client, "round": rnd})
         return out
 
-    def _note_late(self, rows: List[Tuple[str, _Arrival]], col: _Collected) -> None:
-        for tid, _ in rows:
-            if tid in self._late:
-                client, rnd = self._late.pop(tid)
-                col.late.append({"client": client, "round": rnd})
+    def _drain_late(self) -> List[Dict[str, Any]]:
+        out, self._late_seen = self._late_seen, []
+        return out
+
+    # ================================================================ warming-aware selection
+    def _on_warm(self, client: str, arr: _Arrival) -> None:
+        if arr.ok and isinstance(arr.value, dict) and arr.value.get("kind") == "ready":
+            self._cold.discard(client)
+            self._warm_info[client] = {"num_samples": arr.value.get("num_samples"), "device": arr.value.get("device"),
+                                       "warmup_time_s": arr.value.get("warmup_time_s")}
+            return
+        err = arr.error or f"unexpected warm-up answer {type(arr.value).__name__}"
+        if any(t in err for t in ("TaskExpired", "WorkerDied", "TaskTimeout", "expired")):
+            return  # transient (the device went away again): it stays cold and is warmed next time
+        self._cold.discard(client)
+        self._excluded[client] = err  # e.g. the device does not hold the dataset
+        log.warning("client %s excluded from the run: %s", client, err)
+
+    def _refresh(self, run: "_RunParams", rows: Mapping[str, Mapping[str, Any]]) -> None:
+        """Mark clients that are offline as cold; send warm-ups to cold clients that are online."""
+        clients = self._clients(rows)
+        if not run.include_offline:
+            for c in clients:
+                if c not in rows or not rows[c].get("online"):
+                    self._cold.add(c)
+        warming = set(self._warming.values())
+        todo = [c for c in clients if c in self._cold and c not in warming and c not in self._excluded
+                and c in rows and (run.include_offline or rows[c].get("online"))]
+        if todo:
+            payloads = [(c, {"v": PROTOCOL, "kind": "warmup", "client_id": c, "dataset": run.dataset,
+                             "dataset_kwargs": run.dataset_kwargs}) for c in todo]
+            for tid, c in self._submit(run.fid, payloads, ttl_s=run.warmup_s + 30).items():
+                self._warming[tid] = c
+                self._warm_sent[tid] = time.monotonic()
+
+    def _ready(self, run: "_RunParams", rows: Mapping[str, Mapping[str, Any]]) -> List[str]:
+        """Clients that may be asked to train now: available, warm, not excluded."""
+        return [c for c in self._available(rows, run.include_offline) if c not in self._cold and c not in self._excluded]
 
     def _retire(self, pending: Mapping[str, str], round: int) -> None:
         for tid, client in pending.items():
@@ -292,8 +344,10 @@ class Federation:
             on_insufficient=on_insufficient, max_extensions=int(max_extensions), extension_s=ext_s,
             eval_data=eval_data, seed=int(seed), include_offline=include_offline, on_round=on_round,
             on_round_start=on_round_start,
-            ttl_s=float(deadline_s) + int(max_extensions) * ext_s + 30.0,
+            ttl_s=float(deadline_s) + int(max_extensions) * ext_s + 10.0,
+            warmup_s=float(warmup_s if warmup_s is not None else max(60.0, deadline_s)),
         )
+        self._excluded, self._warm_info, self._late_seen = {}, {}, []
         rows = self._endpoint_rows()
         clients = self._clients(rows)
         if not clients:
@@ -304,7 +358,7 @@ class Federation:
             run.gateway_fid = self._hub(self.client.register_function, GatewayAggregator(strategy.inner), "fl-gateway")
         try:
             if start_round <= rounds:
-                self._warmup(run, rows, history, warmup_s if warmup_s is not None else max(60.0, run.deadline_s))
+                self._warmup(run, rows, history)
             if mode == "async":
                 weights = self._run_async(run, history, weights, start_round, state)
             else:
@@ -394,30 +448,17 @@ class Federation:
         return True
 
     # ================================================================ warm-up
-    def _warmup(self, run: "_RunParams", rows: Mapping[str, Mapping[str, Any]], history: History, timeout_s: float) -> None:
-        avail = self._available(rows, run.include_offline)
-        payloads = [(c, {"v": PROTOCOL, "kind": "warmup", "client_id": c, "dataset": run.dataset,
-                         "dataset_kwargs": run.dataset_kwargs}) for c in avail]
+    def _warmup(self, run: "_RunParams", rows: Mapping[str, Mapping[str, Any]], history: History) -> None:
+        """Warm every online client before round 1 (up to ``warmup_s``); late ones are warmed
+        when they show up, and join the rounds after that."""
         t0 = time.monotonic()
-        pending = self._submit(run.fid, payloads, ttl_s=timeout_s + 30)
-        ready: Dict[str, Any] = {}
-        failed: Dict[str, str] = {}
-        deadline = t0 + timeout_s
-        while pending and time.monotonic() < deadline:
-            for tid, arr in self._wait(list(pending), min(self.poll_s, deadline - time.monotonic())):
-                c = pending.pop(tid, None)
-                if c is None:
-                    continue
-                if arr.ok and isinstance(arr.value, dict) and arr.value.get("kind") == "ready":
-                    ready[c] = {"num_samples": arr.value.get("num_samples"), "device": arr.value.get("device")}
-                else:
-                    failed[c] = arr.error or f"unexpected warm-up answer {type(arr.value).__name__}"
-        self._retire(pending, 0)
-        self._excluded = dict(failed)
-        history.metadata["warmup"] = {"time_s": round(time.monotonic() - t0, 3), "ready": ready, "failed": failed,
-                                      "not_back": sorted(pending.values())}
-        if failed:
-            log.warning("clients excluded after warm-up: %s", failed)
+        self._cold = set(self._clients(rows))
+        self._refresh(run, rows)
+        deadline = t0 + run.warmup_s
+        while self._warming and time.monotonic() < deadline:
+            self._wait([], min(self.poll_s, deadline - time.monotonic()))
+        history.metadata["warmup"] = {"time_s": round(time.monotonic() - t0, 3), "ready": dict(self._warm_info),
+                                      "failed": dict(self._excluded), "not_back": sorted(set(self._warming.values()))}
 
     # ================================================================ synchronous rounds
     def _run_sync(self, run: "_RunParams", history: History, weights: Weights, start_round: int) -> Weights:
@@ -430,8 +471,10 @@ class Federation:
             extra: Dict[str, Any] = {"asked": asked}
             if not instructions:
                 reason = run.strategy.last_selection_reason or "no client available"
+                late = self._drain_late()
                 rec = RoundRecord(r, None, None, [], [], {}, time.monotonic() - t0,
-                                  {**extra, "skipped": True, "reason": reason, "version": version})
+                                  {**extra, "skipped": True, "reason": reason, "version": version,
+                                   **({"late_discarded": late} if late else {})})
                 if not self._finish_round(run, history, rec, weights, {"version": version}):
                     break
                 continue
@@ -444,11 +487,15 @@ class Federation:
                     "base_version": version, "weights": base, "dataset": run.dataset,
                     "dataset_kwargs": run.dataset_kwargs, "config": cfg,
                 }))
+            t_sent = time.monotonic()
+            if t_sent - t0 > 0.05:
+                extra["selection_wait_s"] = round(t_sent - t0, 3)  # waiting for clients to (re)join
             pending = self._submit(run.fid, payloads, run.ttl_s)
             if run.on_round_start is not None:
                 run.on_round_start(r, {c: tid for tid, c in pending.items()})
             col = _Collected()
-            self._collect(run, pending, col, t0, r)
+            self._collect(run, pending, col, t_sent, r)
+            col.late += self._drain_late()
             back = set(col.info) | set(col.failed)
             stragglers = [c for c in asked if c not in back]
             if run.mode == "hierarchical":
@@ -517,7 +564,6 @@ class Federation:
             if outage > 0:  # the coordinator was away: the clients get that time back
                 deadline += outage
                 col.outage_s += outage
-            self._note_late(rows, col)
             for tid, arr in rows:
                 client = pending.pop(tid, None)
                 if client is None:
@@ -533,17 +579,27 @@ class Federation:
                 col.info[client] = info
         self._retire(pending, round)
 
-    def _wait_for_clients(self, run: "_RunParams", t0: float, r: int) -> Tuple[List[str], Dict[str, Mapping[str, Any]]]:
-        """Selection for round ``r``; when too few clients are online, keep looking until the
-        round's deadline (devices come back), then give up on the round."""
+    def _wait_for_clients(self, run: "_RunParams", t0: float, r: int) -> Tuple[List[ClientInstruction], Dict[str, Mapping[str, Any]]]:
+        """Selection for round ``r``.
+
+        A client coming back (new, or online again after an outage) is being warmed: the round
+        waits for its warm-up up to ``deadline_s`` (never for one older than ``warmup_s``), so it
+        rejoins now instead of straggling. With too few clients the round keeps looking until
+        its (extended) deadline, then gives up."""
         deadline = t0 + run.deadline_s * (1 + (run.max_extensions if run.on_insufficient == "extend" else 0))
+        warm_deadline = t0 + run.deadline_s
         while True:
             rows = self._endpoint_rows()
-            avail = [c for c in self._available(rows, run.include_offline) if c not in self._excluded]
-            instructions = run.strategy.configure_round(r, avail)
+            self._refresh(run, rows)
+            now = time.monotonic()
+            fresh = [t for t, sent in self._warm_sent.items() if t in self._warming and now - sent < run.warmup_s]
+            if fresh and now < warm_deadline:
+                self._wait([], min(self.poll_s, 1.0, warm_deadline - now))
+                continue
+            instructions = run.strategy.configure_round(r, self._ready(run, rows))
             if instructions or time.monotonic() >= deadline:
                 return instructions, rows
-            time.sleep(min(self.poll_s, 1.0, max(0.0, deadline - time.monotonic())))
+            self._wait([], min(self.poll_s, 1.0, max(0.0, deadline - time.monotonic())))
 
     # ================================================================ hierarchical
     def _aggregate_hierarchical(self, run: "_RunParams", r: int, updates: List[ClientUpdate], weights: Weights):
@@ -643,8 +699,9 @@ class Federation:
                     overdue_seen.add(tid)
                     stragglers.append(c)
             busy = {c for c, _, at in in_flight.values() if now - at < run.deadline_s}
-            idle = [c for c in self._available(self._endpoint_rows(), run.include_offline)
-                    if c not in busy and c not in self._excluded]
+            rows = self._endpoint_rows()
+            self._refresh(run, rows)
+            idle = [c for c in self._ready(run, rows) if c not in busy]
             if idle:
                 base = encode_weights(weights)
                 cfg = {**strat.client_round_config(r), "local_epochs": run.local_epochs, "seed": run.seed}
@@ -725,6 +782,7 @@ class _RunParams:
     on_round: Optional[Callable[[RoundRecord, Weights], Any]]
     on_round_start: Optional[Callable[[int, Dict[str, str]], Any]]
     ttl_s: float
+    warmup_s: float = 60.0
     fid: str = ""
     gateway_fid: str = ""
 

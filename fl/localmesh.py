@@ -7,7 +7,7 @@ device's ``agent.yaml`` gets the same ``datasets:`` entry with its own ``index``
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 from cloud_hub.localmesh import AgentProcess, LocalMesh
 from mesh_agent.datasets import DatasetDecl
@@ -24,12 +24,16 @@ def declare_datasets(agent: AgentProcess, datasets: Dict[str, DatasetDecl]) -> N
 
 
 def add_digits_agents(mesh: LocalMesh, num_clients: int, *, scheme: str = "dirichlet", alpha: float = 0.5,
-                      seed: int = 0, prefix: str = "fl-client", transport: str = "mqtt", workers: int = 1,
+                      seed: int = 0, prefix: str = "fl-client", transport: "str | Sequence[str]" = "mqtt", workers: int = 1,
                       start: bool = True, extra: Dict[str, Any] | None = None) -> List[AgentProcess]:
-    """``num_clients`` agents; agent k declares ``digits`` = partition k of ``num_clients``."""
+    """``num_clients`` agents; agent k declares ``digits`` = partition k of ``num_clients``.
+    ``transport``: one for all, or one per agent (``["mqtt", "mqtt", "zmq"]``)."""
+    transports = [transport] * num_clients if isinstance(transport, str) else list(transport)
+    if len(transports) != num_clients:
+        raise ValueError(f"{len(transports)} transports for {num_clients} agents")
     agents = []
     for k in range(num_clients):
-        a = mesh.add_agent(f"{prefix}-{k}", transport, workers=workers, prefetch=4, start=False)
+        a = mesh.add_agent(f"{prefix}-{k}", transports[k], workers=workers, prefetch=4, start=False)
         kwargs = {"index": k, "num_clients": num_clients, "scheme": scheme, "alpha": alpha, "seed": seed}
         declare_datasets(a, {"digits": {"loader": "fl.datasets:digits", "kwargs": kwargs}, **(extra or {})})
         if start:
