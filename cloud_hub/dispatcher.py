@@ -21,13 +21,15 @@ from cloud_hub.config import HubConfig
 from cloud_hub.observer import DispatchObserver
 from cloud_hub.store import SqliteStore
 from mesh_agent.protocol import (
+    UP_KINDS,
+    BadFrame,
     Envelope,
     Kind,
     ProtocolError,
     ReplayGuard,
     check_freshness,
-    decode,
     encode,
+    open_frame,
     peek_endpoint,
     serialize,
 )
@@ -126,8 +128,9 @@ class Dispatcher:
         return {"credit": s.credit, "capacity": s.capacity, "last_seen": s.last_seen, "transport": s.link.name, **s.info}
 
     # ------------------------------------------------------------------ outgoing
-    async def _send(self, s: _Session, kind: Kind, body: dict[str, Any]) -> None:
-        frame = encode(Envelope(kind, s.endpoint_id, body), self._keys[s.endpoint_id], ttl=self.cfg.frame_ttl_s)
+    async def _send(self, s: _Session, kind: Kind, body: dict[str, Any], msg_id: str | None = None) -> None:
+        env = Envelope(kind, s.endpoint_id, body) if msg_id is None else Envelope(kind, s.endpoint_id, body, id=msg_id)
+        frame = encode(env, self._keys[s.endpoint_id], ttl=self.cfg.frame_ttl_s)
         await s.link.send(s.endpoint_id, frame)
 
     def kick(self, endpoint_id: str) -> None:
@@ -173,12 +176,15 @@ class Dispatcher:
             key = self._keys.get(endpoint_id)
             if key is None:
                 raise ProtocolError(f"unknown endpoint {endpoint_id}")
-            env = decode(frame, key, check_fresh=False)
+            sealed = open_frame(frame, key)
+            if sealed.kind not in UP_KINDS:
+                raise BadFrame(f"a {sealed.kind.value} frame cannot come from an agent (reflected?)")
             # A hello is answered with a nonce-bound welcome that tells the agent our clock, so it
             # may come from a device whose clock is off (a Pi after a power cut has no RTC).
-            if env.kind is not Kind.HELLO:
-                check_freshness(env)
-            self._replay.check(env)
+            if sealed.kind is not Kind.HELLO:
+                check_freshness(sealed)
+            self._replay.check(sealed)
+            env = sealed.open()  # the body is parsed only after MAC, freshness and replay passed
         except ProtocolError as exc:
             self.stats["rejected_frames"] += 1
             log.warning("rejected frame on %s channel %s: %s: %s", link.name, claimed, exc.reason, exc)
@@ -215,7 +221,8 @@ class Dispatcher:
             log.warning("%s no longer holds %d acked tasks; re-queued", env.endpoint, lost)
         await self.store.set_endpoint_state(env.endpoint, True, now, {**s.info, "capacity": s.capacity})
         self._observe("endpoint_online", env.endpoint, now, {**s.info, "capacity": s.capacity})
-        await self._send(s, Kind.WELCOME, {"reply_to": b.get("nonce"), "hub_time": time.time(), "heartbeat_s": self.cfg.heartbeat_s})
+        # The welcome's message id is the hello's nonce: the agent matches it before parsing the body.
+        await self._send(s, Kind.WELCOME, {"reply_to": b["nonce"], "hub_time": time.time(), "heartbeat_s": self.cfg.heartbeat_s}, msg_id=b["nonce"])
         log.info("endpoint %s online via %s (capacity %d)", env.endpoint, link.name, s.capacity)
 
     async def _on_fetch(self, s: _Session, body: dict[str, Any]) -> None:

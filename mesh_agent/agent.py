@@ -28,7 +28,18 @@ from mesh_agent import __version__
 from mesh_agent.config import AgentConfig, Credentials
 from mesh_agent.datasets import export_worker_env
 from mesh_agent.engine import EngineResult, EngineTask, LocalEngine, error_result
-from mesh_agent.protocol import MAX_FRAME_BYTES, Envelope, Kind, ProtocolError, ReplayGuard, check_freshness, decode, encode
+from mesh_agent.protocol import (
+    DOWN_KINDS,
+    MAX_FRAME_BYTES,
+    BadFrame,
+    Envelope,
+    Kind,
+    ProtocolError,
+    ReplayGuard,
+    check_freshness,
+    encode,
+    open_frame,
+)
 from mesh_agent.store import AgentStore, StoredResult
 from mesh_agent.transport import AgentLink, LinkError
 
@@ -267,17 +278,27 @@ class Agent:
                     await self._send_hello()
 
     async def _handle(self, frame: bytes) -> None:
+        """Trust before parsing (invariant 3): header and MAC, direction, freshness (for a welcome:
+        the nonce of one of our hellos) and replay are all checked on the fixed binary header; the
+        body is handed to msgpack only after every check passed."""
         try:
-            env = decode(frame, self._key, now=self._now(), check_fresh=False)
-            if env.endpoint != self.endpoint_id:
-                raise ProtocolError(f"frame addressed to {env.endpoint}")
-            if env.kind is Kind.WELCOME:
-                if env.body.get("reply_to") not in self._hello_nonces:
+            sealed = open_frame(frame, self._key)
+            if sealed.endpoint != self.endpoint_id:
+                raise BadFrame(f"frame addressed to {sealed.endpoint}")
+            if sealed.kind not in DOWN_KINDS:
+                raise BadFrame(f"a {sealed.kind.value} frame cannot come from the hub (reflected?)")
+            if sealed.kind is Kind.WELCOME:
+                # No freshness check: our clock may be wrong until this very welcome sets it.
+                # A welcome carries the nonce of the hello it answers as its message id instead.
+                if sealed.id not in self._hello_nonces:
                     raise ProtocolError("welcome does not answer a hello of ours")
             else:
                 now = self._now()
-                check_freshness(env, now=now)
-                self._replay.check(env, now=now)
+                check_freshness(sealed, now=now)
+                self._replay.check(sealed, now=now)
+            env = sealed.open()
+            if env.kind is Kind.WELCOME and env.body["reply_to"] != sealed.id:
+                raise BadFrame("welcome reply_to differs from its message id")
         except ProtocolError as exc:
             self.stats["rejected_frames"] += 1
             log.warning("rejected frame from hub: %s: %s", exc.reason, exc)

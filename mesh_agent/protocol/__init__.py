@@ -3,7 +3,10 @@
 Kept free of I/O and of heavy imports so the agent stays light. See docs/protocol.md.
 """
 
+from mesh_agent.protocol.bodies import validate_body
 from mesh_agent.protocol.envelope import (
+    DOWN_KINDS,
+    KIND_CODES,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     BadFrame,
@@ -13,11 +16,14 @@ from mesh_agent.protocol.envelope import (
     ProtocolError,
     Replayed,
     ReplayGuard,
+    Sealed,
     Stale,
+    UP_KINDS,
     check_freshness,
     decode,
     encode,
     new_key,
+    open_frame,
     peek_endpoint,
 )
 from mesh_agent.protocol.serialize import (
@@ -31,6 +37,12 @@ from mesh_agent.protocol.serialize import (
 )
 
 __all__ = [
+    "DOWN_KINDS",
+    "KIND_CODES",
+    "UP_KINDS",
+    "Sealed",
+    "open_frame",
+    "validate_body",
     "MAX_FRAME_BYTES",
     "PROTOCOL_VERSION",
     "BadFrame",

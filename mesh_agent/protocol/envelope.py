@@ -1,15 +1,17 @@
 """The signed, versioned envelope every message between hub and agent travels in.
 
-Frame layout (all of it covered by the MAC except the MAC itself)::
+Frame layout, version 2 (all of it covered by the MAC except the MAC itself)::
 
-    b"CM" | version (1 byte) | len(endpoint) (1 byte) | endpoint id (ascii) | mac (32 bytes) | payload
+    b"CM" | version (1) | n (1) | endpoint id (n, ascii) | kind (1) | m (1) | message id (m, ascii)
+          | ts (8, float64 BE) | exp (8, float64 BE) | mac (32) | body (msgpack map)
 
-``payload`` is msgpack: ``{"k": kind, "id": message id, "ts": sent at, "exp": expires at, "b": body}``.
-The MAC is HMAC-SHA256 with the endpoint's own key. The endpoint id sits in clear text in
-front so the receiver can pick the key *before* it parses anything; the MAC is checked before
-the payload is unpacked, and freshness and replay are checked before any body is used. Nothing
-in a body is ever unpickled by this module: task code and arguments stay opaque bytes until the
-engine runs an already-verified task.
+Everything a receiver needs to decide whether to trust a frame (who it is for, what kind, its
+id, when it was sent and when it expires) sits in a fixed binary header in front of the body.
+So the order is: parse the header by hand, check the MAC (HMAC-SHA256 with the endpoint's own
+key), check freshness and replay, and only then hand the body to msgpack. A forged, tampered,
+stale or replayed frame is refused before a single byte of its body is deserialized
+(DESIGN invariant 3). Nothing in a body is ever unpickled by this module: task code and
+arguments stay opaque bytes until the engine runs an already-verified task.
 """
 
 from __future__ import annotations
@@ -18,18 +20,23 @@ import hashlib
 import hmac
 import math
 import os
+import struct
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 
 __all__ = [
     "PROTOCOL_VERSION",
     "Kind",
+    "KIND_CODES",
+    "UP_KINDS",
+    "DOWN_KINDS",
     "Envelope",
+    "Sealed",
     "ProtocolError",
     "BadFrame",
     "BadSignature",
@@ -37,6 +44,7 @@ __all__ = [
     "Replayed",
     "encode",
     "decode",
+    "open_frame",
     "check_freshness",
     "peek_endpoint",
     "ReplayGuard",
@@ -44,9 +52,10 @@ __all__ = [
     "MAX_FRAME_BYTES",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 _MAGIC = b"CM"
 _MAC_LEN = 32
+_TIMES = struct.Struct(">dd")
 #: Hard cap on one frame; a batch larger than this is split by the sender.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 
@@ -63,6 +72,25 @@ class Kind(str, Enum):
     RESULT_ACK = "result_ack"  # hub stored these results durably
     HEARTBEAT = "heartbeat"  # liveness, capacity, queue depth, resources
     ERROR = "error"  # hub refuses something (unknown endpoint, disabled, ...)
+
+
+#: The one-byte kind code in the header. Fixed forever within a protocol version.
+KIND_CODES: dict[Kind, int] = {
+    Kind.HELLO: 1,
+    Kind.WELCOME: 2,
+    Kind.FETCH: 3,
+    Kind.TASKS: 4,
+    Kind.ACK: 5,
+    Kind.RESULTS: 6,
+    Kind.RESULT_ACK: 7,
+    Kind.HEARTBEAT: 8,
+    Kind.ERROR: 9,
+}
+_KIND_OF = {code: kind for kind, code in KIND_CODES.items()}
+#: Direction of each kind. Both sides share one key per endpoint, so a receiver refuses a kind that
+#: only the other direction sends: a frame cannot be reflected back at its sender.
+UP_KINDS = frozenset({Kind.HELLO, Kind.FETCH, Kind.ACK, Kind.RESULTS, Kind.HEARTBEAT})
+DOWN_KINDS = frozenset({Kind.WELCOME, Kind.TASKS, Kind.RESULT_ACK, Kind.ERROR})
 
 
 class ProtocolError(ValueError):
@@ -97,45 +125,138 @@ class Envelope:
     exp: float = 0.0  # 0 = ts + default TTL at encode time
 
 
+class _Stamped(Protocol):
+    """What freshness and replay checks read: header fields only, never the body."""
+
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def id(self) -> str: ...
+    @property
+    def ts(self) -> float: ...
+    @property
+    def exp(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """A frame whose header parsed and whose MAC matched; its body is still raw msgpack bytes.
+
+    Callers check freshness and replay on this, then call :meth:`open`; until then nothing of
+    the body has been parsed.
+    """
+
+    kind: Kind
+    endpoint: str
+    id: str
+    ts: float
+    exp: float
+    payload: bytes
+
+    def open(self, *, validate: bool = True) -> Envelope:
+        """Unpack the body (msgpack) and, by default, check its fields for this kind."""
+        try:
+            body = msgpack.unpackb(self.payload, raw=False, strict_map_key=True)
+        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+            raise BadFrame(f"signed body is malformed: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadFrame(f"signed body is malformed: a {type(body).__name__}, not a map")
+        if validate:
+            from mesh_agent.protocol.bodies import validate_body
+
+            validate_body(self.kind, body)
+        return Envelope(self.kind, self.endpoint, body, self.id, self.ts, self.exp)
+
+
 def new_key() -> bytes:
     return os.urandom(32)
 
 
-def _prefix(endpoint: str) -> bytes:
+def _ascii_field(what: str, value: str) -> bytes:
     try:
-        ep = endpoint.encode("ascii")
-    except UnicodeEncodeError:
-        raise BadFrame("endpoint id must be ascii") from None
-    if not ep or len(ep) > 255:
-        raise BadFrame("endpoint id must be 1-255 ascii characters")
-    return _MAGIC + bytes((PROTOCOL_VERSION, len(ep))) + ep
+        raw = value.encode("ascii")
+    except (UnicodeEncodeError, AttributeError):
+        raise BadFrame(f"{what} must be ascii") from None
+    if not raw or len(raw) > 255:
+        raise BadFrame(f"{what} must be 1-255 ascii characters")
+    return raw
+
+
+def _header(env: Envelope, exp: float) -> bytes:
+    ep = _ascii_field("endpoint id", env.endpoint)
+    mid = _ascii_field("message id", env.id)
+    return (
+        _MAGIC
+        + bytes((PROTOCOL_VERSION, len(ep)))
+        + ep
+        + bytes((KIND_CODES[Kind(env.kind)], len(mid)))
+        + mid
+        + _TIMES.pack(float(env.ts), float(exp))
+    )
 
 
 def encode(env: Envelope, key: bytes, ttl: float = 120.0) -> bytes:
     """Serialize and sign. ``ttl`` applies when the envelope has no explicit expiry."""
     exp = env.exp or env.ts + ttl
-    payload = msgpack.packb(
-        {"k": env.kind.value, "id": env.id, "ts": env.ts, "exp": exp, "b": env.body},
-        use_bin_type=True,
-    )
-    prefix = _prefix(env.endpoint)
-    mac = hmac.new(key, prefix + payload, hashlib.sha256).digest()
-    return prefix + mac + payload
+    header = _header(env, exp)
+    body = msgpack.packb(env.body, use_bin_type=True)
+    mac = hmac.new(key, header + body, hashlib.sha256).digest()
+    return header + mac + body
+
+
+def _check_version(frame: bytes) -> None:
+    if len(frame) < 4 or frame[:2] != _MAGIC:
+        raise BadFrame("not a Continuum Mesh frame")
+    if frame[2] != PROTOCOL_VERSION:
+        raise BadFrame(f"unsupported protocol version {frame[2]} (this side speaks {PROTOCOL_VERSION})")
 
 
 def peek_endpoint(frame: bytes) -> str:
     """The endpoint id in a frame's clear header, to choose the verification key. Trust nothing else."""
-    if len(frame) < 4 + _MAC_LEN or frame[:2] != _MAGIC:
-        raise BadFrame("not a Continuum Mesh frame")
-    if frame[2] != PROTOCOL_VERSION:
-        raise BadFrame(f"unsupported protocol version {frame[2]} (this side speaks {PROTOCOL_VERSION})")
+    _check_version(frame)
     n = frame[3]
-    if n == 0 or len(frame) < 4 + n + _MAC_LEN:
+    if n == 0 or len(frame) < 4 + n:
         raise BadFrame("truncated frame header")
     try:
         return bytes(frame[4 : 4 + n]).decode("ascii")
     except UnicodeDecodeError:
         raise BadFrame("endpoint id is not ascii") from None
+
+
+def _parse_header(frame: bytes) -> tuple[Kind, str, str, float, float, int]:
+    """Fields of the header and its length; raises BadFrame. Reads no byte past the header."""
+    endpoint = peek_endpoint(frame)
+    pos = 4 + len(endpoint)
+    if len(frame) < pos + 2:
+        raise BadFrame("truncated frame header")
+    kind = _KIND_OF.get(frame[pos])
+    if kind is None:
+        raise BadFrame(f"unknown message kind code {frame[pos]}")
+    m = frame[pos + 1]
+    pos += 2
+    if m == 0 or len(frame) < pos + m + _TIMES.size + _MAC_LEN:
+        raise BadFrame("truncated frame header")
+    try:
+        mid = bytes(frame[pos : pos + m]).decode("ascii")
+    except UnicodeDecodeError:
+        raise BadFrame("message id is not ascii") from None
+    pos += m
+    ts, exp = _TIMES.unpack_from(frame, pos)
+    return kind, endpoint, mid, ts, exp, pos + _TIMES.size
+
+
+def open_frame(frame: bytes, key: bytes) -> Sealed:
+    """Check size, header and MAC; return the still-unparsed body. Raises BadFrame or BadSignature."""
+    if len(frame) > MAX_FRAME_BYTES:
+        raise BadFrame(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    frame = bytes(frame)
+    kind, endpoint, mid, ts, exp, end = _parse_header(frame)
+    mac = frame[end : end + _MAC_LEN]
+    payload = frame[end + _MAC_LEN :]
+    want = hmac.new(key, frame[:end] + payload, hashlib.sha256).digest()
+    if not hmac.compare_digest(mac, want):
+        raise BadSignature("MAC does not match the endpoint's key")
+    return Sealed(kind, endpoint, mid, ts, exp, payload)
 
 
 def decode(
@@ -146,38 +267,20 @@ def decode(
     max_skew: float = 30.0,
     check_fresh: bool = True,
     replay: "ReplayGuard | None" = None,
+    validate: bool = True,
 ) -> Envelope:
-    """Verify MAC, then unpack, then check freshness and replay. Raises :class:`ProtocolError`."""
-    if len(frame) > MAX_FRAME_BYTES:
-        raise BadFrame(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
-    endpoint = peek_endpoint(frame)
-    start = 4 + len(endpoint)
-    mac = frame[start : start + _MAC_LEN]
-    payload = frame[start + _MAC_LEN :]
-    want = hmac.new(key, bytes(frame[:start]) + bytes(payload), hashlib.sha256).digest()
-    if not hmac.compare_digest(mac, want):
-        raise BadSignature("MAC does not match the endpoint's key")
-    try:
-        d = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-        kind = Kind(d["k"])
-        mid, ts, exp = d["id"], d["ts"], d["exp"]
-        if not isinstance(mid, str) or len(mid) > 256:
-            raise TypeError("id must be a short string")
-        if not all(type(x) in (int, float) and math.isfinite(x) for x in (ts, exp)):
-            raise TypeError("ts and exp must be finite numbers")
-        env = Envelope(kind, endpoint, d["b"], mid, float(ts), float(exp))
-        if not isinstance(env.body, dict):
-            raise TypeError("body is not a map")
-    except (ValueError, KeyError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise BadFrame(f"signed payload is malformed: {exc}") from None
+    """Verify MAC, then freshness, then replay, and only then unpack the body. Raises :class:`ProtocolError`."""
+    sealed = open_frame(frame, key)
     if check_fresh:
-        check_freshness(env, now=now, max_skew=max_skew)
+        check_freshness(sealed, now=now, max_skew=max_skew)
+    elif not (math.isfinite(sealed.ts) and math.isfinite(sealed.exp)):
+        raise Stale("timestamps are not finite")
     if replay is not None:
-        replay.check(env, now=now)
-    return env
+        replay.check(sealed, now=now)
+    return sealed.open(validate=validate)
 
 
-def check_freshness(env: Envelope, *, now: float | None = None, max_skew: float = 30.0) -> None:
+def check_freshness(env: _Stamped, *, now: float | None = None, max_skew: float = 30.0) -> None:
     """Refuse an expired envelope, or one stamped further in the future than clocks can drift."""
     t = time.time() if now is None else now
     if not (math.isfinite(env.ts) and math.isfinite(env.exp)):
@@ -199,11 +302,13 @@ class ReplayGuard:
         self._seen: OrderedDict[str, float] = OrderedDict()
         self._max = max_ids
 
-    def check(self, env: Envelope, now: float | None = None) -> None:
+    def check(self, env: _Stamped, now: float | None = None) -> None:
         """``now`` must be on the same clock as the freshness check (the agent uses the hub's)."""
-        if env.id in self._seen:
+        # Keyed per endpoint: one endpoint's ids can never block another's.
+        key = f"{env.endpoint}\0{env.id}"
+        if key in self._seen:
             raise Replayed(f"message {env.id} seen before")
-        self._seen[env.id] = env.exp
+        self._seen[key] = env.exp
         now = time.time() if now is None else now
         while self._seen and (len(self._seen) > self._max or next(iter(self._seen.values())) < now - 600):
             self._seen.popitem(last=False)

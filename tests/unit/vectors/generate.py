@@ -38,7 +38,8 @@ MESSAGES: list[tuple[str, Kind, str, dict[str, Any]]] = [
         "have": ["6f1c0d9a2b3e4f5061728394a5b6c7d8"], "engine": "local", "host": "pi-01",
         "version": "0.1.0", "pid": 4242,
     }),
-    ("welcome", Kind.WELCOME, "000000000000000000000002", {
+    # A welcome's message id is the nonce of the hello it answers (docs/protocol.md, section 5).
+    ("welcome", Kind.WELCOME, "00112233aabbccdd", {
         "reply_to": "00112233aabbccdd", "hub_time": TS + 0.5, "heartbeat_s": 5.0,
     }),
     ("fetch", Kind.FETCH, "000000000000000000000003", {"want": 12}),

@@ -1,0 +1,166 @@
+"""Shape checks for message bodies, one rule set per kind (docs/protocol.md, section 3).
+
+Why: a body passed the MAC, so it came from a holder of the endpoint's key, but a buggy or
+compromised peer can still send a ``tasks`` entry without an id or a result whose ``data`` is a
+string. Checking the shape here, before any handler touches a store, turns such a frame into one
+clear ``BadFrame`` ("results[3].data must be bytes, got str") instead of a KeyError deep in a
+transaction. Only the keys a receiver reads are checked; unknown keys are ignored so optional
+fields can be added without a version bump. Pure and fast: plain loops, no I/O, no pickle.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from mesh_agent.protocol.envelope import BadFrame, Kind
+
+__all__ = ["validate_body", "MAX_IDS"]
+
+#: Upper bound for any id list (``have`` in a hello is capped at 100,000 by the agent).
+MAX_IDS = 200_000
+_MAX_ID_LEN = 256
+
+
+def _type(v: Any) -> str:
+    return type(v).__name__
+
+
+def _fail(kind: Kind, where: str, what: str, v: Any) -> BadFrame:
+    return BadFrame(f"{kind.value} body: {where} must be {what}, got {_type(v)}")
+
+
+def _num(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def _str_id(v: Any) -> bool:
+    return type(v) is str and 0 < len(v) <= _MAX_ID_LEN
+
+
+def _need(kind: Kind, body: dict[str, Any], key: str, ok: Callable[[Any], bool], what: str, optional: bool = False) -> Any:
+    if key not in body:
+        if optional:
+            return None
+        raise BadFrame(f"{kind.value} body: missing {key!r}")
+    v = body[key]
+    if not ok(v):
+        raise _fail(kind, key, what, v)
+    return v
+
+
+def _id_list(kind: Kind, body: dict[str, Any], key: str) -> None:
+    ids = _need(kind, body, key, lambda v: type(v) is list and len(v) <= MAX_IDS, f"a list of at most {MAX_IDS} ids")
+    for i, x in enumerate(ids):
+        if not _str_id(x):
+            raise _fail(kind, f"{key}[{i}]", "a non-empty string id", x)
+
+
+def _opt_num(v: Any) -> bool:
+    return v is None or _num(v)
+
+
+def _hello(k: Kind, b: dict[str, Any]) -> None:
+    _need(k, b, "nonce", lambda v: type(v) is str and 0 < len(v) <= 64 and v.isascii(), "a short ascii string")
+    _need(k, b, "capacity", lambda v: type(v) is int and 0 <= v <= 1_000_000, "an int >= 0")
+    _need(k, b, "prefetch", lambda v: type(v) is int and v >= 0, "an int >= 0", optional=True)
+    if "have" in b:
+        _id_list(k, b, "have")
+
+
+def _welcome(k: Kind, b: dict[str, Any]) -> None:
+    _need(k, b, "reply_to", lambda v: type(v) is str and 0 < len(v) <= 64 and v.isascii(), "a short ascii string")
+    _need(k, b, "hub_time", _num, "a finite number")
+    _need(k, b, "heartbeat_s", lambda v: _num(v) and v > 0, "a number > 0", optional=True)
+    if b.get("allow") is not None:
+        _id_list(k, b, "allow")
+
+
+def _fetch(k: Kind, b: dict[str, Any]) -> None:
+    _need(k, b, "want", lambda v: type(v) is int and v >= 0, "an int >= 0")
+
+
+def _tasks(k: Kind, b: dict[str, Any]) -> None:
+    tasks = _need(k, b, "tasks", lambda v: type(v) is list, "a list")
+    functions = _need(k, b, "functions", lambda v: type(v) is dict, "a map", optional=True) or {}
+    for fid, body in functions.items():
+        if not _str_id(fid) or type(body) is not bytes:
+            raise _fail(k, f"functions[{fid[:70]!r}]", "bytes under a string id", body)
+    for i, t in enumerate(tasks):
+        if type(t) is not dict:
+            raise _fail(k, f"tasks[{i}]", "a map", t)
+        for key, ok, what in (
+            ("id", _str_id, "a non-empty string id"),
+            ("fn", _str_id, "a function id string"),
+            ("args", lambda v: type(v) is bytes, "bytes"),
+        ):
+            if key not in t:
+                raise BadFrame(f"{k.value} body: tasks[{i}] has no {key!r}")
+            if not ok(t[key]):
+                raise _fail(k, f"tasks[{i}].{key}", what, t[key])
+        if not (t.get("timeout") is None or (_num(t["timeout"]) and t["timeout"] > 0)):
+            raise _fail(k, f"tasks[{i}].timeout", "null or a number > 0", t["timeout"])
+        if not _opt_num(t.get("exp")):
+            raise _fail(k, f"tasks[{i}].exp", "null or a finite number", t["exp"])
+    if b.get("allow") is not None:
+        _id_list(k, b, "allow")
+
+
+def _ids(k: Kind, b: dict[str, Any]) -> None:
+    _id_list(k, b, "ids")
+
+
+def _results(k: Kind, b: dict[str, Any]) -> None:
+    results = _need(k, b, "results", lambda v: type(v) is list, "a list")
+    for i, r in enumerate(results):
+        if type(r) is not dict:
+            raise _fail(k, f"results[{i}]", "a map", r)
+        for key, ok, what in (
+            ("id", _str_id, "a non-empty string id"),
+            ("ok", lambda v: type(v) is bool, "a bool"),
+            ("data", lambda v: type(v) is bytes, "bytes"),
+        ):
+            if key not in r:
+                raise BadFrame(f"{k.value} body: results[{i}] has no {key!r}")
+            if not ok(r[key]):
+                raise _fail(k, f"results[{i}].{key}", what, r[key])
+        for key in ("started", "finished"):
+            if not _opt_num(r.get(key)):
+                raise _fail(k, f"results[{i}].{key}", "null or a finite number", r[key])
+        if not (r.get("pid") is None or type(r["pid"]) is int):
+            raise _fail(k, f"results[{i}].pid", "null or an int", r["pid"])
+
+
+def _heartbeat(k: Kind, b: dict[str, Any]) -> None:
+    for key in ("capacity", "running", "queued", "stored", "outbox", "want", "cpu", "mem_used", "mem_avail_mb"):
+        if not _opt_num(b.get(key)):
+            raise _fail(k, key, "null or a finite number", b[key])
+    if "warm" in b:
+        warm = _need(k, b, "warm", lambda v: type(v) is list and len(v) <= 1000, "a list of at most 1000 ids")
+        if not all(_str_id(x) for x in warm):
+            raise BadFrame(f"{k.value} body: warm must hold string ids")
+
+
+def _error(k: Kind, b: dict[str, Any]) -> None:
+    _need(k, b, "code", lambda v: type(v) is str and len(v) <= 64, "a short string")
+    _need(k, b, "message", lambda v: type(v) is str, "a string", optional=True)
+
+
+_RULES: dict[Kind, Callable[[Kind, dict[str, Any]], None]] = {
+    Kind.HELLO: _hello,
+    Kind.WELCOME: _welcome,
+    Kind.FETCH: _fetch,
+    Kind.TASKS: _tasks,
+    Kind.ACK: _ids,
+    Kind.RESULTS: _results,
+    Kind.RESULT_ACK: _ids,
+    Kind.HEARTBEAT: _heartbeat,
+    Kind.ERROR: _error,
+}
+
+
+def validate_body(kind: Kind, body: dict[str, Any]) -> None:
+    """Raise :class:`BadFrame` naming the first field that has the wrong shape for ``kind``."""
+    if type(body) is not dict:
+        raise BadFrame(f"{kind.value} body must be a map, got {_type(body)}")
+    _RULES[kind](kind, body)
