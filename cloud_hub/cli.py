@@ -38,10 +38,17 @@ def serve(
     cfg = HubConfig.from_env(db_path=db, host=host, port=port, mqtt_host=mqtt_host or None, mqtt_port=mqtt_port, zmq_bind=zmq_bind or None)
     embedded = None
     if broker == "embedded":
+        import secrets
+
         from cloud_hub.broker import MosquittoBroker
 
-        embedded = MosquittoBroker(cfg.db_path.resolve().parent / "broker", port=cfg.mqtt_port).start()
-        console.print(f"embedded mosquitto on 127.0.0.1:{cfg.mqtt_port}")
+        # Locked down like a production broker: a login per endpoint, topic ACLs written by the hub.
+        workdir = cfg.db_path.resolve().parent / "broker"
+        login = (cfg.mqtt_username or "mesh-hub", cfg.mqtt_password or secrets.token_urlsafe(24))
+        cfg = cfg.model_copy(update={"mqtt_username": login[0], "mqtt_password": login[1], "mqtt_auth_dir": workdir,
+                                     "mqtt_broker_pid_file": workdir / "broker.pid"})
+        embedded = MosquittoBroker(workdir, port=cfg.mqtt_port, hub_login=login).start()
+        console.print(f"embedded mosquitto on 127.0.0.1:{cfg.mqtt_port} (per-endpoint logins and ACLs in {workdir})")
     try:
         run(cfg)
     finally:

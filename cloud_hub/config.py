@@ -23,6 +23,10 @@ class HubConfig(BaseModel):
     mqtt_username: str | None = None
     mqtt_password: str | None = None
     mqtt_public_host: str | None = None
+    # Per-endpoint broker logins and ACLs (docs/security.md): where the hub writes Mosquitto's
+    # password_file and acl_file (on start and after each enrollment), and the broker's pid to SIGHUP.
+    mqtt_auth_dir: Path | None = None
+    mqtt_broker_pid_file: Path | None = None
     # ZeroMQ: where the hub's ROUTER binds, and the address agents connect to.
     zmq_bind: str | None = "tcp://127.0.0.1:8701"
     zmq_public: str | None = None

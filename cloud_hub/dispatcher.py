@@ -84,6 +84,7 @@ class Dispatcher:
         self._keys: dict[str, bytes] = {}
         self._sessions: dict[str, _Session] = {}
         self._replay = ReplayGuard()
+        self._allow: dict[str, frozenset[str]] = {}  # endpoints with a function allow-list
         self._watchdog: asyncio.Task[None] | None = None
         self.stats = {"rejected_frames": 0, "tasks_sent": 0, "results_stored": 0, "duplicate_results": 0}
         self.observer = DispatchObserver()  # the hub plugs in its placement service
@@ -96,7 +97,10 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, links: list[HubLink]) -> None:
+        from cloud_hub.store.access import AccessStore
+
         self._keys = await self.store.endpoint_keys()
+        self._allow = await AccessStore(self.store).allow_lists()
         # Leases from before a restart may or may not have reached their agents: re-queue them;
         # an agent that did get one de-duplicates by task id.
         n = await self.store.requeue(expired_before=float("inf"))
@@ -117,6 +121,30 @@ class Dispatcher:
 
     def add_endpoint_key(self, endpoint_id: str, key: bytes) -> None:
         self._keys[endpoint_id] = key
+
+    def allow_list(self, endpoint_id: str) -> frozenset[str] | None:
+        return self._allow.get(endpoint_id)
+
+    def set_allow_list(self, endpoint_id: str, allowed: frozenset[str] | None) -> None:
+        """The agent learns the new list with its next tasks frame (or welcome)."""
+        if allowed is None:
+            self._allow.pop(endpoint_id, None)
+        else:
+            self._allow[endpoint_id] = allowed
+
+    def revoke(self, endpoint_id: str) -> None:
+        """Forget the endpoint's key: from now on every frame of it fails as from an unknown endpoint."""
+        self._keys.pop(endpoint_id, None)
+        self._sessions.pop(endpoint_id, None)
+        self._allow.pop(endpoint_id, None)
+        for link in self.links:
+            revoke = getattr(link, "revoke_client", None)
+            if revoke is not None:
+                revoke(endpoint_id)
+
+    def _allow_field(self, endpoint_id: str) -> list[str] | None:
+        allowed = self._allow.get(endpoint_id)
+        return None if allowed is None else sorted(allowed)
 
     def online(self, endpoint_id: str) -> bool:
         return endpoint_id in self._sessions
@@ -154,7 +182,7 @@ class Dispatcher:
                         break
                     s.credit -= len(tasks)
                     try:
-                        await self._send(s, Kind.TASKS, {"tasks": tasks, "functions": bodies})
+                        await self._send(s, Kind.TASKS, {"tasks": tasks, "functions": bodies, "allow": self._allow_field(s.endpoint_id)})
                         self.stats["tasks_sent"] += len(tasks)
                     except LinkError as exc:
                         log.warning("sending to %s failed (%s); its lease will expire and re-queue", s.endpoint_id, exc)
@@ -222,7 +250,8 @@ class Dispatcher:
         await self.store.set_endpoint_state(env.endpoint, True, now, {**s.info, "capacity": s.capacity})
         self._observe("endpoint_online", env.endpoint, now, {**s.info, "capacity": s.capacity})
         # The welcome's message id is the hello's nonce: the agent matches it before parsing the body.
-        await self._send(s, Kind.WELCOME, {"reply_to": b["nonce"], "hub_time": time.time(), "heartbeat_s": self.cfg.heartbeat_s}, msg_id=b["nonce"])
+        welcome = {"reply_to": b["nonce"], "hub_time": time.time(), "heartbeat_s": self.cfg.heartbeat_s, "allow": self._allow_field(env.endpoint)}
+        await self._send(s, Kind.WELCOME, welcome, msg_id=b["nonce"])
         log.info("endpoint %s online via %s (capacity %d)", env.endpoint, link.name, s.capacity)
 
     async def _on_fetch(self, s: _Session, body: dict[str, Any]) -> None:

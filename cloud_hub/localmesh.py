@@ -8,6 +8,7 @@ and restarted against their own SQLite queues, talking to the hub through a real
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -81,10 +82,15 @@ class LocalMesh:
         look at its dispatcher."""
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.broker = MosquittoBroker(self.workdir / "broker")
+        # The broker runs as in production: no anonymous clients, a login per endpoint, topic ACLs
+        # (written by the hub on start and on every enrollment, reloaded with SIGHUP).
+        hub_login = ("mesh-hub", secrets.token_urlsafe(24))
+        self.broker = MosquittoBroker(self.workdir / "broker", hub_login=hub_login)
         self.hub_cfg = HubConfig(
             db_path=self.workdir / "hub.sqlite3", port=0, mqtt_port=self.broker.port, zmq_bind="tcp://127.0.0.1:*",
-            heartbeat_s=heartbeat_s, lost_after_s=lost_after_s, lease_s=lease_s, bootstrap_user="demo", **(hub_overrides or {}),
+            heartbeat_s=heartbeat_s, lost_after_s=lost_after_s, lease_s=lease_s, bootstrap_user="demo",
+            mqtt_username=hub_login[0], mqtt_password=hub_login[1],
+            mqtt_auth_dir=self.broker.workdir, mqtt_broker_pid_file=self.broker.pid_path, **(hub_overrides or {}),
         )
         self.hub: HubThread | None = None
         self.hub_process = hub_process
@@ -143,8 +149,9 @@ class LocalMesh:
                     await store.close()
 
             self._token = asyncio.run(mint())
-        env = dict(os.environ, **{f"MESH_HUB_{k.upper()}": str(v) for k, v in
-                                   {"heartbeat_s": cfg.heartbeat_s, "lost_after_s": cfg.lost_after_s, "lease_s": cfg.lease_s}.items()})
+        passed = {"heartbeat_s": cfg.heartbeat_s, "lost_after_s": cfg.lost_after_s, "lease_s": cfg.lease_s, "mqtt_username": cfg.mqtt_username,
+                  "mqtt_password": cfg.mqtt_password, "mqtt_auth_dir": cfg.mqtt_auth_dir, "mqtt_broker_pid_file": cfg.mqtt_broker_pid_file}
+        env = dict(os.environ, **{f"MESH_HUB_{k.upper()}": str(v) for k, v in passed.items() if v is not None})
         log = open(self.workdir / "hub.log", "ab")
         self._hub_proc = subprocess.Popen(
             [sys.executable, "-m", "cloud_hub.cli", "serve", "--db", str(cfg.db_path), "--port", str(cfg.port),
@@ -184,11 +191,15 @@ class LocalMesh:
 
     def add_agent(self, name: str, transport: str = "mqtt", *, workers: int | None = 2, prefetch: int = 256,
                   task_timeout: float | None = None, start: bool = True, tags: list[str] | None = None,
-                  hardware: str | None = None) -> AgentProcess:
+                  hardware: str | None = None, data_dir: Path | None = None, **settings: Any) -> AgentProcess:
+        """Enroll and (by default) start an agent; ``settings`` are further AgentConfig fields."""
         token = self.client.create_enrollment_token()
         config_path = self.workdir / "agents" / f"{name}.yaml"
         cfg = enroll(self.url, token, name, config_path, transport=transport, workers=workers, prefetch=prefetch, task_timeout=task_timeout,
-                     tags=tags, hardware=hardware)
+                     tags=tags, hardware=hardware, data_dir=data_dir)
+        if settings:
+            cfg = AgentConfig.model_validate({**cfg.model_dump(), **settings})
+            cfg.save(config_path)
         agent = AgentProcess(cfg, config_path, self.workdir / "agents" / f"{name}.log")
         self.agents.append(agent)
         return agent.start() if start else agent

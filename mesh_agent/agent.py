@@ -40,7 +40,7 @@ from mesh_agent.protocol import (
     encode,
     open_frame,
 )
-from mesh_agent.store import AgentStore, StoredResult
+from mesh_agent.store import AgentStore, StoredResult, StoreError
 from mesh_agent.transport import AgentLink, LinkError
 
 if TYPE_CHECKING:
@@ -55,6 +55,8 @@ _RESULTS_PER_FRAME = 2000
 _RESEND_AFTER_S = 10.0
 _FRAME_BUDGET = 8 * 2**20
 _MAX_RESULT_BYTES = MAX_FRAME_BYTES // 2
+#: After a failed queue write (full disk) the agent takes no new tasks for this long, then tries again.
+_STORE_RETRY_S = 5.0
 
 
 def make_link(cfg: AgentConfig, creds: Credentials) -> AgentLink:
@@ -72,7 +74,9 @@ def make_link(cfg: AgentConfig, creds: Credentials) -> AgentLink:
         )
     from mesh_agent.transport.zmq import ZmqAgentLink
 
-    return ZmqAgentLink(cfg.endpoint_id, cfg.zmq.address)
+    if not (creds.hub_curve_key and creds.curve_public and creds.curve_secret):
+        raise LinkError("no ZeroMQ CURVE keys in the credentials file: run `mesh-agent init` again")
+    return ZmqAgentLink(cfg.endpoint_id, cfg.zmq.address, server_key=creds.hub_curve_key, public_key=creds.curve_public, secret_key=creds.curve_secret)
 
 
 class _HelloRequired(Exception):
@@ -91,7 +95,7 @@ class Agent:
         self._key = creds.key_bytes
         self._creds = creds
         self._link_factory = link_factory
-        self.store = AgentStore(cfg.queue_path, cfg.durable_sync)
+        self.store = AgentStore(cfg.queue_path, cfg.durable_sync, cfg.queue_max_mb)
         if cfg.globus is not None:  # workers (spawned later, they inherit it) stage Globus files
             os.environ["MESH_STAGING"] = json.dumps({**json.loads(cfg.globus.model_dump_json()), "credentials_file": str(cfg.credentials_file)})
         self.engine: LocalEngine | ParslEngine
@@ -114,19 +118,25 @@ class Agent:
         self._link: AgentLink | None = None
         self._welcomed = asyncio.Event()
         self._pending: list[EngineResult] = []
+        self._retry: list[EngineResult] = []  # results whose write failed (disk full), written again later
         self._pending_event = asyncio.Event()
         self._sent_at: dict[str, float] = {}  # results sent, not yet acked
         self._in_engine: set[str] = set()
         self._received_since_fetch = 0
         self._granted = 0
         self._hello_nonces: dict[str, float] = {}  # hellos awaiting their welcome, nonce -> sent at
-        self.stats = {"tasks_received": 0, "results_sent": 0, "rejected_frames": 0, "reconnects": 0}
+        self._local_allow = None if cfg.allowed_functions is None else frozenset(cfg.allowed_functions)
+        self._hub_allow: frozenset[str] | None = None  # the hub's allow-list for us, kept in the queue's meta
+        self._store_blocked_until = 0.0  # monotonic; set when the queue could not be written (disk full)
+        self.stats = {"tasks_received": 0, "results_sent": 0, "rejected_frames": 0, "reconnects": 0, "store_failures": 0, "refused_tasks": 0}
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self, stop: asyncio.Event) -> None:
         """Run until ``stop`` is set; survives any number of link losses."""
         await self.store.open()
         export_worker_env(self.cfg.endpoint_id, self.cfg.name, self.cfg.datasets, self.cfg.data_dir)  # before workers spawn
+        allow = await self.store.get_meta("hub_allow")
+        self._hub_allow = None if allow is None else frozenset(json.loads(allow))
         await self.engine.start()
         flusher = asyncio.create_task(self._flush_results_forever(), name="flush-results")
         try:
@@ -222,6 +232,8 @@ class Agent:
         )
 
     def _want(self) -> int:
+        if time.monotonic() < self._store_blocked_until:
+            return 0  # the queue cannot take more right now (disk full): let the hub keep them
         return max(0, self.engine.workers + self.cfg.prefetch - self.engine.queued - self.engine.running)
 
     async def _maybe_fetch(self, force: bool = False) -> None:
@@ -244,7 +256,10 @@ class Agent:
         while True:
             if time.monotonic() - last_prune > 3600:
                 last_prune = time.monotonic()
-                await self.store.prune()
+                try:
+                    await self.store.prune()
+                except Exception as exc:  # housekeeping only; never worth the session
+                    log.warning("pruning old task ids failed: %s", exc)
             await asyncio.sleep(self._heartbeat_s)
             counts = await self.store.counts()
             mem = psutil.virtual_memory()
@@ -271,6 +286,10 @@ class Agent:
         async for frame in link.frames():
             try:
                 await self._handle(frame)
+            except StoreError as exc:
+                # The queue could not be written (disk full): nothing was acked, so nothing is
+                # lost; the link stays up and the hub re-sends after its lease.
+                log.error("%s", exc)
             except _HelloRequired:
                 # Many frames may bounce while the hub restarts: one hello per second is enough.
                 recent = max(self._hello_nonces.values(), default=0.0)
@@ -315,14 +334,27 @@ class Agent:
         hub_beat = body.get("heartbeat_s")
         if isinstance(hub_beat, (int, float)) and 0 < hub_beat < self.cfg.heartbeat_s:
             self._heartbeat_s = float(hub_beat)  # the hub declares us lost on its own period
+        await self._set_hub_allow(body)
         self._welcomed.set()
         await self._resume_stored_tasks()  # anything stored but not running (a session cut mid-batch)
         await self._maybe_fetch(force=True)
         await self._resend_stale_results(all_of_them=True)
 
+    async def _set_hub_allow(self, body: dict[str, Any]) -> None:
+        if "allow" not in body:
+            return
+        allow = None if body["allow"] is None else frozenset(body["allow"])
+        if allow != self._hub_allow:
+            self._hub_allow = allow  # in force at once; kept on disk for tasks resumed after a restart
+            log.info("hub allow-list: %s", "none" if allow is None else f"{len(allow)} functions")
+            try:
+                await self.store.set_meta("hub_allow", None if allow is None else json.dumps(sorted(allow)))
+            except StoreError as exc:
+                log.error("could not save the hub's allow-list: %s", exc)
+
     async def _on_tasks(self, body: dict[str, Any]) -> None:
         tasks: list[dict[str, Any]] = body.get("tasks", [])
-        functions: dict[str, bytes] = body.get("functions", {})
+        functions: dict[str, bytes] = body.get("functions") or {}
         self._received_since_fetch += len(tasks)
         by_id = {t["id"]: t for t in tasks}
         missing: list[tuple[str, str, bytes, float | None, float | None]] = []
@@ -338,7 +370,20 @@ class Agent:
                 (ready if t["fn"] in functions else missing).append(row)
             self._submit(ready, functions)
 
-        await self.store.add_tasks(functions, tasks, on_fresh=start)
+        await self._set_hub_allow(body)  # before any of these tasks is considered for running
+        try:
+            await self.store.add_tasks(functions, tasks, on_fresh=start)
+        except StoreError as exc:
+            # Not stored, so not acknowledged: the hub keeps them and sends them again. (Tasks
+            # already started above still run; their results reach the hub, which keeps one.)
+            self.stats["store_failures"] += 1
+            self._store_blocked_until = time.monotonic() + _STORE_RETRY_S
+            log.error("could not store %d tasks from the hub, so they are not acknowledged (the hub keeps them "
+                      "and sends them again): %s", len(tasks), exc)
+            with contextlib.suppress(LinkError):
+                self._granted, self._received_since_fetch = 0, 0
+                await self._send(Kind.FETCH, {"want": 0})
+            return
         if missing:
             bodies = await self.store.function_bodies({fid for _, fid, *_ in missing})
             self._submit(missing, bodies)  # before the ack: a link that fails now must not strand them
@@ -347,7 +392,11 @@ class Agent:
 
     async def _on_result_ack(self, body: dict[str, Any]) -> None:
         ids = body.get("ids", [])
-        await self.store.mark_acked(ids)
+        try:
+            await self.store.mark_acked(ids)
+        except StoreError as exc:  # the results stay stored; they are re-sent and acked again later
+            log.error("could not record result acks: %s", exc)
+            return
         for i in ids:
             self._sent_at.pop(i, None)
 
@@ -363,7 +412,12 @@ class Agent:
         for task_id, fid, args, timeout, exp in rows:
             if task_id in self._in_engine:
                 continue
-            if fid not in bodies:
+            refusal = self._refusal(fid)
+            if refusal is not None:
+                self.stats["refused_tasks"] += 1
+                log.warning("refused task %s: %s", task_id, refusal)
+                self._on_results([error_result(task_id, "mesh_agent.FunctionNotAllowed", refusal)])
+            elif fid not in bodies:
                 self._on_results([error_result(task_id, "mesh_agent.FunctionMissing", f"function {fid} not stored")])
             elif exp and now > exp:
                 self._on_results([error_result(task_id, "mesh_agent.TaskExpired", f"task expired {now - exp:.0f}s before it could run")])
@@ -373,17 +427,30 @@ class Agent:
         if batch:
             self.engine.submit(batch)
 
+    def _refusal(self, fid: str) -> str | None:
+        """Why this function may not run here (allow-lists), or None. Checked before any code is loaded."""
+        if self._local_allow is not None and fid not in self._local_allow:
+            return f"function {fid} is not on this device's allow-list (allowed_functions in its config)"
+        if self._hub_allow is not None and fid not in self._hub_allow:
+            return f"function {fid} is not on endpoint {self.endpoint_id}'s allow-list"
+        return None
+
     def _on_results(self, results: list[EngineResult]) -> None:
         self._pending.extend(results)
         self._pending_event.set()
 
     async def _save_pending(self) -> list[StoredResult]:
-        batch, self._pending = self._pending, []
+        batch, self._pending = self._retry + self._pending, []
+        self._retry = []
         self._pending_event.clear()
         if not batch:
             return []
         stored = [StoredResult(r.task_id, r.ok, r.data, r.started, r.finished, r.worker_pid) for r in map(_fit, batch)]
-        await self.store.save_results(stored)
+        try:
+            await self.store.save_results(stored)
+        except StoreError:
+            self._retry = batch
+            raise
         for r in batch:
             self._in_engine.discard(r.task_id)
         return stored
@@ -391,7 +458,17 @@ class Agent:
     async def _flush_results_forever(self) -> None:
         while True:
             await self._pending_event.wait()
-            stored = await self._save_pending()
+            try:
+                stored = await self._save_pending()
+            except StoreError as exc:
+                # Not written, so not sent (a result is stored before it leaves). Keep them in
+                # memory and retry; should the agent die meanwhile, their tasks are still stored
+                # without a result and run again on restart.
+                self.stats["store_failures"] += 1
+                log.error("could not store %d results, holding them and retrying in %.0fs: %s", len(self._retry), _STORE_RETRY_S, exc)
+                await asyncio.sleep(_STORE_RETRY_S)
+                self._pending_event.set()
+                continue
             if not stored or not self._welcomed.is_set():
                 continue
             try:

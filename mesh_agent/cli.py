@@ -52,9 +52,19 @@ def enroll(
     hardware: str | None = None,
     gpu: bool = False,
 ) -> AgentConfig:
-    """Register this device with the hub and write its config and credentials (both mode 0600)."""
+    """Register this device with the hub and write its config and credentials (both mode 0600).
+
+    A ZeroMQ endpoint makes its CURVE keypair here and sends only the public key; the secret never
+    leaves the device. The hub answers with its own CURVE public key (and, for MQTT, a broker login)."""
     _check_placement(tags, hardware)  # before the hub spends an enrollment token on us
-    r = httpx.post(f"{hub_url.rstrip('/')}/v1/endpoints/enroll", json={"token": token, "name": name, "transport": transport}, timeout=30)
+    request: dict[str, object] = {"token": token, "name": name, "transport": transport}
+    curve_public = curve_secret = None
+    if transport == "zmq":
+        from mesh_agent.transport.zmq import curve_keypair
+
+        curve_public, curve_secret = curve_keypair()
+        request["curve_public"] = curve_public
+    r = httpx.post(f"{hub_url.rstrip('/')}/v1/endpoints/enroll", json=request, timeout=30)
     if r.status_code >= 400:
         try:
             detail = r.json().get("detail", r.text)
@@ -81,7 +91,10 @@ def enroll(
         hardware=hardware,
         gpu=gpu,
     )
-    Credentials(endpoint_id=cfg.endpoint_id, key=info["key"], mqtt_username=mqtt.get("username"), mqtt_password=mqtt.get("password")).save(cfg.credentials_file)
+    Credentials(
+        endpoint_id=cfg.endpoint_id, key=info["key"], mqtt_username=mqtt.get("username"), mqtt_password=mqtt.get("password"),
+        curve_public=curve_public, curve_secret=curve_secret, hub_curve_key=info.get("zmq_server_key") if transport == "zmq" else None,
+    ).save(cfg.credentials_file)
     cfg.save(config_path)
     return cfg
 

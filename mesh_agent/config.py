@@ -126,6 +126,12 @@ class AgentConfig(BaseModel):
                                  description="hardware class shared by identical devices (their run-time profiles are pooled), e.g. pi4")
     gpu: bool = Field(False, description="a GPU usable by functions (tasks may require one)")
     datasets: dict[DatasetName, DatasetDecl] = Field(default_factory=dict, description="named datasets on this device (FL): module:function, a path, or {loader|path, kwargs}")
+    allowed_functions: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] | None = Field(
+        None, description="local allow-list of function ids this device runs (None: any the hub allows)"
+    )
+    queue_max_mb: int | None = Field(
+        None, ge=1, description="cap on the queue database (SQLite max_page_count); when reached, new tasks are refused as on a full disk"
+    )
 
     @property
     def queue_path(self) -> Path:
@@ -138,11 +144,15 @@ class AgentConfig(BaseModel):
 class Credentials(BaseModel):
     model_config = ConfigDict(extra="forbid")
     endpoint_id: str
-    key: str  # hex HMAC key shared with the hub
+    key: str = Field(pattern=r"^[0-9a-f]{64}$", description="hex HMAC key shared with the hub")
     mqtt_username: str | None = None
     mqtt_password: str | None = None
     globus_client_id: str | None = None  # data staging (GlobusStaging)
     globus_client_secret: str | None = None
+    # ZeroMQ CURVE (z85): this agent's keypair, and the hub's public key learnt at enrollment.
+    curve_public: str | None = Field(None, min_length=40, max_length=40)
+    curve_secret: str | None = Field(None, min_length=40, max_length=40)
+    hub_curve_key: str | None = Field(None, min_length=40, max_length=40)
 
     @property
     def key_bytes(self) -> bytes:
@@ -178,6 +188,8 @@ def load_config(path: Path) -> tuple[AgentConfig, Credentials]:
         raise ConfigError(f"{path}: no such config file (run `mesh-agent init` first)") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of settings")
     try:
@@ -190,8 +202,15 @@ def load_config(path: Path) -> tuple[AgentConfig, Credentials]:
         raise ConfigError(f"{cfg.credentials_file}: credentials file missing") from None
     except ValidationError as exc:
         raise ConfigError(f"{cfg.credentials_file}: {_errors(exc)}") from None
+    except OSError as exc:
+        raise ConfigError(f"{cfg.credentials_file}: cannot read credentials: {exc.strerror}") from None
     if cfg.globus is not None and not (creds.globus_client_id and creds.globus_client_secret):
         raise ConfigError(f"{cfg.credentials_file}: `globus:` staging is configured but globus_client_id / globus_client_secret are missing")
     if creds.endpoint_id != cfg.endpoint_id:
         raise ConfigError(f"{cfg.credentials_file}: credentials are for endpoint {creds.endpoint_id}, config is for {cfg.endpoint_id}")
+    if cfg.transport == "zmq" and not (creds.curve_public and creds.curve_secret and creds.hub_curve_key):
+        raise ConfigError(
+            f"{cfg.credentials_file}: no ZeroMQ CURVE keys (curve_public, curve_secret, hub_curve_key); "
+            "this endpoint was enrolled by an older mesh-agent: run `mesh-agent init` again"
+        )
     return cfg, creds

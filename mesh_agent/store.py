@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import aiosqlite
 
-__all__ = ["AgentStore", "StoreError", "QueuedTask", "StoredResult"]
+__all__ = ["AgentStore", "StoreError", "StoreFull", "QueuedTask", "StoredResult"]
 
 SCHEMA_VERSION = 1
 
@@ -48,6 +48,18 @@ class StoreError(RuntimeError):
     """The queue database cannot be used; the message says which file and why."""
 
 
+class StoreFull(StoreError):
+    """The disk holding the queue (or ``queue_max_mb``) is full: the write was rolled back whole."""
+
+
+def _write_error(path: Path, exc: sqlite3.Error) -> StoreError:
+    """Turn SQLite's error into one that names the file and, for a full disk, says so plainly."""
+    code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+    if code == sqlite3.SQLITE_FULL or "full" in str(exc).lower():
+        return StoreFull(f"{path}: disk full ({exc}); free space on that filesystem (or raise queue_max_mb)")
+    return StoreError(f"{path}: cannot write the queue database ({exc})")
+
+
 @dataclass(slots=True)
 class QueuedTask:
     id: str
@@ -68,9 +80,10 @@ class StoredResult:
 
 
 class AgentStore:
-    def __init__(self, path: Path, sync: str = "full") -> None:
+    def __init__(self, path: Path, sync: str = "full", max_mb: int | None = None) -> None:
         self.path = Path(path)
         self._sync = sync.upper()
+        self._max_mb = max_mb
         self._db: aiosqlite.Connection | None = None
         # One connection is shared by the reader and the result flusher: transactions must not interleave.
         self._tx_lock = asyncio.Lock()
@@ -85,6 +98,9 @@ class AgentStore:
             await db.execute("PRAGMA journal_mode=WAL")
             await db.execute(f"PRAGMA synchronous={self._sync}")
             await db.execute("PRAGMA busy_timeout=5000")
+            if self._max_mb:
+                page = (await (await db.execute("PRAGMA page_size")).fetchone())[0]  # type: ignore[index]
+                await db.execute(f"PRAGMA max_page_count={max(1, self._max_mb * 2**20 // page)}")
             row = await (await db.execute("PRAGMA quick_check")).fetchone()
             if row is None or row[0] != "ok":
                 raise sqlite3.DatabaseError(f"integrity check failed: {row[0] if row else 'no answer'}")
@@ -97,9 +113,12 @@ class AgentStore:
                 raise StoreError(f"{self.path}: queue schema v{found[0]} is newer than this agent (v{SCHEMA_VERSION})")
         except sqlite3.DatabaseError as exc:
             await db.close()
+            full = _write_error(self.path, exc)
+            if isinstance(full, StoreFull):  # a sound queue on a full disk: say that, not "corrupt"
+                raise full from None
             raise StoreError(
-                f"{self.path}: not a usable queue database ({exc}). Move it aside to start with an empty "
-                "queue; tasks it held will be re-sent by the hub when their lease expires."
+                f"{self.path}: not a usable queue database ({exc}). Run `mesh-agent queue recover` to move it "
+                "aside and keep every task and result still readable in it; the hub re-sends the rest."
             ) from None
         self._db = db
         return self
@@ -137,8 +156,8 @@ class AgentStore:
         self, db: aiosqlite.Connection, now: float, functions: dict[str, bytes], tasks: Sequence[dict[str, Any]],
         on_fresh: Callable[[list[str]], None] | None,
     ) -> list[str]:
-        await db.execute("BEGIN IMMEDIATE")
         try:
+            await db.execute("BEGIN IMMEDIATE")
             ids = [t["id"] for t in tasks]
             known = await self._existing(ids)
             fresh = [t for t in tasks if t["id"] not in known]
@@ -155,24 +174,40 @@ class AgentStore:
                 [(t["id"], t["fn"], t["args"], t.get("timeout"), t.get("exp"), now) for t in fresh],
             )
             await db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            await self._rollback(db)
+            raise _write_error(self.path, exc) from None
         except BaseException:
-            await db.execute("ROLLBACK")
+            await self._rollback(db)
             raise
         return [t["id"] for t in fresh]
+
+    @staticmethod
+    async def _rollback(db: aiosqlite.Connection) -> None:
+        # SQLite may already have rolled back on its own (SQLITE_FULL): a second ROLLBACK would
+        # raise "no transaction is active" and hide the real error.
+        if db.in_transaction:
+            try:
+                await db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
 
     async def _many(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
         """One transaction (one fsync) for a whole batch; autocommit would pay one per row."""
         db = self.db
         async with self._tx_lock:
-            if len(rows) == 1:  # one autocommit statement is its own transaction: 1 thread hop, not 3
-                await db.execute(sql, rows[0])
-                return
-            await db.execute("BEGIN IMMEDIATE")
             try:
+                if len(rows) == 1:  # one autocommit statement is its own transaction: 1 thread hop, not 3
+                    await db.execute(sql, rows[0])
+                    return
+                await db.execute("BEGIN IMMEDIATE")
                 await db.executemany(sql, rows)
                 await db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                await self._rollback(db)
+                raise _write_error(self.path, exc) from None
             except BaseException:
-                await db.execute("ROLLBACK")
+                await self._rollback(db)
                 raise
 
     async def _existing(self, ids: Sequence[str]) -> set[str]:
@@ -243,6 +278,16 @@ class AgentStore:
         )
         cols = ["id", "function_id", "state", "received", "finished", "ok"]
         return [dict(zip(cols, r)) for r in await cur.fetchall()]
+
+    async def get_meta(self, key: str) -> str | None:
+        row = await (await self.db.execute("SELECT value FROM meta WHERE key=?", (key,))).fetchone()
+        return None if row is None else str(row[0])
+
+    async def set_meta(self, key: str, value: str | None) -> None:
+        if value is None:
+            await self._many("DELETE FROM meta WHERE key=?", [(key,)])
+        else:
+            await self._many("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [(key, value)])
 
     async def prune(self, older_than_s: float = 7 * 86400) -> int:
         """Forget acked ids older than the retention window (longer than any message's lifetime)."""

@@ -43,6 +43,7 @@ from cloud_hub.globus_auth import GlobusUnavailable
 from cloud_hub.dispatcher import Dispatcher, ResultBus
 from cloud_hub.placement import PlacementError, PlacementService
 from cloud_hub.store import SqliteStore, hash_token
+from cloud_hub.store.access import AccessStore
 from mesh_agent.protocol import SerializationError, function_id, method_of, new_key
 from mesh_agent.transport import HubLink
 
@@ -52,6 +53,7 @@ log = logging.getLogger("cloud_hub")
 _bearer = HTTPBearer(auto_error=False)
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorOut},
+    403: {"model": ErrorOut},
     404: {"model": ErrorOut},
     409: {"model": ErrorOut},
     413: {"model": ErrorOut},
@@ -72,10 +74,33 @@ class Hub:
         self._token_cache: dict[str, str] = {}
         self.bootstrap_token: str | None = None
         self.globus = _globus_auth(cfg, self.store)
+        self.access = AccessStore(self.store)
+        self._broker_lock = asyncio.Lock()
+
+    async def refresh_broker_auth(self) -> None:
+        """Rewrite the broker's password and ACL files from the database and make it reload them."""
+        if self.cfg.mqtt_auth_dir is None:
+            return
+        from cloud_hub.broker_auth import reload_broker, write_broker_files
+
+        if not (self.cfg.mqtt_username and self.cfg.mqtt_password):
+            raise ValueError("mqtt_auth_dir is set but the hub has no broker login: set mqtt_username and mqtt_password")
+        async with self._broker_lock:
+            accounts = await self.access.broker_accounts()
+            await asyncio.to_thread(
+                write_broker_files, self.cfg.mqtt_auth_dir, self.cfg.mqtt_username, self.cfg.mqtt_password, self.cfg.mqtt_prefix, accounts
+            )
+            if self.cfg.mqtt_broker_pid_file is not None and not reload_broker(self.cfg.mqtt_broker_pid_file):
+                log.warning("broker pid file %s names no running process; the broker reads the new files when it starts", self.cfg.mqtt_broker_pid_file)
+
+    @property
+    def zmq_link(self) -> Any:
+        return next((link for link in self.dispatcher.links if link.name == "zmq"), None)
 
     async def start(self) -> None:
         await self.store.open()
         await self.placement.start()
+        await self.refresh_broker_auth()  # before our own MQTT link logs in
         links: list[HubLink] = []
         if self.cfg.mqtt_host:
             from mesh_agent.transport.mqtt import MqttHubLink
@@ -90,9 +115,10 @@ class Hub:
                 )
             )
         if self.cfg.zmq_bind:
-            from mesh_agent.transport.zmq import ZmqHubLink
+            from mesh_agent.transport.zmq import ZmqHubLink, curve_keypair
 
-            links.append(ZmqHubLink(self.cfg.zmq_bind))
+            secret = await self.access.secret("zmq_curve_secret", lambda: curve_keypair()[1])
+            links.append(ZmqHubLink(self.cfg.zmq_bind, secret_key=secret, clients=await self.access.curve_clients()))
         await self.dispatcher.start(links)
 
     async def stop(self) -> None:
@@ -211,17 +237,33 @@ def create_app(cfg: HubConfig) -> FastAPI:
             raise HTTPException(422, "this hub has no MQTT broker configured; enroll with transport 'zmq'")
         if body.transport == "zmq" and not h.zmq_address:
             raise HTTPException(422, "this hub has no ZeroMQ listener configured; enroll with transport 'mqtt'")
+        zlink = h.zmq_link
+        if body.transport == "zmq" and not _valid_curve_key(body.curve_public):
+            raise HTTPException(422, "a ZeroMQ endpoint must send its CURVE public key (curve_public, 40 z85 characters); upgrade mesh-agent")
         key = new_key()
-        ep = await h.store.enroll_endpoint(body.token, body.name, body.transport, key)
+        # Per-endpoint broker login: the password is shown once, the hub keeps a Mosquitto $7$ hash.
+        from cloud_hub.broker_auth import mosquitto_hash, new_broker_password
+
+        password = new_broker_password() if body.transport == "mqtt" else None
+        ep = await h.store.enroll_endpoint(
+            body.token, body.name, body.transport, key,
+            mqtt_hash=mosquitto_hash(password) if password else None,
+            curve_key=body.curve_public if body.transport == "zmq" else None,
+        )
         if ep is None:
             raise HTTPException(401, "enrollment token is invalid, expired or used up")
         h.dispatcher.add_endpoint_key(ep["id"], key)
+        if body.transport == "zmq" and zlink is not None and body.curve_public:
+            zlink.allow_client(body.curve_public, ep["id"])
+        if password:
+            await h.refresh_broker_auth()
         mqtt = None
         if cfg.mqtt_host:
-            mqtt = MqttInfo(host=cfg.mqtt_public_host or cfg.mqtt_host, port=cfg.mqtt_port, topic_prefix=cfg.mqtt_prefix)
+            mqtt = MqttInfo(host=cfg.mqtt_public_host or cfg.mqtt_host, port=cfg.mqtt_port, topic_prefix=cfg.mqtt_prefix,
+                            username=ep["id"] if password else None, password=password)
         return EnrollOut(
             endpoint_id=ep["id"], key=key.hex(), transport=body.transport, heartbeat_s=cfg.heartbeat_s,
-            mqtt=mqtt, zmq_address=h.zmq_address,
+            mqtt=mqtt, zmq_address=h.zmq_address, zmq_server_key=zlink.public_key if zlink is not None else None,
         )
 
     @app.get("/v1/endpoints", response_model=list[EndpointOut])
@@ -236,6 +278,10 @@ def create_app(cfg: HubConfig) -> FastAPI:
         return _endpoint_out(h, rows[0])
 
     # -------------------------------------------------------------- tasks
+    from cloud_hub.api.access import router as access_router  # imports UserDep/HubDep from here
+
+    app.include_router(access_router)
+
     @app.post("/v1/tasks", response_model=TaskOut, status_code=201)
     async def submit(body: TaskIn, h: HubDep, user: UserDep) -> TaskOut:
         ids, eps = await _accept(h, user, [body])
@@ -331,6 +377,10 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn]) -> tuple[list[str], li
         raise HTTPException(404, f"unknown endpoint {sorted(eps - found_eps)[0]}")
     if fids - found_fids:
         raise HTTPException(404, f"unknown function {sorted(fids - found_fids)[0]} (register it first)")
+    for i, t in enumerate(tasks):
+        allowed = h.dispatcher.allow_list(t.endpoint_id)
+        if allowed is not None and t.function_id not in allowed:
+            raise HTTPException(403, f"task {i}: function {t.function_id} is not on endpoint {t.endpoint_id}'s allow-list")
     now = time.time()
     rows = [
         {
@@ -357,6 +407,17 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn]) -> tuple[list[str], li
     for ep in {r["endpoint_id"] for r in rows}:
         h.dispatcher.kick(ep)
     return [r["id"] for r in rows], [r["endpoint_id"] for r in rows]
+
+
+def _valid_curve_key(key: str | None) -> bool:
+    if not key or len(key) != 40:
+        return False
+    import zmq.utils.z85
+
+    try:
+        return len(zmq.utils.z85.decode(key.encode("ascii"))) == 32
+    except (ValueError, UnicodeEncodeError, KeyError, IndexError):
+        return False
 
 
 def _endpoint_out(h: Hub, e: dict[str, Any]) -> EndpointOut:

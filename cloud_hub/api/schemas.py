@@ -135,6 +135,7 @@ class EnrollIn(BaseModel):
     token: str = Field(min_length=8)
     name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.\-]+$")
     transport: Literal["mqtt", "zmq"] = "mqtt"
+    curve_public: str | None = Field(None, min_length=40, max_length=40, description="the agent's ZeroMQ CURVE public key (z85); required for zmq")
 
 
 class MqttInfo(BaseModel):
@@ -152,6 +153,7 @@ class EnrollOut(BaseModel):
     heartbeat_s: float
     mqtt: MqttInfo | None
     zmq_address: str | None
+    zmq_server_key: str | None = Field(None, description="the hub's CURVE public key (z85), for zmq endpoints")
 
 
 class ErrorOut(BaseModel):

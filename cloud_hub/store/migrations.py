@@ -87,4 +87,24 @@ MIGRATIONS: list[tuple[int, str]] = [
         );
         """,
     ),
+    (
+        4,
+        """
+        -- Security of the task path (docs/security.md): per-endpoint broker login (Mosquitto $7$ hash,
+        -- never the password), the endpoint's ZeroMQ CURVE public key (z85), an optional allow-list
+        -- of function ids (a JSON array, NULL for any), revocation time, endpoint sharing, hub key material.
+        ALTER TABLE endpoints ADD COLUMN mqtt_user TEXT;
+        ALTER TABLE endpoints ADD COLUMN mqtt_hash TEXT;
+        ALTER TABLE endpoints ADD COLUMN curve_key TEXT;
+        ALTER TABLE endpoints ADD COLUMN allowed_functions TEXT;
+        ALTER TABLE endpoints ADD COLUMN revoked REAL;
+        CREATE UNIQUE INDEX endpoints_curve_key ON endpoints (curve_key) WHERE curve_key IS NOT NULL;
+        CREATE TABLE endpoint_shares (
+            endpoint_id TEXT NOT NULL REFERENCES endpoints(id), user_id TEXT NOT NULL REFERENCES users(id),
+            created REAL NOT NULL, PRIMARY KEY (endpoint_id, user_id)
+        );
+        CREATE INDEX endpoint_shares_user ON endpoint_shares (user_id);
+        CREATE TABLE hub_secrets (name TEXT PRIMARY KEY, value TEXT NOT NULL, created REAL NOT NULL);
+        """,
+    ),
 ]

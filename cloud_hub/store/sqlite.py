@@ -71,6 +71,10 @@ class SqliteStore:
         re-queued at start-up, and agents de-duplicate re-sent tasks)."""
         return await self._run(lambda: self._tx(fn, *args, durable=durable))
 
+    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``fn(db)`` on the DB thread without opening a write transaction."""
+        return await self._run(lambda: fn(self._conn()))
+
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
             raise StoreError("store is not open")
@@ -158,8 +162,12 @@ class SqliteStore:
         await self.tx(q)
         return token
 
-    async def enroll_endpoint(self, token: str, name: str, transport: str, key: bytes) -> dict[str, Any] | None:
-        """Consume one use of an enrollment token and create the endpoint, atomically."""
+    async def enroll_endpoint(self, token: str, name: str, transport: str, key: bytes,
+                              mqtt_hash: str | None = None, curve_key: str | None = None) -> dict[str, Any] | None:
+        """Consume one use of an enrollment token and create the endpoint, atomically.
+
+        ``mqtt_hash``: Mosquitto hash of the endpoint's broker password (username = endpoint id);
+        ``curve_key``: the agent's ZeroMQ CURVE public key (z85)."""
 
         def q(db: sqlite3.Connection) -> dict[str, Any] | None:
             row = db.execute(
@@ -171,9 +179,9 @@ class SqliteStore:
             db.execute("UPDATE enroll_tokens SET uses_left = uses_left - 1 WHERE hash=?", (hash_token(token),))
             eid = "ep-" + uuid.uuid4().hex[:12]
             db.execute(
-                "INSERT INTO endpoints (id, user_id, name, transport, key, created, online, info) "
-                "VALUES (?, ?, ?, ?, ?, ?, 0, '{}')",
-                (eid, row[0], name, transport, key, time.time()),
+                "INSERT INTO endpoints (id, user_id, name, transport, key, created, online, info, mqtt_user, mqtt_hash, curve_key) "
+                "VALUES (?, ?, ?, ?, ?, ?, 0, '{}', ?, ?, ?)",
+                (eid, row[0], name, transport, key, time.time(), eid if mqtt_hash else None, mqtt_hash, curve_key),
             )
             return {"id": eid, "user_id": row[0]}
 
@@ -181,7 +189,7 @@ class SqliteStore:
 
     # ------------------------------------------------------------------ endpoints
     async def endpoint_keys(self) -> dict[str, bytes]:
-        return await self._run(lambda: dict(self._conn().execute("SELECT id, key FROM endpoints").fetchall()))
+        return await self._run(lambda: dict(self._conn().execute("SELECT id, key FROM endpoints WHERE revoked IS NULL").fetchall()))
 
     async def list_endpoints(self, user_id: str | None = None, endpoint_id: str | None = None) -> list[dict[str, Any]]:
         def q() -> list[dict[str, Any]]:
@@ -189,12 +197,12 @@ class SqliteStore:
                 "SELECT e.id, e.user_id, e.name, e.transport, e.created, e.last_seen, e.online, e.info, "
                 "(SELECT COUNT(*) FROM tasks t WHERE t.endpoint_id=e.id AND t.state='queued'), "
                 "(SELECT COUNT(*) FROM tasks t WHERE t.endpoint_id=e.id AND t.state IN ('leased','acked')) "
-                "FROM endpoints e WHERE 1=1"
+                "FROM endpoints e WHERE e.revoked IS NULL"
             )
             args: list[Any] = []
-            if user_id is not None:
-                sql += " AND e.user_id=?"
-                args.append(user_id)
+            if user_id is not None:  # the user's own endpoints and those shared with them
+                sql += " AND (e.user_id=? OR e.id IN (SELECT endpoint_id FROM endpoint_shares WHERE user_id=?))"
+                args += [user_id, user_id]
             if endpoint_id is not None:
                 sql += " AND e.id=?"
                 args.append(endpoint_id)
@@ -249,7 +257,8 @@ class SqliteStore:
             found_f: set[str] = set()
             for chunk in _chunks(eps):
                 found_e.update(r[0] for r in db.execute(
-                    f"SELECT id FROM endpoints WHERE user_id=? AND id IN ({','.join('?' * len(chunk))})", (user_id, *chunk)))
+                    f"SELECT id FROM endpoints WHERE revoked IS NULL AND (user_id=? OR id IN (SELECT endpoint_id FROM endpoint_shares WHERE user_id=?)) "
+                    f"AND id IN ({','.join('?' * len(chunk))})", (user_id, user_id, *chunk)))
             for chunk in _chunks(fns):
                 found_f.update(r[0] for r in db.execute(
                     f"SELECT function_id FROM function_owners WHERE user_id=? AND function_id IN ({','.join('?' * len(chunk))})", (user_id, *chunk)))
