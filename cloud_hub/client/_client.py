@@ -96,7 +96,7 @@ class Client(FLRunsMixin):
             except ValueError:
                 detail = r.text
             raise HubError(r.status_code, detail if isinstance(detail, str) else str(detail))
-        return r.json()
+        return r.json() if r.content else None
 
     # ---------------------------------------------------------------- functions
     def register_function(self, fn: Callable[..., Any], name: str | None = None) -> str:
@@ -128,6 +128,22 @@ class Client(FLRunsMixin):
 
     def create_enrollment_token(self, ttl_s: float = 86400, uses: int = 1) -> str:
         return str(self.request("POST", "/v1/enrollment-tokens", json={"ttl_s": ttl_s, "uses": uses})["token"])
+
+    def share_endpoint(self, endpoint_id: str, user: str) -> None:
+        """Let another user (by name) list the endpoint and run their own functions on it (owner only)."""
+        self.request("PUT", f"/v1/endpoints/{endpoint_id}/shares/{user}")
+
+    def unshare_endpoint(self, endpoint_id: str, user: str) -> None:
+        self.request("DELETE", f"/v1/endpoints/{endpoint_id}/shares/{user}")
+
+    def set_allowed_functions(self, endpoint_id: str, function_ids: Iterable[str] | None) -> dict[str, Any]:
+        """Restrict the endpoint to these function ids (None: no list). Owner only."""
+        ids = None if function_ids is None else list(function_ids)
+        return dict(self.request("PUT", f"/v1/endpoints/{endpoint_id}/allowed-functions", json={"function_ids": ids}))
+
+    def revoke_endpoint(self, endpoint_id: str) -> dict[str, Any]:
+        """Lock a lost or retired device out for good (owner only); its unfinished tasks fail."""
+        return dict(self.request("DELETE", f"/v1/endpoints/{endpoint_id}"))
 
     # ---------------------------------------------------------------- tasks
     @staticmethod

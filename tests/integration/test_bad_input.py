@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import httpx
-import paho.mqtt.client as paho
 import pytest
 
 from cloud_hub.client import Client, Executor, HubError
@@ -20,6 +19,7 @@ from cloud_hub.store import SqliteStore, StoreError
 from mesh_agent.config import ConfigError, load_config
 from mesh_agent.protocol import Envelope, Kind, encode, new_key, serialize, serialize_function
 from mesh_agent.transport.mqtt import down_topic, up_topic
+from tests.integration.peers import connect_intruder
 
 pytestmark = pytest.mark.integration
 
@@ -96,20 +96,19 @@ def test_forged_and_malformed_frames_are_refused(mesh: LocalMesh, tmp_path: Path
     task = {"id": "forged-1", "fn": function_id(body), "args": serialize(((str(marker),), {})), "timeout": None, "exp": None}
     forged = encode(Envelope(Kind.TASKS, agent.endpoint_id, {"tasks": [task], "functions": {function_id(body): body}}), new_key())
     before = _counts(mesh)
-    pub = paho.Client(paho.CallbackAPIVersion.VERSION2)
-    pub.connect("127.0.0.1", mesh.broker.port)
-    pub.loop_start()
+    # An attacker past the broker's ACLs (see test_attacks.py for what the ACLs themselves stop).
+    pub = connect_intruder(mesh)
+    assert pub.connected.is_set()
     try:
         # to the agent: a task signed with the wrong key, and garbage
-        pub.publish(down_topic("mesh", agent.endpoint_id), forged, qos=1).wait_for_publish(5)
-        pub.publish(down_topic("mesh", agent.endpoint_id), b"\x00\x01garbage", qos=1).wait_for_publish(5)
+        pub.publish(down_topic("mesh", agent.endpoint_id), forged)
+        pub.publish(down_topic("mesh", agent.endpoint_id), b"\x00\x01garbage")
         # to the hub: garbage, and a result frame signed with the wrong key
-        pub.publish(up_topic("mesh", agent.endpoint_id), b"CM\x01", qos=1).wait_for_publish(5)
+        pub.publish(up_topic("mesh", agent.endpoint_id), b"CM\x02")
         fake = encode(Envelope(Kind.RESULTS, agent.endpoint_id, {"results": [{"id": "x", "ok": True, "data": b"json\n1"}]}), new_key())
-        pub.publish(up_topic("mesh", agent.endpoint_id), fake, qos=1).wait_for_publish(5)
+        pub.publish(up_topic("mesh", agent.endpoint_id), fake)
     finally:
-        pub.loop_stop()
-        pub.disconnect()
+        pub.close()
     deadline = time.monotonic() + 10
     while mesh.hub.hub.dispatcher.stats["rejected_frames"] < 2 and time.monotonic() < deadline:  # type: ignore[union-attr]
         time.sleep(0.05)
