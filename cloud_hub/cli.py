@@ -80,5 +80,56 @@ def token_create(
         raise typer.Exit(2) from None
 
 
+@app.command("broker-config")
+def broker_config(
+    out: Path = typer.Option(..., "--out", help="directory for password_file and acl_file (readable by mosquitto)"),
+    db: Path = typer.Option(Path("hub.sqlite3"), "--db"),
+    hub_user: Optional[str] = typer.Option(None, "--hub-user", help="the hub's own broker user (env MESH_HUB_MQTT_USERNAME; default mesh-hub)"),
+    hub_password: Optional[str] = typer.Option(None, "--hub-password", help="its password (env MESH_HUB_MQTT_PASSWORD)"),
+    prefix: Optional[str] = typer.Option(None, "--prefix", help="topic prefix (env MESH_HUB_MQTT_PREFIX; default mesh)"),
+    reload_pid_file: Optional[Path] = typer.Option(None, "--reload", help="pid file of a running mosquitto to SIGHUP afterwards"),
+) -> None:
+    """Write Mosquitto password_file and acl_file: one login per endpoint, each limited to its own topics.
+
+    The hub rewrites the same files itself after every enrollment when MESH_HUB_MQTT_AUTH_DIR is set;
+    this command is for a broker on another machine or a first setup."""
+    from pydantic import ValidationError
+
+    from cloud_hub.broker_auth import BROKER_CONF_LINES, reload_broker, write_broker_files
+    from cloud_hub.store import SqliteStore, StoreError
+    from cloud_hub.store.access import AccessStore
+
+    try:
+        cfg = HubConfig.from_env(db_path=db, mqtt_username=hub_user, mqtt_password=hub_password, mqtt_prefix=prefix)
+    except ValidationError as exc:
+        console.print(f"[red]error:[/red] hub settings: {exc}")
+        raise typer.Exit(2) from None
+    if not cfg.mqtt_password:
+        console.print("[red]error:[/red] the hub's own broker password is needed: pass --hub-password or set MESH_HUB_MQTT_PASSWORD "
+                      "(the same value the hub runs with)")
+        raise typer.Exit(2)
+    if not db.exists():
+        console.print(f"[red]error:[/red] {db}: no such hub database")
+        raise typer.Exit(2)
+
+    async def accounts() -> list:  # type: ignore[type-arg]
+        store = await SqliteStore(db).open()
+        try:
+            return await AccessStore(store).broker_accounts()
+        finally:
+            await store.close()
+
+    try:
+        rows = asyncio.run(accounts())
+        pw, acl = write_broker_files(out, cfg.mqtt_username or "mesh-hub", cfg.mqtt_password, cfg.mqtt_prefix, rows)
+    except (StoreError, OSError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    console.print(f"wrote {pw} and {acl}: the hub user and {len(rows)} endpoint logins")
+    if reload_pid_file is not None:
+        console.print("mosquitto reloaded" if reload_broker(reload_pid_file) else f"[yellow]no process for {reload_pid_file}[/yellow]")
+    console.print("mosquitto.conf needs:\n" + BROKER_CONF_LINES.format(dir=out.resolve()), markup=False)
+
+
 if __name__ == "__main__":
     app()
