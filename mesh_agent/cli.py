@@ -177,7 +177,7 @@ def start(config: Path = ConfigOpt, log_level: str = typer.Option("INFO", "--log
 
 
 def _store_view(cfg: AgentConfig) -> tuple[dict[str, int], list[dict[str, object]]]:
-    from mesh_agent.store import AgentStore
+    from mesh_agent.store import AgentStore, StoreError
 
     async def q() -> tuple[dict[str, int], list[dict[str, object]]]:
         store = await AgentStore(cfg.queue_path).open()
@@ -186,7 +186,11 @@ def _store_view(cfg: AgentConfig) -> tuple[dict[str, int], list[dict[str, object
         finally:
             await store.close()
 
-    return asyncio.run(q())
+    try:
+        return asyncio.run(q())
+    except StoreError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(3) from None
 
 
 @app.command()
@@ -211,6 +215,33 @@ def queue_ls(config: Path = ConfigOpt) -> None:
     for r in rows:
         t.add_row(str(r["id"]), str(r["function_id"])[:12], str(r["state"]), "" if r["ok"] is None else str(bool(r["ok"])))
     console.print(t)
+
+
+@queue_app.command("recover")
+def queue_recover(config: Path = ConfigOpt) -> None:
+    """Move a damaged queue database aside and keep every task and result still readable in it.
+
+    Whatever cannot be read back is sent again by the hub when the agent next says hello (it lists
+    the tasks it holds; the hub re-queues the ones missing). Run it while the agent is stopped."""
+    cfg, _ = _load(config)
+    from mesh_agent.recover import recover_queue
+
+    try:
+        report = recover_queue(cfg.queue_path)
+    except (OSError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    console.print(f"damaged queue moved to {report.moved_to}")
+    t = Table("kept", "count", title=f"recovered into {report.damaged}")
+    for state, n in report.tasks.items():
+        t.add_row(f"tasks {state}", str(n))
+    t.add_row("function bodies", str(report.functions))
+    console.print(t)
+    if report.unreadable_rows or report.dropped_without_body or report.read_errors:
+        console.print(f"not kept: {report.unreadable_rows} unusable rows, {report.dropped_without_body} tasks without their function body, "
+                      f"{report.read_errors} unreadable row lookups; the hub re-sends every task not kept on the next connection")
+    for note in report.notes:
+        console.print(f"note: {note}", markup=False)
 
 
 if __name__ == "__main__":
