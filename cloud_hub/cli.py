@@ -17,7 +17,7 @@ app = typer.Typer(help="Continuum Mesh hub.", no_args_is_help=True)
 token_app = typer.Typer(help="API tokens (stored hashed; shown once).")
 app.add_typer(token_app, name="token")
 app.add_typer(fleet_app, name="fleet")
-console = Console()
+console = Console(soft_wrap=True)  # error lines name files: never break them mid-path
 
 
 @app.command()

@@ -20,7 +20,7 @@ from mesh_agent.config import AgentConfig, ConfigError, Credentials, MqttSetting
 app = typer.Typer(help="Continuum Mesh agent: runs functions from the hub, durably.", no_args_is_help=True)
 queue_app = typer.Typer(help="Inspect the local durable queue.")
 app.add_typer(queue_app, name="queue")
-console = Console()
+console = Console(soft_wrap=True)  # error lines name files: never break them mid-path
 
 DEFAULT_CONFIG = Path(os.environ.get("MESH_AGENT_CONFIG", "~/.config/continuum-mesh/agent.yaml")).expanduser()
 ConfigOpt = typer.Option(DEFAULT_CONFIG, "--config", "-c", help="agent config file (env MESH_AGENT_CONFIG)")
