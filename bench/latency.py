@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
+from pathlib import Path
 
 import _common as c
 
@@ -59,7 +60,14 @@ def main() -> None:
             ex = stack.enter_context(Executor(mesh.client, agent.endpoint_id))
             systems[f"mesh_{t}"] = lambda ex=ex: ex.submit(noop).result(timeout=30)
             if t == "mqtt":
-                systems["mqtt_qos1_echo"] = stack.enter_context(c.mqtt_echo(mesh.broker.host, mesh.broker.port))
+                # The mesh's broker admits only enrolled endpoints (per-endpoint logins, ACLs): the raw
+                # floor runs on a second Mosquitto with the same tuning and anonymous access.
+                import tempfile
+
+                from cloud_hub.broker import MosquittoBroker
+
+                floor = stack.enter_context(MosquittoBroker(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "floor-broker"))
+                systems["mqtt_qos1_echo"] = stack.enter_context(c.mqtt_echo(floor.host, floor.port))
         systems["zmq_router_dealer_echo"] = stack.enter_context(c.zmq_echo())
         if not args.no_parsl:
             c.log("starting Parsl HTEX (2 local workers)")
