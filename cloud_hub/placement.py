@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -162,6 +163,7 @@ class PlacementService(DispatchObserver):
         self.kick = kick or (lambda endpoint_id: None)
         self.sched = self._new_scheduler(None)
         self._owner: dict[str, str] = {}  # endpoint -> user
+        self._shared: dict[str, set[str]] = {}  # endpoint -> users the owner shared it with (they may place work on it)
         self._bg: set[asyncio.Task[Any]] = set()
         self._saver: asyncio.Task[None] | None = None
         self._changes = 0  # observations since the last save
@@ -187,6 +189,8 @@ class PlacementService(DispatchObserver):
                 self.sched = self._new_scheduler(json.loads(raw))
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("saved scheduler profiles unusable (%s); starting with empty profiles", exc)
+        for ep_id, uid in await self.store.read(lambda db: db.execute("SELECT endpoint_id, user_id FROM endpoint_shares").fetchall()):
+            self._shared.setdefault(ep_id, set()).add(uid)
         for e in await self.store.list_endpoints():
             self._register(e["id"], e["user_id"], e["info"], online=False, now=None)
         self._saver = asyncio.create_task(self._save_forever(), name="scheduler-save")
@@ -256,7 +260,7 @@ class PlacementService(DispatchObserver):
             endpoint_id,
             workers=max(1, _int(info.get("capacity"), 1)),
             hardware=hardware,
-            tags=frozenset(tags | {owner_tag(user_id)}),
+            tags=frozenset(tags | {owner_tag(u) for u in {user_id} | self._shared.get(endpoint_id, set())}),
             gpu=info.get("gpu") is True,
             memory_mb=max(0, _int(info.get("memory_mb"))),
             online=online,
@@ -265,6 +269,25 @@ class PlacementService(DispatchObserver):
         old = nodes[endpoint_id].ep if endpoint_id in nodes else None
         if old is None or (old.signature(), old.workers, old.online) != (ep.signature(), ep.workers, ep.online):
             self.sched.add_endpoint(ep, now)
+
+    def set_shared(self, endpoint_id: str, users: Iterable[str]) -> None:
+        """The users the owner shared this endpoint with (docs/security.md): each gets the owner
+        tag here, so their "auto", list and tag selectors may place work on it."""
+        self._shared[endpoint_id] = set(users)
+        node = self.sched.fleet.nodes.get(endpoint_id)
+        owner = self._owner.get(endpoint_id)
+        if node is None or owner is None:
+            return
+        plain = {t for t in node.ep.tags if not t.startswith(OWNER_PREFIX)}
+        # A new record, not an in-place edit: the fleet un-indexes the old one by its old tags.
+        self.sched.add_endpoint(dataclasses.replace(node.ep, tags=frozenset(plain | {owner_tag(u) for u in {owner} | self._shared[endpoint_id]})))
+
+    def remove(self, endpoint_id: str) -> None:
+        """A revoked endpoint: nothing is placed on it any more."""
+        if endpoint_id in self.sched.fleet:
+            self.sched.remove_endpoint(endpoint_id)
+        self._owner.pop(endpoint_id, None)
+        self._shared.pop(endpoint_id, None)
 
     def endpoint_online(self, endpoint_id: str, now: float, info: dict[str, Any]) -> None:
         user = self._owner.get(endpoint_id)

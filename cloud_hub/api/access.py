@@ -75,6 +75,7 @@ async def share(endpoint_id: EndpointId, user_name: UserName, h: HubDep, user: U
         raise HTTPException(422, "an owner cannot share an endpoint with themselves")
     if await h.access.share(endpoint_id, user_name) is None:
         raise HTTPException(404, f"unknown user {user_name}")
+    h.placement.set_shared(endpoint_id, await h.access.shared_user_ids(endpoint_id))
     return ShareOut(endpoint_id=endpoint_id, user=user_name)
 
 
@@ -84,6 +85,7 @@ async def unshare(endpoint_id: EndpointId, user_name: UserName, h: HubDep, user:
     await _require(h, user, endpoint_id, owner=True, action="change its shares")
     if not await h.access.unshare(endpoint_id, user_name):
         raise HTTPException(404, f"endpoint {endpoint_id} is not shared with {user_name}")
+    h.placement.set_shared(endpoint_id, await h.access.shared_user_ids(endpoint_id))
     return Response(status_code=204)
 
 
@@ -120,6 +122,7 @@ async def revoke(endpoint_id: EndpointId, h: HubDep, user: UserDep) -> Any:
         endpoint_id, lambda tid: _error_blob("cloud_hub.EndpointRevoked", f"endpoint {endpoint_id} was revoked before task {tid} finished")
     )
     h.dispatcher.revoke(endpoint_id)
+    h.placement.remove(endpoint_id)
     await h.refresh_broker_auth()
     if failed:
         h.bus.notify({u for _, u in failed})

@@ -377,10 +377,6 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn]) -> tuple[list[str], li
         raise HTTPException(404, f"unknown endpoint {sorted(eps - found_eps)[0]}")
     if fids - found_fids:
         raise HTTPException(404, f"unknown function {sorted(fids - found_fids)[0]} (register it first)")
-    for i, t in enumerate(tasks):
-        allowed = h.dispatcher.allow_list(t.endpoint_id)
-        if allowed is not None and t.function_id not in allowed:
-            raise HTTPException(403, f"task {i}: function {t.function_id} is not on endpoint {t.endpoint_id}'s allow-list")
     now = time.time()
     rows = [
         {
@@ -399,6 +395,11 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn]) -> tuple[list[str], li
         decisions = await h.placement.place(user, tasks, rows, now)
     except PlacementError as exc:
         raise HTTPException(exc.status, str(exc)) from None
+    for i, r in enumerate(rows):  # on the endpoint each task will run on, named or placed
+        allowed = h.dispatcher.allow_list(r["endpoint_id"])
+        if allowed is not None and r["function_id"] not in allowed:
+            h.placement.retract(decisions)
+            raise HTTPException(403, f"task {i}: function {r['function_id']} is not on endpoint {r['endpoint_id']}'s allow-list")
     try:
         await h.store.insert_tasks(rows, also=h.placement.writer(decisions))
     except BaseException:

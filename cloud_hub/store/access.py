@@ -69,6 +69,10 @@ class AccessStore:
 
         return await self.store.read(q)
 
+    async def shared_user_ids(self, endpoint_id: str) -> list[str]:
+        rows = await self.store.read(lambda db: db.execute("SELECT user_id FROM endpoint_shares WHERE endpoint_id=?", (endpoint_id,)).fetchall())
+        return [r[0] for r in rows]
+
     async def user_name(self, user_id: str) -> str | None:
         row = await self.store.read(lambda db: db.execute("SELECT name FROM users WHERE id=?", (user_id,)).fetchone())
         return row[0] if row else None
