@@ -291,10 +291,14 @@ def test_another_users_token_sees_and_uses_nothing_until_shared(mesh: LocalMesh,
     refused(404, lambda: alice.request("PUT", f"/v1/endpoints/{ep}/shares/nobody-here"), "unknown user")
     assert bob.get_result(bob.submit(ep, fid_bob, str(marker)), timeout_s=30) == str(marker)
     assert marker.read_text() == "ran\n"
+    # the scheduler counts a shared endpoint among bob's: "auto" may place his work there
+    placed = bob.request("POST", "/v1/tasks", json=Client.task_spec("auto", fid_bob, (str(marker),)))
+    assert placed["endpoint_id"] == ep and bob.get_result(placed["task_id"], timeout_s=30) == str(marker)
     refused(404, lambda: alice.task_status(bob.submit(ep, fid_bob, str(tmp_path / "x"))), "unknown task")  # bob's tasks are bob's
     # alice withdraws the share: bob can no longer submit or see it
     alice.request("DELETE", f"/v1/endpoints/{ep}/shares/bob")
     refused(404, lambda: bob.submit(ep, fid_bob, str(marker)), "unknown endpoint")
+    refused(409, lambda: bob.submit("auto", fid_bob, str(marker)), "none of your endpoints")
     assert bob.list_endpoints() == []
     bob.close()
 
