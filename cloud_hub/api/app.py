@@ -10,6 +10,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+import sqlite3
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -245,11 +246,14 @@ def create_app(cfg: HubConfig) -> FastAPI:
         from cloud_hub.broker_auth import mosquitto_hash, new_broker_password
 
         password = new_broker_password() if body.transport == "mqtt" else None
-        ep = await h.store.enroll_endpoint(
-            body.token, body.name, body.transport, key,
-            mqtt_hash=mosquitto_hash(password) if password else None,
-            curve_key=body.curve_public if body.transport == "zmq" else None,
-        )
+        try:
+            ep = await h.store.enroll_endpoint(
+                body.token, body.name, body.transport, key,
+                mqtt_hash=mosquitto_hash(password) if password else None,
+                curve_key=body.curve_public if body.transport == "zmq" else None,
+            )
+        except sqlite3.IntegrityError:  # the unique CURVE key index; the token use was rolled back with it
+            raise HTTPException(409, "this CURVE public key is already enrolled: make a new keypair for each endpoint") from None
         if ep is None:
             raise HTTPException(401, "enrollment token is invalid, expired or used up")
         h.dispatcher.add_endpoint_key(ep["id"], key)
@@ -417,7 +421,7 @@ def _valid_curve_key(key: str | None) -> bool:
 
     try:
         return len(zmq.utils.z85.decode(key.encode("ascii"))) == 32
-    except (ValueError, UnicodeEncodeError, KeyError, IndexError):
+    except Exception:  # KeyError for a char outside z85, struct.error for an overflowing group, ...
         return False
 
 

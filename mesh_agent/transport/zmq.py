@@ -134,6 +134,8 @@ class ZmqHubLink:
                 msg = await self._zap.recv_multipart()
             except zmq.ZMQError:
                 return
+            if len(msg) < 6:  # libzmq always sends at least these six frames; never trust it blindly
+                continue
             version, request_id, _domain, address, _identity, mechanism = msg[:6]
             key = zmq.utils.z85.encode(msg[6]) if mechanism == b"CURVE" and len(msg) > 6 and len(msg[6]) == 32 else b""
             endpoint = self._clients.get(key)

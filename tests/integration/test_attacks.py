@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import httpx
 import msgpack
 import pytest
 import zmq
@@ -238,6 +239,23 @@ def test_zeromq_needs_an_enrolled_curve_key_and_cannot_claim_another_endpoint(me
         for s in socks:
             s.close(0)
         ctx.term()
+    # enrolling a ZeroMQ endpoint without a (valid) CURVE key is refused and spends no token
+    token = mesh.client.create_enrollment_token()
+    before = hub_counts(mesh)
+    for bad in (None, "~" * 40, "#" * 40, "short"):
+        r = httpx.post(f"{mesh.url}/v1/endpoints/enroll", json={"token": token, "name": "no-curve", "transport": "zmq", "curve_public": bad})
+        assert r.status_code == 422, r.text
+    assert "CURVE public key" in r.text or "curve_public" in r.text
+    assert hub_counts(mesh) == before
+    pub, _ = zmq.curve_keypair()
+    r = httpx.post(f"{mesh.url}/v1/endpoints/enroll", json={"token": token, "name": "with-curve", "transport": "zmq", "curve_public": pub.decode()})
+    assert r.status_code == 201 and r.json()["zmq_server_key"] == v.hub_curve_key
+    # another device cannot enroll with a key already in use (it would share that endpoint's channel)
+    token = mesh.client.create_enrollment_token()
+    r = httpx.post(f"{mesh.url}/v1/endpoints/enroll", json={"token": token, "name": "copycat", "transport": "zmq", "curve_public": v.curve_public})
+    assert r.status_code == 409 and "already enrolled" in r.text
+    r = httpx.post(f"{mesh.url}/v1/endpoints/enroll", json={"token": token, "name": "fresh", "transport": "zmq", "curve_public": zmq.curve_keypair()[0].decode()})
+    assert r.status_code == 201, "the refused attempt did not spend the token"
 
 
 def _token_for(mesh: LocalMesh, user: str) -> str:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
+import zmq
 import pytest
 from typer.testing import CliRunner
 
@@ -65,9 +66,10 @@ def test_push_tokens_gives_each_device_a_working_single_use_token(balena: FakeBa
     assert balena.env_of("elsewhere") == {}
     # each token enrolls exactly one device, once
     tok = envs["pi-north"]["MESH_ENROLL_TOKEN"]
-    r = httpx.post(f"{hub.url}/v1/endpoints/enroll", json={"token": tok, "name": "pi-north", "transport": "zmq"})
+    curve = zmq.curve_keypair()[0].decode()  # a ZeroMQ endpoint enrolls with its CURVE public key
+    r = httpx.post(f"{hub.url}/v1/endpoints/enroll", json={"token": tok, "name": "pi-north", "transport": "zmq", "curve_public": curve})
     assert r.status_code == 201
-    again = httpx.post(f"{hub.url}/v1/endpoints/enroll", json={"token": tok, "name": "pi-north-2", "transport": "zmq"})
+    again = httpx.post(f"{hub.url}/v1/endpoints/enroll", json={"token": tok, "name": "pi-north-2", "transport": "zmq", "curve_public": curve})
     assert again.status_code == 401
     # a second run changes nothing; --force replaces tokens (the SDK's upsert: POST, 409, PATCH)
     writes = len(balena.writes)
