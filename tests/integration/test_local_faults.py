@@ -30,14 +30,27 @@ def slow_square(x: int) -> int:
     return x * x
 
 
-def fill_then_answer(disk: str, flag: str) -> str:
+def fill_then_answer(disk: str, flag: str, queue: str) -> str:
     """The first run fills the disk (from inside the task, as a runaway job would), then returns a
     result that can no longer be stored; later runs just answer."""
     import errno
     import os
+    import sqlite3
+    import time
 
     if not os.path.exists(flag):
         open(flag, "w").close()
+        # The agent starts a task while its row is being committed: fill the disk only once this
+        # task's row is on disk, so that it is the result, not the task, that finds no room.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            db = sqlite3.connect(f"file:{queue}?mode=ro", uri=True)
+            try:
+                if db.execute("SELECT 1 FROM tasks WHERE instr(args, ?) > 0", (flag.encode(),)).fetchone():
+                    break
+            finally:
+                db.close()
+            time.sleep(0.05)
         fd = os.open(os.path.join(disk, "filler-from-task"), os.O_WRONLY | os.O_CREAT)
         try:
             for chunk in (1 << 16, 1 << 12, 1):
@@ -124,7 +137,7 @@ def test_full_disk_nothing_unstored_is_acknowledged_and_results_survive(mesh: Lo
         assert not not_done and [f.result() for f in futures] == [i * i for i in range(20)]
 
         # 2. the disk fills while a result is waiting to be written, and then the power goes
-        fut = ex.submit(fill_then_answer, str(tiny_disk), str(tmp_path / "filled-once"))
+        fut = ex.submit(fill_then_answer, str(tiny_disk), str(tmp_path / "filled-once"), str(agent.cfg.queue_path))
         wait_until(lambda: "could not store 1 results" in log_of(agent), "the agent holding a result it cannot store")
         assert not fut.done()
         agent.kill()
