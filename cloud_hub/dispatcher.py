@@ -298,6 +298,7 @@ class Dispatcher:
                 expired = await self.store.expire_tasks(now, _expired_blob)
                 if expired:
                     self.bus.notify({u for _, u in expired})
+                    self._observe("tasks_expired", [t for t, _ in expired], now)
                 if now - last_prune > 60:
                     last_prune = now
                     await self.store.prune_results(now - self.cfg.result_ttl_s)

@@ -35,3 +35,6 @@ class DispatchObserver:
         """A results frame was stored; ``fresh`` are the task ids stored for the first time
         (the others were duplicates from a re-execution). Each result has id, ok, data,
         started, finished."""
+
+    def tasks_expired(self, task_ids: Sequence[str], now: float) -> None:
+        """These tasks passed their expiry without running; each got an error result."""

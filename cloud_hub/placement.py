@@ -193,7 +193,24 @@ class PlacementService(DispatchObserver):
             self._shared.setdefault(ep_id, set()).add(uid)
         for e in await self.store.list_endpoints():
             self._register(e["id"], e["user_id"], e["info"], online=False, now=None)
+        await self._restore_ledger()
         self._saver = asyncio.create_task(self._save_forever(), name="scheduler-save")
+
+    async def _restore_ledger(self) -> None:
+        """Every task not done yet is in its endpoint's queue: the ledger must know, or the first
+        placements after a restart would see idle endpoints that have hours of work queued."""
+
+        def pending(db: sqlite3.Connection) -> list[tuple[str, str, str, int | None]]:
+            return db.execute(
+                "SELECT id, endpoint_id, function_id, LENGTH(args) FROM tasks WHERE state IN ('queued', 'leased', 'acked') "
+                "ORDER BY created"
+            ).fetchall()
+
+        now = time.time()
+        nodes = self.sched.fleet.nodes
+        for tid, eid, fid, nbytes in await self.store.tx(pending, durable=False):
+            if eid in nodes:
+                self.sched.assign(TaskInfo(tid, fid, nbytes or 0), eid, now)
 
     async def stop(self) -> None:
         if self._saver is not None:
@@ -312,6 +329,11 @@ class PlacementService(DispatchObserver):
         self._changes += 1
         self._spawn(self._replace_stranded(endpoint_id))
 
+    def tasks_expired(self, task_ids: Sequence[str], now: float) -> None:
+        self.sched.retract(task_ids)  # they leave their queues without teaching anything
+        done = [(now, None, 0, t) for t in task_ids]
+        self._spawn(self._record_results("", now, done, []))
+
     def heartbeat(self, endpoint_id: str, now: float, info: dict[str, Any]) -> None:
         if endpoint_id not in self.sched.fleet:
             return
@@ -352,7 +374,8 @@ class PlacementService(DispatchObserver):
             data = r.get("data") or b""
             err = None if ok else error_type(data)
             done.append((now, runtime, int(ok), tid))
-            if runtime is None:
+            if runtime is None:  # nothing to learn from; it still leaves its queue
+                self.sched.retract([tid])
                 continue
             try:
                 self.sched.task_completed(tid, now, runtime, result_bytes=len(data), ok=ok, error=err)
@@ -419,22 +442,33 @@ class PlacementService(DispatchObserver):
         return the decision rows to store with them. Raises :class:`PlacementError` (and leaves
         no trace) when a task cannot be placed."""
         infos: list[TaskInfo] = []
+        fixed: list[tuple[TaskInfo, str]] = []  # tasks whose caller named the endpoint
         reqs: dict[str, _Req] = {}
         index: dict[str, int] = {}
+        nodes = self.sched.fleet.nodes
         for i, (t, row) in enumerate(zip(tasks, rows)):
             req = self.request_of(t)
             if req is None:
                 self._check_concrete(i, t, row["endpoint_id"])
+                if row["endpoint_id"] in nodes:
+                    fixed.append((TaskInfo(row["id"], t.function_id, len(t.args)), row["endpoint_id"]))
                 continue
             infos.append(req.task_info(user_id, row["id"], t.function_id, len(t.args)))
             reqs[row["id"]] = req
             index[row["id"]] = i
+        if infos:
+            self._check_eligible(user_id, infos, reqs, index)
+        # Named endpoints first: they are fixed, and the rest of the batch should see their queues.
+        for info, eid in fixed:
+            self.sched.assign(info, eid, now)
         if not infos:
             return []
-        self._check_eligible(user_id, infos, reqs, index)
         try:
             placements = await self._place(infos, now)
-        except NoEligibleEndpoint as exc:
+        except BaseException as exc:
+            self.sched.retract(info.task_id for info, _ in fixed)
+            if not isinstance(exc, NoEligibleEndpoint):
+                raise
             # Every endpoint the selector allows has blocked the function (it failed there
             # with a missing module or out of memory); the scheduler's message names the task.
             self.stats["refused"] += 1
@@ -445,12 +479,13 @@ class PlacementService(DispatchObserver):
         for pl in placements:
             by_id[pl.task_id]["endpoint_id"] = pl.endpoint_id
             out.append(self._decision_row(user_id, pl, reqs[pl.task_id]))
+            pl.raw_compared = ()  # stored with the decision; the hub need not keep it in memory
         self.stats["placed"] += len(out)
         return out
 
-    def retract(self, decisions: Iterable[tuple[Any, ...]]) -> None:
-        """The batch was not stored after all: forget its placements."""
-        self.sched.retract(d[0] for d in decisions)
+    def retract(self, task_ids: Iterable[str]) -> None:
+        """The batch was not stored after all: forget its placements (and named-endpoint tasks)."""
+        self.sched.retract(task_ids)
 
     @staticmethod
     def writer(decisions: list[tuple[Any, ...]]) -> Callable[[sqlite3.Connection], None] | None:

@@ -158,6 +158,19 @@ class Scheduler:
             inflight[pl.task_id] = pl
         return placements
 
+    def assign(self, task: TaskInfo, endpoint_id: str, now: float) -> None:
+        """A task the caller placed itself (a user named the endpoint): it joins that
+        endpoint's queue in the ledger with its predicted work, so that later placements see
+        the backlog, and leaves it on completion like any other. No decision is recorded."""
+        node = self.fleet.nodes[endpoint_id]
+        pr = getattr(self.policy, "predictor", None)
+        if pr is not None:
+            p = pr.estimate(task, node, now)
+            work = p.cold + p.run
+        else:
+            work = self.profiles.runtime(task.function_id, endpoint_id, task.payload_bytes)[0]
+        self.fleet.assign(task.task_id, node, work, task.function_id)
+
     def task_completed(
         self,
         task_id: str,
@@ -190,6 +203,11 @@ class Scheduler:
                 function_id = pl.function_id
             if payload_bytes is None:
                 payload_bytes = pl.payload_bytes
+        elif endpoint_id is None or function_id is None:
+            entry = self.fleet.ledger.get(task_id)  # a task the caller placed itself (``assign``)
+            if entry is not None:
+                endpoint_id = endpoint_id or entry[0].id
+                function_id = function_id or entry[2]
         if endpoint_id is None or function_id is None:
             raise KeyError(f"unknown task {task_id!r}: pass endpoint_id and function_id")
         fleet = self.fleet

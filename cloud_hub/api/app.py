@@ -407,7 +407,7 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn]) -> tuple[list[str], li
     try:
         await h.store.insert_tasks(rows, also=h.placement.writer(decisions))
     except BaseException:
-        h.placement.retract(decisions)
+        h.placement.retract(r["id"] for r in rows)
         raise
     for ep in {r["endpoint_id"] for r in rows}:
         h.dispatcher.kick(ep)
