@@ -13,7 +13,7 @@ the function is profiled on each first, so the predictions are the steady-state 
 alternate between the two modes so that background load hits both alike. One JSON object goes
 to stdout and to bench/results/placement-<UTC>.json.
 
-    python bench/placement.py [--quick] [--endpoints 10,200] [--batch 5000] [--rounds 5]
+    python bench/placement.py [--quick] [--fleets 10:0,200:0,200:4,1000:4] [--batch 5000] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def noop() -> None:
     return None
 
 
-async def one_fleet(n_endpoints: int, batch: int, rounds: int, workdir: Path) -> dict:
-    store = await SqliteStore(workdir / f"hub-{n_endpoints}.sqlite3").open()
+async def one_fleet(n_endpoints: int, batch: int, rounds: int, workdir: Path, classes: int = 0) -> dict:
+    store = await SqliteStore(workdir / f"hub-{n_endpoints}-{classes}.sqlite3").open()
     try:
         user = await store.create_user("bench")
         tok = await store.create_enroll_token(user, 3600, n_endpoints)
@@ -55,8 +55,9 @@ async def one_fleet(n_endpoints: int, batch: int, rounds: int, workdir: Path) ->
         svc = PlacementService(HubConfig(db_path=workdir / "unused.sqlite3"), store)
         await svc.start()
         now = time.time()
-        for i, e in enumerate(eids):  # mixed capacities; every tenth one declares a shared class
-            info = {"capacity": (1, 2, 4, 8)[i % 4], "tags": ["bench"], "hardware": "pi4" if i % 10 == 0 else None, "memory_mb": 4096}
+        for i, e in enumerate(eids):  # mixed capacities; `classes` declared hardware classes, or none
+            info = {"capacity": (1, 2, 4, 8)[i % 4], "tags": ["bench"], "hardware": f"hw{i % classes}" if classes else None,
+                    "memory_mb": 4096}
             svc.endpoint_online(e, now, info)
             for k in range(4):  # profile the function there
                 svc.sched.task_completed(f"learn-{e}-{k}", now, 0.05 * (1 + i % 3), endpoint_id=e, function_id=fid)
@@ -90,6 +91,7 @@ async def one_fleet(n_endpoints: int, batch: int, rounds: int, workdir: Path) ->
         med = statistics.median
         return {
             "endpoints": n_endpoints,
+            "hardware_classes": classes or "none (each endpoint profiled on its own)",
             "batch": batch,
             "rounds": rounds,
             "place_ms_median": round(med(place_s) * 1e3, 2),
@@ -108,7 +110,8 @@ async def one_fleet(n_endpoints: int, batch: int, rounds: int, workdir: Path) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--endpoints", default="10,200")
+    ap.add_argument("--fleets", default="10:0,200:0,200:4,1000:4",
+                    help="endpoints:declared hardware classes (0 = none), comma-separated")
     ap.add_argument("--batch", type=int, default=5000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-save", action="store_true")
@@ -120,9 +123,10 @@ def main() -> None:
     out = c.header("placement", args)
     fleets = []
     with tempfile.TemporaryDirectory(dir=args.workdir) as d:
-        for n in (int(x) for x in args.endpoints.split(",")):
-            c.log(f"{n} endpoints, batches of {args.batch}")
-            fleets.append(asyncio.run(one_fleet(n, args.batch, args.rounds, Path(d))))
+        for spec in args.fleets.split(","):
+            n, k = (int(x) for x in spec.split(":"))
+            c.log(f"{n} endpoints, {k or 'no'} hardware classes, batches of {args.batch}")
+            fleets.append(asyncio.run(one_fleet(n, args.batch, args.rounds, Path(d), k)))
     out["fleets"] = fleets
     c.finish("placement", out, args, started)
 

@@ -113,14 +113,26 @@ _PRED_FIELDS = ("endpoint_id", "total", "transfer_in", "queue", "cold", "run", "
 
 
 def _pred_row(p: Prediction) -> list[Any]:
-    """A prediction as stored: a compact array in :data:`_PRED_FIELDS` order (a decision row is
-    written for every placed task, so its size matters)."""
-    return [p.endpoint_id, _finite(p.total), _finite(p.transfer_in), _finite(p.queue), _finite(p.cold), _finite(p.run),
-            _finite(p.transfer_out), _finite(p.outage), p.source, p.exploration]
+    """A prediction as stored: a compact array in :data:`_PRED_FIELDS` order with times in
+    whole microseconds (a decision row is written for every placed task, so its size and the
+    cost of building it matter). Non-finite times are stored as null."""
+    try:
+        return [p.endpoint_id, int(p.total * 1e6), int(p.transfer_in * 1e6), int(p.queue * 1e6), int(p.cold * 1e6),
+                int(p.run * 1e6), int(p.transfer_out * 1e6), int(p.outage * 1e6), p.source, p.exploration]
+    except (OverflowError, ValueError):
+        return [p.endpoint_id, *(None if x is None else int(x * 1e6) for x in map(_finite, (
+            p.total, p.transfer_in, p.queue, p.cold, p.run, p.transfer_out, p.outage))), p.source, p.exploration]
 
 
 def _pred_out(a: list[Any] | None) -> dict[str, Any] | None:
-    return dict(zip(_PRED_FIELDS, a)) if a is not None else None
+    if a is None:
+        return None
+    return {
+        "endpoint_id": a[0],
+        **{k: (None if v is None else v / 1e6) for k, v in zip(_PRED_FIELDS[1:8], a[1:8])},
+        "source": a[8],
+        "exploration": a[9],
+    }
 
 
 class _NoGlobals(pickle.Unpickler):
@@ -505,7 +517,7 @@ class PlacementService(DispatchObserver):
     def _decision_row(self, user_id: str, pl: Placement, req: _Req) -> tuple[Any, ...]:
         pred = pl.predicted
         compared = pl.compared[:MAX_COMPARED]
-        detail = {
+        detail = {  # "p"/"c": predictions as arrays, see _pred_row
             "selector": req.selector(),
             "constraints": req.constraints,
             "reason": pl.reason,
