@@ -28,8 +28,9 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 
-if str(REPO) not in sys.path:  # `python bench/x.py` from a checkout without the editable install
-    sys.path.insert(1, str(REPO))
+# The repository root goes first, before this folder (which Python puts first for `python
+# bench/x.py`): otherwise bench/scheduler.py would shadow the `scheduler` package the hub imports.
+sys.path[:] = [str(REPO)] + [p for p in sys.path if p != str(REPO)]
 
 
 # ---------------------------------------------------------------- reporting

@@ -30,7 +30,6 @@ from pathlib import Path
 
 import _common as c
 
-sys.path.insert(0, str(c.REPO))  # before bench/: bench/scheduler.py would shadow the scheduler package
 
 from cloud_hub.api.schemas import TaskIn  # noqa: E402
 from cloud_hub.config import HubConfig  # noqa: E402
