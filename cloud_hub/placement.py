@@ -204,7 +204,9 @@ class PlacementService(DispatchObserver):
         for ep_id, uid in await self.store.read(lambda db: db.execute("SELECT endpoint_id, user_id FROM endpoint_shares").fetchall()):
             self._shared.setdefault(ep_id, set()).add(uid)
         for e in await self.store.list_endpoints():
-            self._register(e["id"], e["user_id"], e["info"], online=False, now=None)
+            self._owner[e["id"]] = e["user_id"]
+            if "capacity" in e["info"]:  # it has said hello at least once: we know what it is
+                self._register(e["id"], e["user_id"], e["info"], online=False, now=None)
         await self._restore_ledger()
         self._saver = asyncio.create_task(self._save_forever(), name="scheduler-save")
 
@@ -320,7 +322,7 @@ class PlacementService(DispatchObserver):
 
     def endpoint_online(self, endpoint_id: str, now: float, info: dict[str, Any]) -> None:
         user = self._owner.get(endpoint_id)
-        if user is None:  # enrolled since start-up: look its owner up
+        if user is None:  # enrolled since start-up: look its owner up (once)
             self._spawn(self._register_new(endpoint_id, now, info))
             return
         self._register(endpoint_id, user, info, online=True, now=now)

@@ -55,8 +55,10 @@ def test_placement_ledger_persistence_and_tenancy(tmp_path: Path) -> None:
         svc = PlacementService(cfg, store)
         await svc.start()
         now = time.time()
-        for i, e in enumerate(eids):  # hellos: 1, 2 and 4 workers; the last one has a tag
-            svc.endpoint_online(e, now, {"capacity": 2 ** i, "tags": ["big"] if i == 2 else [], "memory_mb": 1024})
+        for i, e in enumerate(eids):  # hellos (as the dispatcher handles them): 1, 2 and 4 workers; the last one has a tag
+            info = {"capacity": 2 ** i, "tags": ["big"] if i == 2 else [], "memory_mb": 1024}
+            await store.set_endpoint_state(e, True, now, info)
+            svc.endpoint_online(e, now, info)
         for e, r in zip(eids, (4.0, 2.0, 1.0)):  # it runs 4x faster on the 4-worker one
             for k in range(3):
                 svc.sched.task_completed(f"learn-{e}-{k}", now, r, endpoint_id=e, function_id=fid)
