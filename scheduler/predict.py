@@ -160,6 +160,7 @@ class Predictor:
         ob = float(rb) if rb is not None else p.result_bytes(f)
         bo = b + ob
         ids = task.endpoints  # an explicit id list: members outside it are skipped
+        skip = skip_offline or ids is not None  # one test per member on the common path
         res = SearchResult()
         res.ob = ob
 
@@ -242,9 +243,7 @@ class Predictor:
                     break
                 if node.blocked and f in node.blocked:
                     continue
-                if skip_offline and not node.ep.online:
-                    continue
-                if ids is not None and node.id not in ids:
+                if skip and ((skip_offline and not node.ep.online) or (ids is not None and node.id not in ids)):
                     continue
                 seen += 1
                 if node.dev:
@@ -273,9 +272,7 @@ class Predictor:
                         continue
                     if node.blocked and f in node.blocked:
                         continue
-                    if skip_offline and not node.ep.online:
-                        continue
-                    if ids is not None and node.id not in ids:
+                    if skip and ((skip_offline and not node.ep.online) or (ids is not None and node.id not in ids)):
                         continue
                     seen += 1
                     if node.dev:
