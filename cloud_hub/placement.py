@@ -169,10 +169,13 @@ def _int(v: Any, default: int = 0) -> int:
 
 
 class PlacementService(DispatchObserver):
-    def __init__(self, cfg: "HubConfig", store: "SqliteStore", kick: Callable[[str], None] | None = None) -> None:
+    def __init__(self, cfg: "HubConfig", store: "SqliteStore", kick: Callable[[str], None] | None = None,
+                 allow_list: Callable[[str], frozenset[str] | None] | None = None) -> None:
         self.cfg = cfg
         self.store = store
         self.kick = kick or (lambda endpoint_id: None)
+        # An endpoint's function allow-list (None: any function), as the dispatcher enforces it.
+        self.allow_list = allow_list or (lambda endpoint_id: None)
         self.sched = self._new_scheduler(None)
         self._owner: dict[str, str] = {}  # endpoint -> user
         self._shared: dict[str, set[str]] = {}  # endpoint -> users the owner shared it with (they may place work on it)
@@ -344,7 +347,13 @@ class PlacementService(DispatchObserver):
         self._spawn(self._replace_stranded(endpoint_id))
 
     def tasks_expired(self, task_ids: Sequence[str], now: float) -> None:
-        self.sched.retract(task_ids)  # they leave their queues without teaching anything
+        self.tasks_ended(task_ids, now)
+
+    def tasks_ended(self, task_ids: Sequence[str], now: float) -> None:
+        """Tasks the hub failed without running them (expired, function taken off an allow-list,
+        endpoint revoked): they leave their queues without teaching anything, and their
+        decisions close with ``ok: false``."""
+        self.sched.retract(task_ids)
         done = [(now, None, 0, t) for t in task_ids]
         self._spawn(self._record_results("", now, done, []))
 
@@ -471,6 +480,7 @@ class PlacementService(DispatchObserver):
             reqs[row["id"]] = req
             index[row["id"]] = i
         if infos:
+            self._apply_allow_lists(infos, user_id, reqs, index)
             self._check_eligible(user_id, infos, reqs, index)
         # Named endpoints first: they are fixed, and the rest of the batch should see their queues.
         for info, eid in fixed:
@@ -542,6 +552,34 @@ class PlacementService(DispatchObserver):
             self.stats["refused"] += 1
             raise PlacementError(409, f"task {i}: endpoint {endpoint_id} does not satisfy the constraints {cons.describe()}")
 
+    def _apply_allow_lists(self, infos: list[TaskInfo], user_id: str | None = None, reqs: dict[str, _Req] | None = None,
+                           index: dict[str, int] | None = None) -> None:
+        """Endpoints whose owner restricted them to other functions are not candidates: such a
+        task gets an id list without them (``TaskInfo.endpoints``). Raises a 403
+        :class:`PlacementError` (with ``user_id``) when that leaves a task nowhere to go."""
+        nodes = self.sched.fleet.nodes
+        lists = {e: a for e in nodes if (a := self.allow_list(e)) is not None}
+        if not lists:
+            return
+        allowed_for: dict[str, frozenset[str] | None] = {}
+        for info in infos:
+            f = info.function_id
+            if f not in allowed_for:
+                excluded = {e for e, a in lists.items() if f not in a}
+                allowed_for[f] = frozenset(nodes) - excluded if excluded else None
+            ok = allowed_for[f]
+            if ok is None:
+                continue
+            before = info.endpoints
+            info.endpoints = ok if before is None else before & ok
+            if user_id is None or reqs is None or index is None:
+                continue
+            cons_ok = [n for n in self.sched.fleet.eligible(info.constraints) if before is None or n.id in before]
+            if cons_ok and not any(n.id in info.endpoints for n in cons_ok):
+                self.stats["refused"] += 1
+                raise PlacementError(403, f"task {index[info.task_id]}: function {f} is not on the allow-list of any endpoint "
+                                          f"its endpoint_id ({reqs[info.task_id].kind}) allows")
+
     def _check_eligible(self, user_id: str, infos: list[TaskInfo], reqs: dict[str, _Req], index: dict[str, int]) -> None:
         """A clear 409 naming the first task nothing can run, before anything is placed."""
         fleet = self.sched.fleet
@@ -600,6 +638,7 @@ class PlacementService(DispatchObserver):
             self.sched.task_requeued(tid, now)
             infos.append(req.task_info(uid, tid, fid, nbytes or 0))
             reqs[tid], users[tid] = req, uid
+        self._apply_allow_lists(infos)  # where nothing else is allowed, placement fails: they wait
         try:
             placements = await self._place(infos, now)
         except NoEligibleEndpoint:

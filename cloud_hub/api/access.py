@@ -8,6 +8,7 @@ not manage is a 403 that says so.
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Response
@@ -109,6 +110,7 @@ async def set_allow_list(endpoint_id: EndpointId, body: AllowIn, h: HubDep, user
     h.dispatcher.set_allow_list(endpoint_id, None if body.function_ids is None else frozenset(body.function_ids))
     if failed:
         h.bus.notify({u for _, u in failed})
+        h.placement.tasks_ended([t for t, _ in failed], time.time())
     allowed = h.dispatcher.allow_list(endpoint_id)
     return AllowOut(endpoint_id=endpoint_id, function_ids=None if allowed is None else sorted(allowed), failed_tasks=len(failed))
 
@@ -123,6 +125,8 @@ async def revoke(endpoint_id: EndpointId, h: HubDep, user: UserDep) -> Any:
     )
     h.dispatcher.revoke(endpoint_id)
     h.placement.remove(endpoint_id)
+    if failed:
+        h.placement.tasks_ended([t for t, _ in failed], time.time())
     await h.refresh_broker_auth()
     if failed:
         h.bus.notify({u for _, u in failed})

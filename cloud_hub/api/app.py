@@ -70,7 +70,7 @@ class Hub:
         self.store = SqliteStore(cfg.db_path)
         self.bus = ResultBus()
         self.dispatcher = Dispatcher(cfg, self.store, self.bus)
-        self.placement = PlacementService(cfg, self.store, self.dispatcher.kick)
+        self.placement = PlacementService(cfg, self.store, self.dispatcher.kick, self.dispatcher.allow_list)
         self.dispatcher.observer = self.placement
         self._token_cache: dict[str, str] = {}
         self.bootstrap_token: str | None = None
@@ -402,7 +402,7 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn]) -> tuple[list[str], li
     for i, r in enumerate(rows):  # on the endpoint each task will run on, named or placed
         allowed = h.dispatcher.allow_list(r["endpoint_id"])
         if allowed is not None and r["function_id"] not in allowed:
-            h.placement.retract(decisions)
+            h.placement.retract(r["id"] for r in rows)
             raise HTTPException(403, f"task {i}: function {r['function_id']} is not on endpoint {r['endpoint_id']}'s allow-list")
     try:
         await h.store.insert_tasks(rows, also=h.placement.writer(decisions))

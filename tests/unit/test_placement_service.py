@@ -132,3 +132,36 @@ def test_hub_config_rejects_unknown_policy() -> None:
     with pytest.raises(ValueError, match="unknown scheduler policy 'fastest'"):
         HubConfig(scheduler_policy="fastest")
     assert HubConfig(scheduler_policy="round-robin").scheduler_policy == "round-robin"
+
+
+def test_auto_placement_respects_function_allow_lists(tmp_path: Path) -> None:
+    """An endpoint whose owner allows only other functions is never chosen for this one; if no
+    allowed endpoint is left, the submit is a 403 that says why (docs/security.md)."""
+
+    async def main() -> None:
+        store, users, eids, fid = await _setup(tmp_path)
+        lists: dict[str, frozenset[str]] = {}
+        svc = PlacementService(HubConfig(db_path=tmp_path / "hub.sqlite3"), store, allow_list=lists.get)
+        await svc.start()
+        now = time.time()
+        for e in eids:
+            info = {"capacity": 2, "tags": ["t"], "memory_mb": 1024}
+            await store.set_endpoint_state(e, True, now, info)
+            svc.endpoint_online(e, now, info)
+        lists[eids[0]] = frozenset({"0" * 64})  # endpoint 0 runs only some other function
+        for sel in ("auto", {"tags": ["t"]}, [eids[0], eids[1]]):
+            tasks = [TaskIn(endpoint_id=sel, function_id=fid, args=ARGS) for _ in range(30)]
+            rows = _rows(users["alice"], tasks)
+            decisions = await svc.place(users["alice"], tasks, rows, now)
+            assert len(decisions) == 30 and eids[0] not in {r["endpoint_id"] for r in rows}, sel
+            svc.retract(r["id"] for r in rows)
+        lists[eids[1]] = lists[eids[2]] = lists[eids[0]]
+        tasks = [TaskIn(endpoint_id="auto", function_id=fid, args=ARGS)]
+        with pytest.raises(PlacementError) as info:
+            await svc.place(users["alice"], tasks, _rows(users["alice"], tasks), now)
+        assert info.value.status == 403 and f"function {fid} is not on the allow-list of any endpoint" in str(info.value)
+        assert svc.sched.fleet.ledger == {}
+        await svc.stop()
+        await store.close()
+
+    asyncio.run(main())
