@@ -240,7 +240,11 @@ class TorchClientApp(ClientApp):
         model = self._build(None)
         X, y = data
         if len(y):
-            ts.train_supervised(model, X[:8], y[:8], epochs=1, batch_size=8, lr=0.0, momentum=0.0, device=self._device)
+            t = self.trainer
+            before = ts.get_weights(model)
+            ts.train_supervised(model, X[:8], y[:8], epochs=1, batch_size=8, lr=0.0, momentum=t.momentum,
+                                weight_decay=0.0, optimizer=t.optimizer, device=self._device)
+            ts.set_weights(model, before)  # (lr=0 moves nothing, but a model must never drift here)
         return str(self._device)
 
     def fit(self, weights: Weights, data: Any, config: Dict[str, Any]) -> Tuple[Weights, int, Dict[str, Any], str]:

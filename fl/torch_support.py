@@ -101,10 +101,8 @@ def train_supervised(
     if n == 0:
         raise ValueError("no training samples")
     params = [p for p in model.parameters() if p.requires_grad]
-    if lr == 0.0:  # warm-up pass: gradients computed, nothing applied
-        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=0.0)
-    elif optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if optimizer == "sgd":  # (lr=0 is the warm-up pass: every code path runs, no weight moves)
+        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     elif optimizer == "adam":
         opt = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
     else:

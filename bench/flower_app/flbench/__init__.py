@@ -1,0 +1,1 @@
+"""Flower App for bench/fl.py (digits, MLP, FedAvg)."""
