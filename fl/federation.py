@@ -358,6 +358,12 @@ class Federation:
             run.gateway_fid = self._hub(self.client.register_function, GatewayAggregator(strategy.inner), "fl-gateway")
         try:
             if start_round <= rounds:
+                if eval_data is not None and "initial_eval" not in history.metadata:
+                    # the model before training (round 0, as Flower reports it); it also pays the
+                    # driver's own one-time torch start-up before round 1 rather than in it
+                    res = app.evaluate(weights, eval_data)
+                    if res is not None:
+                        history.metadata["initial_eval"] = {"loss": float(res[0]), **{k: float(v) for k, v in res[1].items()}}
                 self._warmup(run, rows, history)
             if mode == "async":
                 weights = self._run_async(run, history, weights, start_round, state)
