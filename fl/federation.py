@@ -352,10 +352,11 @@ class Federation:
         clients = self._clients(rows)
         if not clients:
             raise FederationError("no client endpoints match this federation")
-        history, weights, start_round, state = self._open_run(run, rows, clients, name, resume, initial_weights)
+        # functions first: a model that cannot be shipped must fail before a run is created
         run.fid = self._hub(self.client.register_function, app, "fl-client-" + app.name)
         if mode == "hierarchical":
             run.gateway_fid = self._hub(self.client.register_function, GatewayAggregator(strategy.inner), "fl-gateway")
+        history, weights, start_round, state = self._open_run(run, rows, clients, name, resume, initial_weights)
         try:
             if start_round <= rounds:
                 if eval_data is not None and "initial_eval" not in history.metadata:
@@ -372,8 +373,8 @@ class Federation:
         except KeyboardInterrupt:
             self._set_status("aborted", "interrupted by the user")
             raise
-        except BaseException as exc:
-            self._set_status("aborted", _short_error(exc))
+        except BaseException as exc:  # the run stays resumable: fit(..., resume=run_id)
+            self._set_status("failed", _short_error(exc))
             raise
         self.final_weights = weights
         return history
