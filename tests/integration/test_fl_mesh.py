@@ -230,18 +230,19 @@ def test_flower_numpyclient_and_strategy_through_the_adapters(fl_mesh: _Mesh) ->
 def test_fedbuff_async_and_hierarchical_gateway(fl_mesh: _Mesh) -> None:
     client = fl_mesh.mesh.client
     hist = Federation(client, fl_mesh.ids).fit(
-        _mlp(), "digits", rounds=6, strategy=FedBuff(buffer_size=3, max_staleness=20), local_epochs=1, deadline_s=30,
+        _mlp(), "digits", rounds=6, strategy=FedBuff(buffer_size=3, max_staleness=20), local_epochs=2, deadline_s=30,
         trainer=TRAINER, eval_data=load_test_data())
-    assert [r.extra["version"] for r in hist] == [1, 2, 3, 4, 5, 6]
-    assert all(len(r.participants) == 3 for r in hist)
-    assert any(s > 0 for r in hist for s in r.extra["staleness"].values())  # updates did arrive stale
-    assert hist[-1].accuracy > hist[0].accuracy
+    assert [r.extra["version"] for r in hist] == [1, 2, 3, 4, 5, 6], [r.extra for r in hist]
+    assert all(len(r.participants) == 3 for r in hist), [(r.participants, r.dropped) for r in hist]
+    assert any(s > 0 for r in hist for s in r.extra["staleness"].values()), [r.extra for r in hist]  # some arrived stale
+    # it learns (from ~10% before training), though more slowly than FedAvg: staleness-discounted deltas
+    assert max(r.accuracy for r in hist[-2:]) > hist.metadata["initial_eval"]["accuracy"] + 0.25, [r.accuracy for r in hist]
 
     gw = fl_mesh.gateway.endpoint_id
     fed = Federation(client, fl_mesh.ids[3:], gateways={gw: fl_mesh.ids[:3]})
     hh = fed.fit(_mlp(), "digits", rounds=3, strategy=Hierarchical(FedAvg(), FedAvg()), local_epochs=2, deadline_s=30,
                  trainer=TRAINER, eval_data=load_test_data())
-    assert all(sorted(r.participants) == sorted(fl_mesh.ids) for r in hh)
-    assert all("gateway_fallback" not in r.extra for r in hh)
-    assert hh[-1].accuracy > hh[0].accuracy
+    assert all(sorted(r.participants) == sorted(fl_mesh.ids) for r in hh), [(r.participants, r.stragglers, r.dropped) for r in hh]
+    assert all("gateway_fallback" not in r.extra for r in hh), [r.extra for r in hh]
+    assert hh[-1].accuracy > hh.metadata["initial_eval"]["accuracy"] + 0.3, [r.accuracy for r in hh]
     assert client.fl_run(fed.run_id)["mode"] == "hierarchical"
