@@ -470,6 +470,12 @@ class Federation:
     # ================================================================ synchronous rounds
     def _run_sync(self, run: "_RunParams", history: History, weights: Weights, start_round: int) -> Weights:
         version = int(history.rounds[-1].extra.get("version", len(history))) if history.rounds else 0
+        # a skipped round keeps the model, so it reports the model's last known loss/accuracy
+        init = history.metadata.get("initial_eval") or {}
+        last: Tuple[Optional[float], Optional[float]] = (init.get("loss"), init.get("accuracy"))
+        for rec_ in history.rounds:
+            if rec_.accuracy is not None or rec_.loss is not None:
+                last = (rec_.loss, rec_.accuracy)
         for r in range(start_round, run.rounds + 1):
             t0 = time.monotonic()
             self._outage_s = 0.0
@@ -479,7 +485,7 @@ class Federation:
             if not instructions:
                 reason = run.strategy.last_selection_reason or "no client available"
                 late = self._drain_late()
-                rec = RoundRecord(r, None, None, [], [], {}, time.monotonic() - t0,
+                rec = RoundRecord(r, last[0], last[1], [], [], {}, time.monotonic() - t0,
                                   {**extra, "skipped": True, "reason": reason, "version": version,
                                    **({"late_discarded": late} if late else {})})
                 if not self._finish_round(run, history, rec, weights, {"version": version}):
@@ -523,7 +529,8 @@ class Federation:
             else:
                 extra.update({"skipped": True, "reason": reason or "no new model"})
                 accepted = []
-            loss, acc = self._evaluate(run, weights, used) if new is not None or run.eval_data is not None else (None, None)
+            loss, acc = self._evaluate(run, weights, used) if new is not None else last
+            last = (loss, acc)
             round_time = time.monotonic() - t0
             train_times = {c: float(i["train_time_s"]) for c, i in col.info.items() if c in set(accepted) and "train_time_s" in i}
             extra.update(self._col_extra(col))

@@ -246,3 +246,28 @@ def test_fedbuff_async_and_hierarchical_gateway(fl_mesh: _Mesh) -> None:
     assert all("gateway_fallback" not in r.extra for r in hh), [r.extra for r in hh]
     assert hh[-1].accuracy > hh.metadata["initial_eval"]["accuracy"] + 0.3, [r.accuracy for r in hh]
     assert client.fl_run(fed.run_id)["mode"] == "hierarchical"
+
+
+def test_too_few_updates_extend_then_skip_with_a_clear_record(fl_mesh: _Mesh) -> None:
+    """Last in the module: it leaves one agent dead."""
+    victim = fl_mesh.clients[4]
+
+    def kill(round: int, tasks: Dict[str, str]) -> None:
+        if round == 1:
+            victim.kill()
+
+    fed = Federation(fl_mesh.mesh.client, fl_mesh.ids)
+    hist = fed.fit(_mlp(), "digits", rounds=2, strategy=FedAvg(), local_epochs=1, deadline_s=3, min_clients=N,
+                   max_extensions=1, extension_s=2, trainer=TRAINER, eval_data=load_test_data(), on_round_start=kill)
+    r1, r2 = hist
+    # round 1: four updates, five needed: the deadline was extended once, then the round skipped
+    assert r1.extra["skipped"] is True and r1.extra["extensions"] == 1 and r1.extra["deadline_reached"] is True
+    assert "only 4 valid update(s), need min_clients=5" in r1.extra["reason"]
+    assert r1.participants == [] and r1.stragglers == [victim.endpoint_id] and r1.extra["version"] == 0
+    # round 2: the dead device is offline now, so too few clients even to start the round
+    assert r2.extra["skipped"] is True and "only 4 clients available, need 5" in r2.extra["reason"]
+    # the model was never averaged from too few updates
+    assert all(np.array_equal(a, b) for a, b in zip(fed.final_weights, [w.detach().numpy() for w in _mlp().state_dict().values()]))
+    assert r1.accuracy == r2.accuracy == hist.metadata["initial_eval"]["accuracy"]
+    stored = fl_mesh.mesh.client.fl_run(fed.run_id)["rounds"]
+    assert [r["extra"]["reason"] for r in stored] == [r1.extra["reason"], r2.extra["reason"]]

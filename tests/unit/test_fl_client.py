@@ -173,3 +173,21 @@ def test_agent_and_plain_tasks_never_import_torch(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_fit_refuses_bad_arguments_before_touching_the_hub() -> None:
+    from cloud_hub.client import Client
+    from fl.strategies import FedBuff, Hierarchical
+
+    with pytest.raises(ValueError, match="endpoints"):
+        Federation(Client("http://127.0.0.1:9", "t"))
+    with pytest.raises(ValueError, match="both a gateway"):
+        Federation(Client("http://127.0.0.1:9", "t"), gateways={"gw": ["a", "gw"], "a": ["b"]})
+    fed = Federation(Client("http://127.0.0.1:9", "t"), ["ep-1"], hub_wait_s=0)  # nothing listens there
+    app = FunctionClientApp(lambda w, d, c: (w, 1, {}), initial_weights=[np.zeros(1)])
+    for kw, text in [({"rounds": 0}, "rounds"), ({"deadline_s": 0}, "deadline_s"), ({"on_insufficient": "wait"}, "on_insufficient"),
+                     ({"max_extensions": -1}, "max_extensions"), ({"local_epochs": 0}, "local_epochs"),
+                     ({"min_clients": 0}, "min_clients"), ({"strategy": Hierarchical()}, "gateways"),
+                     ({"strategy": FedBuff(), "min_clients": 0}, "min_clients")]:
+        with pytest.raises(ValueError, match=text):
+            fed.fit(app, "digits", **kw)
