@@ -1,5 +1,21 @@
-"""Hub storage. One module per backend (SQLite now); the dispatcher and API use only these methods."""
+"""Hub storage. One module per backend (SQLite, PostgreSQL); the dispatcher and API use only these methods."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from cloud_hub.store.sqlite import SqliteStore, StoreError, hash_token
 
-__all__ = ["SqliteStore", "StoreError", "hash_token"]
+if TYPE_CHECKING:
+    from cloud_hub.config import HubConfig
+
+__all__ = ["SqliteStore", "StoreError", "hash_token", "make_store"]
+
+
+def make_store(cfg: "HubConfig") -> SqliteStore:
+    """PostgreSQL when ``database_url`` is set (replicas possible), else the SQLite file."""
+    if cfg.database_url:
+        from cloud_hub.store.postgres import PostgresStore
+
+        return PostgresStore(cfg.database_url)
+    return SqliteStore(cfg.db_path)

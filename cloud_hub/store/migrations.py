@@ -107,4 +107,12 @@ MIGRATIONS: list[tuple[int, str]] = [
         CREATE TABLE hub_secrets (name TEXT PRIMARY KEY, value TEXT NOT NULL, created REAL NOT NULL);
         """,
     ),
+    (
+        5,
+        # Hub replicas sharing one database (cloud_hub/store/postgres.py): which replica holds each
+        # endpoint's session, until when. The owner renews it while the agent talks to it.
+        """
+        CREATE TABLE endpoint_owners (endpoint_id TEXT PRIMARY KEY, replica TEXT NOT NULL, until REAL NOT NULL);
+        """,
+    ),
 ]

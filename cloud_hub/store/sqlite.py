@@ -228,6 +228,29 @@ class SqliteStore:
 
         await self.tx(q)
 
+    async def claim_endpoint(self, endpoint_id: str, replica: str, until: float, now: float) -> bool:
+        """Hold (or renew) an endpoint's session for this hub replica unless another holds it."""
+
+        def q(db: sqlite3.Connection) -> bool:
+            db.execute(
+                "INSERT INTO endpoint_owners (endpoint_id, replica, until) VALUES (?, ?, ?) "
+                "ON CONFLICT(endpoint_id) DO UPDATE SET replica=excluded.replica, until=excluded.until "
+                "WHERE endpoint_owners.replica=excluded.replica OR endpoint_owners.until < ?",
+                (endpoint_id, replica, until, now),
+            )
+            row = db.execute("SELECT replica FROM endpoint_owners WHERE endpoint_id=?", (endpoint_id,)).fetchone()
+            return bool(row and row[0] == replica)
+
+        return await self.tx(q, durable=False)
+
+    async def release_endpoint(self, endpoint_id: str, replica: str) -> None:
+        await self.tx(lambda db: db.execute("DELETE FROM endpoint_owners WHERE endpoint_id=? AND replica=?", (endpoint_id, replica)), durable=False)
+
+    async def endpoint_key(self, endpoint_id: str) -> bytes | None:
+        """One endpoint's key: for an endpoint enrolled through another hub replica."""
+        row = await self._run(lambda: self._conn().execute("SELECT key FROM endpoints WHERE id=?", (endpoint_id,)).fetchone())
+        return bytes(row[0]) if row else None
+
     # ------------------------------------------------------------------ functions
     async def put_function(self, user_id: str, fid: str, body: bytes, name: str) -> None:
         def q(db: sqlite3.Connection) -> None:

@@ -1,0 +1,252 @@
+"""The hub store on PostgreSQL, for when one machine is outgrown (several hub replicas, one database).
+
+Why a subclass of :class:`SqliteStore` and not a second implementation: every query, and the raw
+SQL the scheduler runs through ``store.tx``, is written once in SQLite's dialect; a small
+adapter (:class:`_PgConn`) translates the few differences (``?`` and ``:name`` placeholders,
+``INSERT OR IGNORE``), and the same migrations are translated to PostgreSQL DDL (``REAL`` is
+``DOUBLE PRECISION`` — timestamps need the precision —, ``BLOB`` is ``BYTEA``, every table
+gets a ``rowid``). So a migration or query someone adds later works on both, and the store test
+suite runs against both.
+
+What changes with several writers, and how it is handled:
+
+* Every transaction runs ``SERIALIZABLE`` and is retried on a serialization failure or a
+  deadlock: leasing a batch, consuming a single-use enrollment token, storing a result once are
+  read-then-write sequences that two replicas may run at the same moment.
+* ``results.seq`` is the cursor of result streams: a reader must never see seq 11 committed
+  before seq 10 appears. Writes to ``results`` take a transaction-level advisory lock first, so
+  sequence numbers are handed out and committed in the same order.
+* Replicas learn about each other's work through ``LISTEN``/``NOTIFY``: new tasks for an
+  endpoint (``mesh_tasks``: the replica that owns the endpoint's session leases them) and new
+  results for a user (``mesh_results``: long-polls on any replica wake up).
+* Durability: ``synchronous_commit`` stays on (a 2xx means on disk, WAL-fsynced) except for
+  the transactions the SQLite store also runs without fsync (leases, acks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from typing import Any, Callable, Iterable, Sequence, TypeVar
+
+from cloud_hub.store.migrations import MIGRATIONS
+from cloud_hub.store.sqlite import SqliteStore, StoreError, _statements
+
+__all__ = ["PostgresStore", "to_pg_sql", "to_pg_ddl"]
+
+log = logging.getLogger("cloud_hub.store.postgres")
+T = TypeVar("T")
+
+_RETRIES = 20
+_RESULTS_LOCK = 0x6D657368  # advisory lock key ("mesh") serializing writes to results
+_MIGRATE_LOCK = 0x6D657369
+
+
+@lru_cache(maxsize=2048)
+def to_pg_sql(sql: str) -> str:
+    """SQLite-dialect DML -> PostgreSQL (psycopg placeholders)."""
+    s = sql.replace("%", "%%")
+    if re.match(r"\s*INSERT\s+OR\s+IGNORE\s+INTO", s, re.I):
+        s = re.sub(r"INSERT\s+OR\s+IGNORE\s+INTO", "INSERT INTO", s, count=1, flags=re.I).rstrip().rstrip(";") + " ON CONFLICT DO NOTHING"
+    s = re.sub(r"(?<![:\w]):([A-Za-z_]\w*)", r"%(\1)s", s)
+    return s.replace("?", "%s")
+
+
+def to_pg_ddl(sql: str) -> str:
+    """SQLite-dialect migration -> PostgreSQL DDL."""
+    s = re.sub(r"\bINTEGER\s+PRIMARY\s+KEY\s+AUTOINCREMENT\b", "BIGSERIAL PRIMARY KEY", sql, flags=re.I)
+    s = re.sub(r"\bREAL\b", "DOUBLE PRECISION", s)
+    s = re.sub(r"\bBLOB\b", "BYTEA", s)
+    s = re.sub(r"\bINTEGER\b", "BIGINT", s)
+    # SQLite gives every table a rowid (queries order by it); PostgreSQL needs it spelled out.
+    return re.sub(r"(CREATE\s+TABLE\s+(?:IF\s+NOT\s+EXISTS\s+)?\w+\s*\()", r"\1rowid BIGSERIAL, ", s, flags=re.I)
+
+
+class _PgConn:
+    """The part of the sqlite3.Connection API the store's queries use, on a psycopg connection."""
+
+    def __init__(self, conn: Any) -> None:
+        self.raw = conn
+        self.locked_results = False
+
+    def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
+        q = to_pg_sql(sql)
+        self._maybe_lock(q)
+        cur = self.raw.cursor()
+        cur.execute(q, params if params else None)
+        return cur
+
+    def executemany(self, sql: str, seq: Iterable[Any]) -> Any:
+        rows = list(seq)
+        cur = self.raw.cursor()
+        if rows:
+            q = to_pg_sql(sql)
+            self._maybe_lock(q)
+            cur.executemany(q, rows)
+        return cur
+
+    def _maybe_lock(self, q: str) -> None:
+        if not self.locked_results and re.match(r"\s*INSERT\s+INTO\s+results\b", q, re.I):
+            self.raw.execute("SELECT pg_advisory_xact_lock(%s)", (_RESULTS_LOCK,))
+            self.locked_results = True
+
+
+class PostgresStore(SqliteStore):
+    """Same interface as SqliteStore; ``url`` is a libpq URL (``postgresql://host:5432/db``)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.path = url  # type: ignore[assignment]  # named in error messages, as the SQLite file is
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hub-pg")
+        self._db: Any = None
+        self._listener: threading.Thread | None = None
+        self._listening = threading.Event()
+        self._stop_listen = threading.Event()
+        self.stats = {"serialization_retries": 0}
+
+    # ------------------------------------------------------------------ plumbing
+    def _connect(self) -> Any:
+        try:
+            import psycopg
+        except ImportError as exc:
+            raise StoreError(f"PostgreSQL store needs psycopg (pip install 'continuum-mesh[postgres]'): {exc}") from None
+        try:
+            return psycopg.connect(self.url, autocommit=True, connect_timeout=10)
+        except psycopg.Error as exc:
+            raise StoreError(f"{_safe(self.url)}: cannot connect to PostgreSQL ({exc})") from None
+
+    def _conn(self) -> _PgConn:  # type: ignore[override]
+        if self._db is None:
+            raise StoreError("store is not open")
+        if self._db.closed or self._db.broken:
+            log.warning("PostgreSQL connection lost; reconnecting")
+            self._db = self._connect()
+        return _PgConn(self._db)
+
+    def _tx(self, fn: Callable[..., T], *args: Any, durable: bool = True) -> T:
+        import psycopg.errors as pe
+
+        delay = 0.002
+        for attempt in range(_RETRIES):
+            db = self._conn()
+            db.raw.execute("BEGIN ISOLATION LEVEL SERIALIZABLE")
+            try:
+                if not durable:
+                    db.raw.execute("SET LOCAL synchronous_commit = off")
+                out = fn(db, *args)
+                db.raw.execute("COMMIT")
+                return out
+            except (pe.SerializationFailure, pe.DeadlockDetected):
+                db.raw.execute("ROLLBACK")
+                self.stats["serialization_retries"] += 1
+                time.sleep(delay * (1 + attempt))
+            except BaseException:
+                if not db.raw.closed and not db.raw.broken:
+                    db.raw.execute("ROLLBACK")
+                raise
+        raise StoreError(f"transaction still conflicting after {_RETRIES} attempts")
+
+    def _open(self) -> None:
+        db = self._connect()
+        try:
+            db.execute("BEGIN")
+            db.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATE_LOCK,))  # replicas starting together
+            db.execute("CREATE TABLE IF NOT EXISTS schema_version (version BIGINT NOT NULL)")
+            cur = db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0
+            latest = max(v for v, _ in MIGRATIONS)
+            if cur > latest:
+                raise StoreError(f"{_safe(self.url)}: database schema v{cur} is newer than this hub (v{latest})")
+            for version, sql in MIGRATIONS:
+                if version > cur:
+                    for statement in _statements(to_pg_ddl(sql)):
+                        db.execute(statement)
+                    db.execute("INSERT INTO schema_version VALUES (%s)", (version,))
+            db.execute("COMMIT")
+        except BaseException as exc:
+            if not db.closed and not db.broken:
+                db.execute("ROLLBACK")
+            db.close()
+            if isinstance(exc, StoreError):
+                raise
+            raise StoreError(f"{_safe(self.url)}: cannot prepare the hub schema ({exc})") from None
+        self._db = db
+
+    async def close(self) -> None:
+        self._stop_listen.set()
+        if self._listener is not None:
+            await asyncio.to_thread(self._listener.join, 5)
+
+        def _close() -> None:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+        await self._run(_close)
+        self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ replicas: notifications
+    async def insert_tasks(self, rows: Sequence[dict[str, Any]], also: Callable[[Any], None] | None = None) -> None:
+        endpoints = sorted({r["endpoint_id"] for r in rows})
+
+        def with_notify(db: Any) -> None:
+            if also is not None:
+                also(db)
+            for ep in endpoints:  # delivered at commit, to every replica (the owner leases them)
+                db.execute("SELECT pg_notify('mesh_tasks', ?)", (ep,))
+
+        await super().insert_tasks(rows, with_notify)
+
+    async def store_results(self, endpoint_id: str, results: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+        fresh = await super().store_results(endpoint_id, results)
+        await self._notify("mesh_results", {u for _, u in fresh})
+        return fresh
+
+    async def expire_tasks(self, now: float, error_blob: Callable[[str], bytes]) -> list[tuple[str, str]]:
+        expired = await super().expire_tasks(now, error_blob)
+        await self._notify("mesh_results", {u for _, u in expired})
+        return expired
+
+    async def _notify(self, channel: str, payloads: set[str]) -> None:
+        if payloads:
+            await self._run(lambda: [self._conn().execute("SELECT pg_notify(?, ?)", (channel, p)) for p in sorted(payloads)])
+
+    async def listen(self, handlers: dict[str, Callable[[str], None]]) -> None:
+        """Call ``handlers[channel](payload)`` on the event loop for every NOTIFY, from any replica."""
+        loop = asyncio.get_running_loop()
+        self._listener = threading.Thread(target=self._listen_forever, args=(loop, handlers), name="hub-pg-listen", daemon=True)
+        self._listener.start()
+        await asyncio.to_thread(self._listening.wait, 10)
+
+    def _listen_forever(self, loop: asyncio.AbstractEventLoop, handlers: dict[str, Callable[[str], None]]) -> None:
+        delay = 0.2
+        while not self._stop_listen.is_set():
+            try:
+                conn = self._connect()
+                try:
+                    for channel in handlers:
+                        conn.execute(f"LISTEN {channel}")
+                    self._listening.set()
+                    delay = 0.2
+                    while not self._stop_listen.is_set():
+                        for n in conn.notifies(timeout=0.5):
+                            handler = handlers.get(n.channel)
+                            if handler is not None:
+                                loop.call_soon_threadsafe(handler, n.payload)
+                finally:
+                    conn.close()
+            except Exception as exc:  # the server restarted: reconnect; waiters also time out and re-poll
+                if self._stop_listen.is_set() or loop.is_closed():
+                    return
+                log.warning("PostgreSQL LISTEN connection lost (%s); retrying in %.1fs", exc, delay)
+                self._stop_listen.wait(delay)
+                delay = min(delay * 2, 5.0)
+
+
+def _safe(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)

@@ -1,0 +1,197 @@
+"""The hub store suite, run against both backends: SQLite (a real file) and PostgreSQL (the local server).
+
+Each test gets a fresh database. ``two`` opens a second store on the same database: a second hub
+replica for PostgreSQL, a second connection to the same file for SQLite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+import pytest
+
+from cloud_hub.store import SqliteStore, StoreError, hash_token
+from tests.pg import pg_url  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.integration
+
+FID = "f" * 64
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], SqliteStore]:
+    """A factory: every call opens another store on the same fresh database."""
+    if request.param == "sqlite":
+        return lambda: SqliteStore(tmp_path / "hub.sqlite3")
+    from cloud_hub.store.postgres import PostgresStore
+
+    url = request.getfixturevalue("pg_url")
+    return lambda: PostgresStore(url)
+
+
+@pytest.fixture
+async def store(open_store: Callable[[], SqliteStore]) -> AsyncIterator[SqliteStore]:
+    s = await open_store().open()
+    yield s
+    await s.close()
+
+
+async def _endpoint(store: SqliteStore, uid: str, name: str = "pi") -> str:
+    tok = await store.create_enroll_token(uid, 60, 1)
+    ep = await store.enroll_endpoint(tok, name, "mqtt", b"k" * 32)
+    assert ep is not None
+    return str(ep["id"])
+
+
+def _tasks(uid: str, ep: str, n: int, *, start: int = 0, expires_in: float = 3600, args: bytes = b"args") -> list[dict[str, Any]]:
+    now = time.time()
+    return [{"id": f"t{i:05d}", "user_id": uid, "endpoint_id": ep, "function_id": FID, "args": args,
+             "created": now + i * 1e-3, "expires": now + expires_in, "timeout": None} for i in range(start, start + n)]
+
+
+async def test_users_and_tokens_hashed_at_rest(store: SqliteStore) -> None:
+    uid = await store.create_user("alice")
+    assert await store.create_user("alice") == uid, "create_user is idempotent"
+    tok = await store.create_api_token(uid, "laptop")
+    assert await store.user_for_token(tok) == uid
+    assert await store.user_for_token(tok + "x") is None
+    stored = await store.tx(lambda db: [r[0] for r in db.execute("SELECT hash FROM api_tokens").fetchall()])
+    assert stored == [hash_token(tok)] and tok not in stored
+
+
+async def test_enrollment_tokens_are_used_up_and_expire(store: SqliteStore) -> None:
+    uid = await store.create_user("alice")
+    tok = await store.create_enroll_token(uid, 60, 2)
+    assert await store.enroll_endpoint(tok, "a", "mqtt", b"1" * 32) is not None
+    assert await store.enroll_endpoint(tok, "b", "zmq", b"2" * 32) is not None
+    assert await store.enroll_endpoint(tok, "c", "mqtt", b"3" * 32) is None
+    old = await store.create_enroll_token(uid, 1e-6, 5)
+    await asyncio.sleep(0.01)
+    assert await store.enroll_endpoint(old, "d", "mqtt", b"4" * 32) is None
+    eps = await store.list_endpoints(uid)
+    assert [e["name"] for e in eps] == ["a", "b"] and all(not e["online"] for e in eps)
+    keys = await store.endpoint_keys()
+    assert sorted(keys.values()) == [b"1" * 32, b"2" * 32]
+    assert await store.endpoint_key(eps[1]["id"]) == b"2" * 32 and await store.endpoint_key("ep-none") is None
+    await store.set_endpoint_state(eps[0]["id"], True, 123.5, {"capacity": 4})
+    (e,) = await store.list_endpoints(uid, eps[0]["id"])
+    assert e["online"] and e["last_seen"] == 123.5 and e["info"] == {"capacity": 4}
+
+
+async def test_functions_and_ownership(store: SqliteStore) -> None:
+    alice, bob = await store.create_user("alice"), await store.create_user("bob")
+    await store.put_function(alice, FID, b"body", "fn")
+    await store.put_function(alice, FID, b"body", "fn")  # idempotent
+    ep = await _endpoint(store, alice)
+    assert [f["size"] for f in await store.list_functions(alice)] == [4]
+    assert await store.list_functions(bob) == []
+    assert await store.owned_refs(alice, [ep, "ep-x"], [FID, "0" * 64]) == ({ep}, {FID})
+    assert await store.owned_refs(bob, [ep], [FID]) == (set(), set())
+
+
+async def test_queue_lease_ack_requeue_and_results_once(store: SqliteStore) -> None:
+    uid = await store.create_user("alice")
+    await store.put_function(uid, FID, b"body", "fn")
+    ep = await _endpoint(store, uid)
+    await store.insert_tasks(_tasks(uid, ep, 10))
+    tasks, bodies = await store.lease(ep, 4, 30.0, 1 << 20)
+    assert [t["id"] for t in tasks] == ["t00000", "t00001", "t00002", "t00003"], "oldest first"
+    assert bodies == {FID: b"body"} and tasks[0]["args"] == b"args"
+    small, _ = await store.lease(ep, 10, 30.0, 4 + 4 + 4)  # body + two args fit, the third does not
+    assert len(small) == 2
+    await store.ack(ep, ["t00000", "t00001"])
+    assert await store.task_counts(uid) == {"acked": 2, "leased": 4, "queued": 4}
+    # expired leases go back; a lost endpoint's leases go back; acked tasks the agent no longer holds go back
+    assert await store.requeue(expired_before=time.time() + 60) == 4
+    assert await store.requeue(endpoint_id=ep, not_in={"t00000"}) == 1
+    assert await store.task_counts(uid) == {"acked": 1, "queued": 9}
+    fresh = await store.store_results(ep, [{"id": "t00000", "ok": True, "data": b"r0", "started": 1.0, "finished": 2.0, "pid": 7}])
+    assert fresh == [("t00000", uid)]
+    assert await store.store_results(ep, [{"id": "t00000", "ok": True, "data": b"again"}]) == [], "stored once"
+    assert await store.store_results("ep-other", [{"id": "t00001", "ok": True, "data": b"x"}]) == [], "only from its endpoint"
+    (r,) = await store.results(uid, ["t00000", "t00001"])
+    assert (r["task_id"], r["ok"], r["data"], r["started"], r["finished"]) == ("t00000", True, b"r0", 1.0, 2.0)
+    t = await store.get_task("t00000", uid)
+    assert t is not None and t["state"] == "done" and t["ok"]
+    assert await store.get_task("t00000", "u_other") is None
+
+
+async def test_result_stream_order_expiry_and_pruning(store: SqliteStore) -> None:
+    uid = await store.create_user("alice")
+    await store.put_function(uid, FID, b"body", "fn")
+    ep = await _endpoint(store, uid)
+    await store.insert_tasks(_tasks(uid, ep, 5) + _tasks(uid, ep, 2, start=100, expires_in=-1))
+    assert await store.last_result_seq() == 0
+    await store.lease(ep, 5, 30.0, 1 << 20)
+    for i in (3, 1, 4):
+        await store.store_results(ep, [{"id": f"t{i:05d}", "ok": True, "data": str(i).encode()}])
+    expired = await store.expire_tasks(time.time(), lambda tid: b"expired " + tid.encode())
+    assert sorted(expired) == [("t00100", uid), ("t00101", uid)]
+    rows = await store.results_after(uid, 0, 100)
+    assert [r["task_id"] for r in rows][:3] == ["t00003", "t00001", "t00004"]
+    assert [r["seq"] for r in rows] == sorted(r["seq"] for r in rows)
+    assert await store.last_result_seq() == rows[-1]["seq"]
+    assert [r["task_id"] for r in await store.results_after(uid, rows[1]["seq"], 1)] == ["t00004"]
+    assert await store.prune_results(time.time() + 1) == 5
+    assert await store.results_after(uid, 0, 100) == [] and await store.task_counts(uid) == {"leased": 2}
+
+
+async def test_endpoint_ownership_for_replicas(store: SqliteStore) -> None:
+    now = time.time()
+    assert await store.claim_endpoint("ep-1", "A", now + 10, now)
+    assert not await store.claim_endpoint("ep-1", "B", now + 10, now), "held by A"
+    assert await store.claim_endpoint("ep-1", "A", now + 20, now), "A renews"
+    assert await store.claim_endpoint("ep-1", "B", now + 40, now + 21), "A's hold ran out"
+    await store.release_endpoint("ep-1", "A")  # not A's any more: no effect
+    assert not await store.claim_endpoint("ep-1", "A", now + 50, now + 22)
+    await store.release_endpoint("ep-1", "B")
+    assert await store.claim_endpoint("ep-1", "A", now + 50, now + 22)
+
+
+async def test_scheduler_sql_through_tx(store: SqliteStore) -> None:
+    """The placement service writes its own SQL through ``tx``: the upsert works on both backends."""
+    for state in ("one", "two"):
+        await store.tx(lambda db, s=state: db.execute(
+            "INSERT INTO scheduler_state (id, saved, policy, state) VALUES (1, ?, ?, ?) "
+            "ON CONFLICT(id) DO UPDATE SET saved=excluded.saved, policy=excluded.policy, state=excluded.state",
+            (time.time(), "delta", s)))
+    assert await store.tx(lambda db: db.execute("SELECT state FROM scheduler_state WHERE id=1").fetchone()[0]) == "two"
+
+
+async def test_two_writers_never_lease_a_task_twice_and_store_each_result_once(open_store: Callable[[], SqliteStore], store: SqliteStore) -> None:
+    other = await open_store().open()
+    try:
+        uid = await store.create_user("alice")
+        await store.put_function(uid, FID, b"body", "fn")
+        ep = await _endpoint(store, uid)
+        await store.insert_tasks(_tasks(uid, ep, 300))
+        single = await store.create_enroll_token(uid, 60, 1)
+        enrolled = await asyncio.gather(*(s.enroll_endpoint(single, f"race-{i}", "mqtt", b"k" * 32) for i, s in enumerate([store, other] * 3)))
+        assert sum(e is not None for e in enrolled) == 1, "a single-use token enrolls one device, whichever replica sees it"
+        leased: list[str] = []
+
+        async def drain(s: SqliteStore) -> None:
+            while True:
+                tasks, _ = await s.lease(ep, 7, 30.0, 1 << 20)
+                if not tasks:
+                    return
+                leased.extend(t["id"] for t in tasks)
+
+        await asyncio.gather(drain(store), drain(other), drain(store), drain(other))
+        assert len(leased) == len(set(leased)) == 300
+        batch = [{"id": f"t{i:05d}", "ok": True, "data": b"r"} for i in range(300)]
+        got = await asyncio.gather(*(s.store_results(ep, batch[i::3]) for s in (store, other) for i in range(3)))
+        assert sum(len(g) for g in got) == 300, "each result stored once although every one was sent twice"
+        seqs = [r["seq"] for r in await store.results_after(uid, 0, 1000)]
+        assert len(seqs) == 300 and seqs == sorted(seqs)
+    finally:
+        await other.close()
+
+
+async def test_database_newer_than_the_hub_is_refused(open_store: Callable[[], SqliteStore], store: SqliteStore) -> None:
+    await store.tx(lambda db: db.execute("INSERT INTO schema_version VALUES (?)", (999,)))
+    with pytest.raises(StoreError, match="newer than this hub"):
+        await open_store().open()
