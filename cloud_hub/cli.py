@@ -23,6 +23,7 @@ console = Console(soft_wrap=True)  # error lines name files: never break them mi
 @app.command()
 def serve(
     db: Path = typer.Option(Path("hub.sqlite3"), "--db", help="SQLite database file"),
+    database_url: Optional[str] = typer.Option(None, "--database-url", envvar="MESH_HUB_DATABASE_URL", help="postgresql://... instead of --db"),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8700, "--port"),
     mqtt_host: Optional[str] = typer.Option("127.0.0.1", "--mqtt-host", help="broker the hub connects to ('' for none)"),
@@ -35,7 +36,7 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from cloud_hub.server import serve as run
 
-    cfg = HubConfig.from_env(db_path=db, host=host, port=port, mqtt_host=mqtt_host or None, mqtt_port=mqtt_port, zmq_bind=zmq_bind or None)
+    cfg = HubConfig.from_env(db_path=db, database_url=database_url, host=host, port=port, mqtt_host=mqtt_host or None, mqtt_port=mqtt_port, zmq_bind=zmq_bind or None)
     embedded = None
     if broker == "embedded":
         import secrets
@@ -61,12 +62,13 @@ def token_create(
     user: str = typer.Option(..., "--user", help="user name (created if missing)"),
     name: str = typer.Option("cli", "--name"),
     db: Path = typer.Option(Path("hub.sqlite3"), "--db"),
+    database_url: Optional[str] = typer.Option(None, "--database-url", envvar="MESH_HUB_DATABASE_URL", help="postgresql://... instead of --db"),
 ) -> None:
     """Create an API token for a user and print it (only its hash is stored)."""
-    from cloud_hub.store import SqliteStore, StoreError
+    from cloud_hub.store import StoreError, make_store
 
     async def q() -> str:
-        store = await SqliteStore(db).open()
+        store = await make_store(HubConfig(db_path=db, database_url=database_url)).open()
         try:
             uid = await store.create_user(user)
             return await store.create_api_token(uid, name)

@@ -14,6 +14,9 @@ class HubConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     db_path: Path = Path("hub.sqlite3")
+    database_url: str | None = Field(None, description="postgresql://... : PostgreSQL instead of db_path; replicas may share it")
+    replica_id: str | None = Field(None, description="this replica's name among several sharing database_url (default: random)")
+    mqtt_client_id: str = Field("mesh-hub", description="MQTT client id; each replica needs its own")
     host: str = "127.0.0.1"
     port: int = Field(8700, ge=0, le=65535)
     # MQTT: the broker the hub connects to, and the address it tells agents to use.

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +89,12 @@ class Dispatcher:
         self._watchdog: asyncio.Task[None] | None = None
         self.stats = {"rejected_frames": 0, "tasks_sent": 0, "results_stored": 0, "duplicate_results": 0}
         self.observer = DispatchObserver()  # the hub plugs in its placement service
+        # Replicas (several hubs on one PostgreSQL database and one broker): every replica hears
+        # every MQTT frame; only the one holding an endpoint's row in endpoint_owners answers it.
+        self.replicated = cfg.database_url is not None
+        self.replica_id = cfg.replica_id or uuid.uuid4().hex[:12]
+        self._owned: dict[str, float] = {}  # endpoint -> our hold expires (wall clock)
+        self._elsewhere: dict[str, float] = {}  # endpoint -> don't ask the database again before
 
     def _observe(self, hook: str, *args: Any) -> None:
         try:
@@ -102,8 +109,9 @@ class Dispatcher:
         self._keys = await self.store.endpoint_keys()
         self._allow = await AccessStore(self.store).allow_lists()
         # Leases from before a restart may or may not have reached their agents: re-queue them;
-        # an agent that did get one de-duplicates by task id.
-        n = await self.store.requeue(expired_before=float("inf"))
+        # an agent that did get one de-duplicates by task id. With replicas, others' leases are
+        # live: only expired ones go back (the watchdog keeps doing that).
+        n = await self.store.requeue(expired_before=time.time() if self.replicated else float("inf"))
         if n:
             log.info("re-queued %d tasks leased before the restart", n)
         for link in links:
@@ -118,6 +126,11 @@ class Dispatcher:
                 await self._watchdog
         for link in self.links:
             await link.stop()
+        if self.replicated:  # hand our endpoints over now rather than after lost_after_s
+            for ep in list(self._owned):
+                with contextlib.suppress(Exception):
+                    await self.store.release_endpoint(ep, self.replica_id)
+            self._owned.clear()
 
     def add_endpoint_key(self, endpoint_id: str, key: bytes) -> None:
         self._keys[endpoint_id] = key
@@ -202,6 +215,10 @@ class Dispatcher:
             if endpoint_id != claimed:
                 raise ProtocolError(f"frame for {endpoint_id} arrived on {claimed}'s channel")
             key = self._keys.get(endpoint_id)
+            if key is None and self.replicated:  # enrolled through another replica
+                key = await self.store.endpoint_key(endpoint_id)
+                if key is not None:
+                    self._keys[endpoint_id] = key
             if key is None:
                 raise ProtocolError(f"unknown endpoint {endpoint_id}")
             sealed = open_frame(frame, key)
@@ -217,6 +234,8 @@ class Dispatcher:
             self.stats["rejected_frames"] += 1
             log.warning("rejected frame on %s channel %s: %s: %s", link.name, claimed, exc.reason, exc)
             return
+        if self.replicated and not await self._holds(endpoint_id):
+            return  # another replica answers this endpoint
         if env.kind is Kind.HELLO:
             await self._on_hello(env, link)
             return
@@ -232,6 +251,30 @@ class Dispatcher:
         handler = _HANDLERS.get(env.kind)
         if handler is not None:
             await handler(self, s, env.body)
+
+    async def _holds(self, endpoint_id: str) -> bool:
+        """Whether this replica holds the endpoint's session, claiming it when nobody does.
+
+        Renewed in the database at most every ``lost_after_s / 3``; a replica that dies stops
+        renewing, and after ``lost_after_s`` the next frame the agent sends lets another replica
+        claim it (the agent is told to say hello again, its leased tasks go back to the queue).
+        """
+        now = time.time()
+        held = self._owned.get(endpoint_id, 0.0)
+        if held - now > self.cfg.lost_after_s * 2 / 3:
+            return True
+        if self._elsewhere.get(endpoint_id, 0.0) > now:
+            return False
+        until = now + self.cfg.lost_after_s
+        if await self.store.claim_endpoint(endpoint_id, self.replica_id, until, now):
+            self._owned[endpoint_id] = until
+            self._elsewhere.pop(endpoint_id, None)
+            return True
+        self._owned.pop(endpoint_id, None)
+        if self._sessions.pop(endpoint_id, None) is not None:
+            log.info("endpoint %s is now served by another replica", endpoint_id)
+        self._elsewhere[endpoint_id] = now + min(2.0, self.cfg.lost_after_s / 3)
+        return False
 
     async def _on_hello(self, env: Envelope, link: HubLink) -> None:
         b = env.body
@@ -290,6 +333,9 @@ class Dispatcher:
                         del self._sessions[ep]
                         n = await self.store.requeue(endpoint_id=ep)
                         await self.store.set_endpoint_state(ep, False, s.last_seen)
+                        if self.replicated:
+                            self._owned.pop(ep, None)
+                            await self.store.release_endpoint(ep, self.replica_id)
                         self._observe("endpoint_lost", ep, now, s.last_seen)
                         log.warning("endpoint %s lost (silent %.0fs); %d leased tasks re-queued", ep, now - s.last_seen, n)
                 if await self.store.requeue(expired_before=now):

@@ -1,15 +1,41 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the tests and demo need, when missing and when we may.
+# Installs the Debian packages the tests and demo need, when missing and when we may, and starts
+# the PostgreSQL server the PostgreSQL store tests use (127.0.0.1:5432, trust auth, database test).
 set -euo pipefail
+root=0
+if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then root=1; fi
+
 need=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
-if [ ${#need[@]} -eq 0 ]; then exit 0; fi
-if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
-  echo "setup: installing ${need[*]}"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
-  # The Debian package starts a system broker on :1883; ours start their own on free ports.
+command -v pg_ctlcluster >/dev/null 2>&1 || need+=(postgresql)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$root" = 1 ]; then
+    echo "setup: installing ${need[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    # The Debian mosquitto package starts a system broker on :1883; ours start their own on free ports.
+  else
+    echo "setup: missing ${need[*]}; install them (e.g. sudo apt-get install ${need[*]})." >&2
+    echo "setup: without mosquitto the hub falls back to its embedded broker." >&2
+  fi
+fi
+
+pg_up() { command -v pg_isready >/dev/null 2>&1 && pg_isready -q -h 127.0.0.1 -p 5432; }
+if ! pg_up && [ "$root" = 1 ] && command -v pg_ctlcluster >/dev/null 2>&1 && [ -d /etc/postgresql ]; then
+  echo "setup: starting PostgreSQL"
+  for v in $(ls /etc/postgresql); do
+    hba="/etc/postgresql/$v/main/pg_hba.conf"
+    # Test machines only: loopback connections without a password, as the tests expect.
+    if [ -f "$hba" ] && ! grep -q "continuum-mesh tests" "$hba"; then
+      sed -i '1i host all all 127.0.0.1/32 trust  # continuum-mesh tests' "$hba"
+    fi
+    pg_ctlcluster --skip-systemctl-redirect "$v" main start || true
+  done
+  for _ in $(seq 1 30); do pg_up && break; sleep 1; done
+fi
+if pg_up; then
+  psql -h 127.0.0.1 -U postgres -tAc "SELECT 1 FROM pg_database WHERE datname='test'" 2>/dev/null | grep -q 1 \
+    || psql -h 127.0.0.1 -U postgres -qc "CREATE DATABASE test" 2>/dev/null || true
 else
-  echo "setup: missing ${need[*]}; install them (e.g. sudo apt-get install ${need[*]})." >&2
-  echo "setup: without mosquitto the hub falls back to its embedded broker." >&2
+  echo "setup: PostgreSQL is not running on 127.0.0.1:5432: the PostgreSQL store tests will skip (fail under CI)." >&2
 fi

@@ -43,7 +43,7 @@ from cloud_hub.config import HubConfig
 from cloud_hub.globus_auth import GlobusUnavailable
 from cloud_hub.dispatcher import Dispatcher, ResultBus
 from cloud_hub.placement import PlacementError, PlacementService
-from cloud_hub.store import SqliteStore, hash_token
+from cloud_hub.store import hash_token, make_store
 from cloud_hub.store.access import AccessStore
 from mesh_agent.protocol import SerializationError, function_id, method_of, new_key
 from mesh_agent.transport import HubLink
@@ -67,7 +67,7 @@ class Hub:
 
     def __init__(self, cfg: HubConfig) -> None:
         self.cfg = cfg
-        self.store = SqliteStore(cfg.db_path)
+        self.store = make_store(cfg)
         self.bus = ResultBus()
         self.dispatcher = Dispatcher(cfg, self.store, self.bus)
         self.placement = PlacementService(cfg, self.store, self.dispatcher.kick, self.dispatcher.allow_list)
@@ -100,6 +100,8 @@ class Hub:
 
     async def start(self) -> None:
         await self.store.open()
+        if hasattr(self.store, "listen"):  # PostgreSQL: hear about other replicas' tasks and results
+            await self.store.listen({"mesh_tasks": self.dispatcher.kick, "mesh_results": lambda user: self.bus.notify({user})})
         await self.placement.start()
         await self.refresh_broker_auth()  # before our own MQTT link logs in
         links: list[HubLink] = []
@@ -113,6 +115,7 @@ class Hub:
                     username=self.cfg.mqtt_username,
                     password=self.cfg.mqtt_password,
                     prefix=self.cfg.mqtt_prefix,
+                    identifier=self.cfg.mqtt_client_id,
                 )
             )
         if self.cfg.zmq_bind:
@@ -430,8 +433,10 @@ def _endpoint_out(h: Hub, e: dict[str, Any]) -> EndpointOut:
     info = dict(e["info"])
     if live:
         info.update(live)
+    # With replicas, another one may hold the session: trust the shared row while it is fresh.
+    online = live is not None or (h.dispatcher.replicated and bool(e["online"]) and time.time() - (e["last_seen"] or 0) < h.cfg.lost_after_s)
     return EndpointOut(
-        id=e["id"], name=e["name"], transport=e["transport"], online=live is not None, last_seen=(live or {}).get("last_seen", e["last_seen"]),
+        id=e["id"], name=e["name"], transport=e["transport"], online=online, last_seen=(live or {}).get("last_seen", e["last_seen"]),
         created=e["created"], queued=e["queued"], in_flight=e["in_flight"], info=info,
     )
 

@@ -54,7 +54,15 @@ def to_pg_sql(sql: str) -> str:
     if re.match(r"\s*INSERT\s+OR\s+IGNORE\s+INTO", s, re.I):
         s = re.sub(r"INSERT\s+OR\s+IGNORE\s+INTO", "INSERT INTO", s, count=1, flags=re.I).rstrip().rstrip(";") + " ON CONFLICT DO NOTHING"
     s = re.sub(r"(?<![:\w]):([A-Za-z_]\w*)", r"%(\1)s", s)
+    s = re.sub(r"\?(\d+)", r"%(_\1)s", s)  # SQLite's numbered ?1: named, params become a mapping
     return s.replace("?", "%s")
+
+
+def _numbered(q: str, params: Any) -> Any:
+    """Positional params for a query that used ``?1``-style placeholders, as the mapping psycopg needs."""
+    if "%(_" in q and isinstance(params, (list, tuple)):
+        return {f"_{i}": v for i, v in enumerate(params, 1)}
+    return params
 
 
 def to_pg_ddl(sql: str) -> str:
@@ -78,7 +86,7 @@ class _PgConn:
         q = to_pg_sql(sql)
         self._maybe_lock(q)
         cur = self.raw.cursor()
-        cur.execute(q, params if params else None)
+        cur.execute(q, _numbered(q, params))
         return cur
 
     def executemany(self, sql: str, seq: Iterable[Any]) -> Any:
@@ -87,7 +95,7 @@ class _PgConn:
         if rows:
             q = to_pg_sql(sql)
             self._maybe_lock(q)
-            cur.executemany(q, rows)
+            cur.executemany(q, [_numbered(q, r) for r in rows])
         return cur
 
     def _maybe_lock(self, q: str) -> None:

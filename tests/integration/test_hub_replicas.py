@@ -1,0 +1,83 @@
+"""Two hub replicas sharing PostgreSQL and one Mosquitto: every task dispatched and delivered exactly
+once, and the endpoints of a replica that stops are taken over by the other without losing a task."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from cloud_hub.client import Client, Executor
+from cloud_hub.localmesh import LocalMesh
+from cloud_hub.server import HubThread
+from tests.pg import pg_url  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.integration
+
+
+def triple(x: int) -> int:
+    return 3 * x
+
+
+def _db(url: str, sql: str) -> list[tuple]:
+    with psycopg.connect(url) as c:
+        return c.execute(sql).fetchall()
+
+
+def test_two_replicas_dispatch_and_deliver_exactly_once(tmp_path: Path, pg_url: str) -> None:  # noqa: F811
+    shared = {"database_url": pg_url}
+    mesh = LocalMesh(tmp_path / "mesh", heartbeat_s=0.5, lost_after_s=2.5, lease_s=4.0,
+                     hub_overrides={**shared, "mqtt_client_id": "hub-a", "replica_id": "a"})
+    mesh.start()
+    hub_b: HubThread | None = None
+    try:
+        assert mesh.hub is not None
+        cfg_b = mesh.hub_cfg.model_copy(update={"port": 0, "zmq_bind": "tcp://127.0.0.1:*", "mqtt_client_id": "hub-b", "replica_id": "b"})
+        hub_b = HubThread(cfg_b).start()
+        agents = [mesh.add_agent(f"pi-{i}", "mqtt", workers=2) for i in range(2)]
+        mesh.wait_online(*agents)
+        client_b = Client(hub_b.url, mesh.token)  # one user, one database: A's token works on B
+        assert {e["id"] for e in client_b.list_endpoints() if e["online"]} == {a.endpoint_id for a in agents}
+        owners = dict(_db(pg_url, "SELECT endpoint_id, replica FROM endpoint_owners"))
+        assert set(owners) == {a.endpoint_id for a in agents} and set(owners.values()) <= {"a", "b"}
+
+        # Phase 1: submit through both replicas to both endpoints; collect through both.
+        futures = []
+        for client in (mesh.client, client_b):
+            for a in agents:
+                ex = Executor(client, a.endpoint_id)
+                futures.append((ex, list(ex.map(triple, range(100)))))
+        for ex, out in futures:
+            assert out == [3 * i for i in range(100)]
+            ex.shutdown()
+        dispatchers = [mesh.hub.hub.dispatcher, hub_b.hub.dispatcher]
+        assert sum(d.stats["tasks_sent"] for d in dispatchers) == 400, "no task dispatched twice"
+        assert sum(d.stats["results_stored"] for d in dispatchers) == 400, "no result stored twice"
+
+        # Phase 2: replica A stops with work in flight; B takes its endpoints over.
+        exs = [Executor(client_b, a.endpoint_id) for a in agents]
+        futs = [ex.submit(triple, 1000 + i) for i in range(100) for ex in exs]
+        mesh.stop_hub()
+        deadline = time.monotonic() + 60
+        got = [f.result(max(1.0, deadline - time.monotonic())) for f in futs]
+        assert sorted(got) == sorted(3 * (1000 + i) for i in range(100) for _ in exs)
+        for ex in exs:
+            ex.shutdown()
+        assert set(dict(_db(pg_url, "SELECT endpoint_id, replica FROM endpoint_owners")).values()) == {"b"}
+
+        # Phase 3: A comes back; B keeps the endpoints; work submitted through A reaches them.
+        mesh.start_hub()
+        for a in agents:
+            with Executor(mesh.client, a.endpoint_id) as ex:
+                assert list(ex.map(triple, range(50))) == [3 * i for i in range(50)]
+        assert set(dict(_db(pg_url, "SELECT endpoint_id, replica FROM endpoint_owners")).values()) == {"b"}
+        (n, distinct), = _db(pg_url, "SELECT COUNT(*), COUNT(DISTINCT task_id) FROM results")
+        assert n == distinct == 700, "every task has exactly one stored result"
+        assert _db(pg_url, "SELECT state, COUNT(*) FROM tasks GROUP BY state") == [("done", 700)]
+        client_b.close()
+    finally:
+        if hub_b is not None:
+            hub_b.stop()
+        mesh.stop()
