@@ -13,6 +13,8 @@ What changes with several writers, and how it is handled:
 * Every transaction runs ``SERIALIZABLE`` and is retried on a serialization failure or a
   deadlock: leasing a batch, consuming a single-use enrollment token, storing a result once are
   read-then-write sequences that two replicas may run at the same moment.
+* ``INSERT OR REPLACE`` becomes ``ON CONFLICT (<primary key>) DO UPDATE`` (the key read from the
+  catalog once per table).
 * ``results.seq`` is the cursor of result streams: a reader must never see seq 11 committed
   before seq 10 appears. Writes to ``results`` take a transaction-level advisory lock first, so
   sequence numbers are handed out and committed in the same order.
@@ -75,6 +77,10 @@ def to_pg_ddl(sql: str) -> str:
     return re.sub(r"(CREATE\s+TABLE\s+(?:IF\s+NOT\s+EXISTS\s+)?\w+\s*\()", r"\1rowid BIGSERIAL, ", s, flags=re.I)
 
 
+_REPLACE = re.compile(r"\s*INSERT\s+OR\s+REPLACE\s+INTO\s+(\w+)\s*\(([^)]*)\)", re.I)
+_PKS: dict[str, list[str]] = {}  # table -> primary key columns (the schema is the same in every database)
+
+
 class _PgConn:
     """The part of the sqlite3.Connection API the store's queries use, on a psycopg connection."""
 
@@ -83,7 +89,7 @@ class _PgConn:
         self.locked_results = False
 
     def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
-        q = to_pg_sql(sql)
+        q = self._replace(sql)
         self._maybe_lock(q)
         cur = self.raw.cursor()
         cur.execute(q, _numbered(q, params))
@@ -93,10 +99,26 @@ class _PgConn:
         rows = list(seq)
         cur = self.raw.cursor()
         if rows:
-            q = to_pg_sql(sql)
+            q = self._replace(sql)
             self._maybe_lock(q)
             cur.executemany(q, [_numbered(q, r) for r in rows])
         return cur
+
+    def _replace(self, sql: str) -> str:
+        """``INSERT OR REPLACE`` needs the table's primary key in PostgreSQL (``ON CONFLICT (pk)``)."""
+        m = _REPLACE.match(sql)
+        if m is None:
+            return to_pg_sql(sql)
+        table, cols = m.group(1), [c.strip() for c in m.group(2).split(",")]
+        pk = _PKS.get(table)
+        if pk is None:
+            pk = _PKS[table] = [r[0] for r in self.raw.execute(
+                "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
+                "WHERE i.indrelid = %s::regclass AND i.indisprimary", (table,)).fetchall()]
+        updates = ", ".join(f"{c}=EXCLUDED.{c}" for c in cols if c not in pk)
+        action = f"DO UPDATE SET {updates}" if updates else "DO NOTHING"
+        rest = sql[m.end():].rstrip().rstrip(";")
+        return to_pg_sql(f"INSERT INTO {table} ({', '.join(cols)}) {rest} ON CONFLICT ({', '.join(pk)}) {action}")
 
     def _maybe_lock(self, q: str) -> None:
         if not self.locked_results and re.match(r"\s*INSERT\s+INTO\s+results\b", q, re.I):

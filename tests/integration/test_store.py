@@ -195,3 +195,26 @@ async def test_database_newer_than_the_hub_is_refused(open_store: Callable[[], S
     await store.tx(lambda db: db.execute("INSERT INTO schema_version VALUES (?)", (999,)))
     with pytest.raises(StoreError, match="newer than this hub"):
         await open_store().open()
+
+
+async def test_fl_run_store_on_both_backends(store: SqliteStore) -> None:
+    """FL runs use ``INSERT OR REPLACE`` (a round stored again replaces the first copy)."""
+    from cloud_hub.store.fl import FLConflict, FLNotFound, FLStore
+
+    fl = FLStore(store)
+    uid = await store.create_user("alice")
+    run = await fl.create_run(uid, name="mnist", strategy="fedavg", mode="sync", rounds_planned=3,
+                              clients=["ep-1"], client_names={"ep-1": "pi"}, config={"lr": 0.1})
+    rid = run["id"]
+    await fl.put_round(uid, rid, 1, {"round": 1, "loss": 0.9}, b"w1", {"opt": 1})
+    await fl.put_round(uid, rid, 1, {"round": 1, "loss": 0.8}, b"w1b", {"opt": 2})  # replaced, not duplicated
+    got = await fl.get_run(uid, rid)
+    assert [r["loss"] for r in got["rounds"]] == [0.8] and got["checkpoint"]["bytes"] == 3
+    ck = await fl.get_checkpoint(uid, rid)
+    assert ck["weights"] == b"w1b" and ck["state"] == {"opt": 2}
+    with pytest.raises(FLConflict):
+        await fl.put_round(uid, rid, 3, {"round": 3}, b"w3", {})
+    assert (await fl.set_status(uid, rid, "finished"))["status"] == "finished"
+    assert [r["id"] for r in await fl.list_runs(uid)] == [rid]
+    with pytest.raises(FLNotFound):
+        await fl.get_run("u_other", rid)
