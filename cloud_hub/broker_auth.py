@@ -122,14 +122,20 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_broker_files(directory: Path, hub_user: str, hub_password: str, prefix: str, accounts: Iterable[BrokerAccount]) -> tuple[Path, Path]:
-    """Write ``password_file`` and ``acl_file`` (mode 0640, atomically) into ``directory``."""
+def write_broker_files(directory: Path, hub_user: str, hub_password: str, prefix: str, accounts: Iterable[BrokerAccount],
+                       peer_hubs: Iterable[tuple[str, str]] = ()) -> tuple[Path, Path]:
+    """Write ``password_file`` and ``acl_file`` (mode 0640, atomically) into ``directory``.
+
+    ``peer_hubs``: (username, ``$7$`` hash) of other hub replicas, given the hub's full access."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     accounts = list(accounts)
+    peers = list(peer_hubs)
     pw, acl = directory / PASSWORD_FILE, directory / ACL_FILE
-    _write_atomic(pw, render_password_file(hub_user, mosquitto_hash(hub_password), accounts))
-    _write_atomic(acl, render_acl_file(hub_user, prefix, accounts))
+    _write_atomic(pw, render_password_file(hub_user, mosquitto_hash(hub_password), accounts)
+                  + "".join(f"{_check_name(u)}:{h}\n" for u, h in peers))
+    _write_atomic(acl, render_acl_file(hub_user, prefix, accounts)
+                  + "".join(f"\n# hub replica\nuser {_check_name(u)}\ntopic readwrite #\n" for u, _ in peers))
     return pw, acl
 
 

@@ -88,8 +88,14 @@ class Hub:
             raise ValueError("mqtt_auth_dir is set but the hub has no broker login: set mqtt_username and mqtt_password")
         async with self._broker_lock:
             accounts = await self.access.broker_accounts()
+            peers: list[tuple[str, str]] = []
+            if self.dispatcher.replicated:  # other replicas' broker users stay in the files
+                from cloud_hub.replicas import broker_peers
+
+                peers = await broker_peers(self.store, self.cfg.mqtt_username, self.cfg.mqtt_password)
             await asyncio.to_thread(
-                write_broker_files, self.cfg.mqtt_auth_dir, self.cfg.mqtt_username, self.cfg.mqtt_password, self.cfg.mqtt_prefix, accounts
+                write_broker_files, self.cfg.mqtt_auth_dir, self.cfg.mqtt_username, self.cfg.mqtt_password, self.cfg.mqtt_prefix, accounts,
+                peers,
             )
             if self.cfg.mqtt_broker_pid_file is not None and not reload_broker(self.cfg.mqtt_broker_pid_file):
                 log.warning("broker pid file %s names no running process; the broker reads the new files when it starts", self.cfg.mqtt_broker_pid_file)

@@ -36,7 +36,9 @@ def test_two_replicas_dispatch_and_deliver_exactly_once(tmp_path: Path, pg_url: 
     hub_b: HubThread | None = None
     try:
         assert mesh.hub is not None
-        cfg_b = mesh.hub_cfg.model_copy(update={"port": 0, "zmq_bind": "tcp://127.0.0.1:*", "mqtt_client_id": "hub-b", "replica_id": "b"})
+        # each replica has its own broker login (the broker ties client ids to user names)
+        cfg_b = mesh.hub_cfg.model_copy(update={"port": 0, "zmq_bind": "tcp://127.0.0.1:*", "mqtt_client_id": "hub-b", "replica_id": "b",
+                                                "mqtt_username": "mesh-hub-b", "mqtt_password": "b-" + "x" * 30})
         hub_b = HubThread(cfg_b).start()
         agents = [mesh.add_agent(f"pi-{i}", "mqtt", workers=2) for i in range(2)]
         mesh.wait_online(*agents)
