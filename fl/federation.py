@@ -30,7 +30,9 @@ device that comes back after a long outage does not train for a round that is lo
 from __future__ import annotations
 
 import base64
+import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -52,6 +54,24 @@ log = logging.getLogger("fl.federation")
 
 class FederationError(RuntimeError):
     """The run cannot go on (no clients, the hub refused it, the hub stayed unreachable)."""
+
+
+_RECORD_BUDGET = 900 * 1024
+
+
+def _json_safe(v: Any) -> Any:
+    """JSON the hub accepts: NaN/inf (a diverged client's loss) become null, numpy scalars plain."""
+    if isinstance(v, dict):
+        return {str(k): _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    if isinstance(v, np.generic):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if v is None or isinstance(v, (str, int, float, bool)):
+        return v
+    return str(v)
 
 
 def _short_error(exc: BaseException) -> str:
@@ -430,7 +450,15 @@ class Federation:
         from dataclasses import asdict
 
         assert self.run_id is not None
-        body = asdict(rec)
+        body = _json_safe(asdict(rec))
+        # the hub keeps a round's extras under 1 MiB: with thousands of clients drop the
+        # per-client detail first (the record says what was left out)
+        for key in ("client_metrics", "train_time_s", "asked"):
+            if len(json.dumps(body)) <= _RECORD_BUDGET:
+                break
+            if key in body["extra"]:
+                del body["extra"][key]
+                body["extra"].setdefault("trimmed", []).append(key)
         self._hub(self.client.fl_put_round, self.run_id, rec.round, body, encode_weights(weights), state,
                   "finished" if last else "running")
 

@@ -24,6 +24,7 @@ router = APIRouter(prefix="/v1/fl", tags=["fl"])
 
 _strict = ConfigDict(extra="forbid", allow_inf_nan=False)
 _MAX_CONFIG_BYTES = 64 * 1024
+_MAX_EXTRA_BYTES = 1024 * 1024  # a round's per-client detail (timings, metrics) for large federations
 _Id = Annotated[str, Field(min_length=1, max_length=100)]
 
 
@@ -68,13 +69,13 @@ def _fl(h: Any) -> FLStore:
     return FLStore(h.store)
 
 
-def _json_size(what: str, value: Any) -> None:
+def _json_size(what: str, value: Any, limit: int = _MAX_CONFIG_BYTES) -> None:
     try:
         n = len(json.dumps(value, allow_nan=False))
     except ValueError as exc:
         raise HTTPException(422, f"{what} is not valid JSON: {exc}") from None
-    if n > _MAX_CONFIG_BYTES:
-        raise HTTPException(413, f"{what} is {n} bytes of JSON, over the {_MAX_CONFIG_BYTES}-byte limit")
+    if n > limit:
+        raise HTTPException(413, f"{what} is {n} bytes of JSON, over the {limit}-byte limit")
 
 
 @router.post("/runs", status_code=201)
@@ -117,7 +118,7 @@ async def put_round(run_id: str, round: int, body: RoundIn, h: HubDep, user: Use
         decode_weights(body.weights)
     except WireError as exc:
         raise HTTPException(422, f"weights: {exc}") from None
-    _json_size("record.extra", body.record.extra)
+    _json_size("record.extra", body.record.extra, _MAX_EXTRA_BYTES)
     _json_size("state", body.state)
     try:
         return await _fl(h).put_round(user, run_id, round, body.record.model_dump(), body.weights, body.state, body.status)

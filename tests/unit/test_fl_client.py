@@ -191,3 +191,10 @@ def test_fit_refuses_bad_arguments_before_touching_the_hub() -> None:
                      ({"strategy": FedBuff(), "min_clients": 0}, "min_clients")]:
         with pytest.raises(ValueError, match=text):
             fed.fit(app, "digits", **kw)
+
+
+def test_records_are_made_json_safe_for_the_hub() -> None:
+    from fl.federation import _json_safe
+
+    out = _json_safe({"loss": float("nan"), "m": {"a": np.float32(0.5), "b": [np.int64(3), float("inf")]}, 1: (1, 2)})
+    assert out == {"loss": None, "m": {"a": 0.5, "b": [3, None]}, "1": [1, 2]}
