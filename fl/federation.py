@@ -57,6 +57,7 @@ class FederationError(RuntimeError):
 
 
 _RECORD_BUDGET = 900 * 1024
+_MAX_LATE = 2000  # late tasks still watched for
 
 
 def _json_safe(v: Any) -> Any:
@@ -84,7 +85,6 @@ def _short_error(exc: BaseException) -> str:
 class _Arrival:
     """One task result that came back, decoded."""
 
-    client: str
     ok: bool
     value: Any = None
     error: Optional[str] = None
@@ -207,14 +207,14 @@ class Federation:
         if not ids:
             time.sleep(max(0.0, timeout_s))
             return []
-        rows = self._hub(self.client.wait_results, ids, max(0.0, timeout_s))
+        rows = self._hub(self.client.wait_results, ids, min(max(0.0, timeout_s), 30.0))
         out = []
         for row in rows:
             try:
                 ok, value = decode_result(row["ok"], base64.b64decode(row["data"]))
             except Exception as exc:  # a result that does not deserialize here
                 ok, value = False, exc
-            arr = _Arrival(client="", ok=ok, started=row.get("started"), finished=row.get("finished"))
+            arr = _Arrival(ok=ok, started=row.get("started"), finished=row.get("finished"))
             if ok:
                 arr.value = value
             else:
@@ -272,8 +272,8 @@ class Federation:
     def _retire(self, pending: Mapping[str, str], round: int) -> None:
         for tid, client in pending.items():
             self._late[tid] = (client, round)
-        if len(self._late) > 10_000:  # bounded: the oldest are long expired anyway
-            for tid in list(self._late)[: len(self._late) - 10_000]:
+        if len(self._late) > _MAX_LATE:  # bounded (a wait names at most 10,000 tasks); the oldest are expired anyway
+            for tid in list(self._late)[: len(self._late) - _MAX_LATE]:
                 del self._late[tid]
 
     @staticmethod
