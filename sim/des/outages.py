@@ -10,42 +10,8 @@ random stream, so the outage timeline is identical whatever policy is being simu
 
 from __future__ import annotations
 
-import math
-import random
-from typing import Iterator
+# The models live in ``sim.outages`` (shared with the emulation mode); this module keeps the
+# names the engine has always used.
+from sim.outages import DAY, markov, scheduled
 
-from .scenario import MarkovOutage, ScheduledOutage, parse_hhmm
-
-DAY = 86400.0
-
-
-def markov(spec: MarkovOutage, t0: float, rng: random.Random) -> Iterator[tuple[float, bool]]:
-    up, down = spec.mean_up_s, spec.mean_down_s
-    t = t0
-    if rng.random() < down / (up + down):
-        yield t, True
-        t += rng.expovariate(1.0 / down)
-        yield t, False
-    while True:
-        t += rng.expovariate(1.0 / up)
-        yield t, True
-        t += rng.expovariate(1.0 / down)
-        yield t, False
-
-
-def scheduled(spec: ScheduledOutage, t0: float, rng: random.Random) -> Iterator[tuple[float, bool]]:
-    a = parse_hhmm(spec.offline_from)
-    b = parse_hhmm(spec.offline_to)
-    dur = (b - a) % DAY
-    if dur == 0:
-        return
-    off = rng.uniform(-spec.jitter_s, spec.jitter_s) if spec.jitter_s else 0.0
-    day = math.floor(t0 / DAY) - 1
-    while True:
-        start = day * DAY + a + off
-        end = start + dur
-        day += 1
-        if end <= t0:
-            continue
-        yield max(start, t0), True
-        yield end, False
+__all__ = ["DAY", "markov", "scheduled"]

@@ -8,12 +8,14 @@ outage timeline and (for a given policy) the same result.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# Outage models are shared with the emulation mode (sim/outages.py); re-exported here.
+from sim.outages import MarkovOutage, OutageSpec, ScheduledOutage, parse_hhmm  # noqa: F401
 
 from .hardware import CATALOG, KINDS, HardwareClass
 
@@ -24,43 +26,6 @@ class ScenarioError(ValueError):
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-_HHMM = re.compile(r"^([01]?\d|2[0-3]):([0-5]\d)$")
-
-
-def parse_hhmm(v: str) -> float:
-    m = _HHMM.match(v)
-    if not m:
-        raise ValueError(f"expected a time of day as HH:MM, got {v!r}")
-    return int(m.group(1)) * 3600.0 + int(m.group(2)) * 60.0
-
-
-class MarkovOutage(_Model):
-    """On/off outages with exponentially distributed up and down times."""
-
-    mean_up_s: float = Field(gt=0)
-    mean_down_s: float = Field(gt=0)
-
-
-class ScheduledOutage(_Model):
-    """Offline every day from ``offline_from`` to ``offline_to`` (simulated local time); each
-    endpoint shifts both ends by its own fixed random offset of up to ``jitter_s``."""
-
-    offline_from: str
-    offline_to: str
-    jitter_s: float = Field(default=0.0, ge=0)
-
-    @field_validator("offline_from", "offline_to")
-    @classmethod
-    def _hhmm(cls, v: str) -> str:
-        parse_hhmm(v)
-        return v
-
-
-class OutageSpec(_Model):
-    markov: MarkovOutage | None = None
-    scheduled: ScheduledOutage | None = None
 
 
 class EndpointGroupSpec(_Model):
