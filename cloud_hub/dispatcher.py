@@ -74,6 +74,7 @@ class _Session:
     info: dict[str, Any] = field(default_factory=dict)
     pumping: bool = False
     again: bool = False
+    starved: int = 0  # heartbeats in a row that wanted work while the hub had no credit for it
 
 
 class Dispatcher:
@@ -320,6 +321,26 @@ class Dispatcher:
         s.info["warm"] = body.get("warm", [])
         await self.store.set_endpoint_state(s.endpoint_id, True, s.last_seen, {**s.info, "capacity": s.capacity})
         self._observe("heartbeat", s.endpoint_id, s.last_seen, {**s.info, "capacity": s.capacity})
+        await self._resync_credit(s, body.get("want"))
+
+    async def _resync_credit(self, s: _Session, want: Any) -> None:
+        """Recover from a lost ``tasks`` frame. Sending one spends the session's credit; if the
+        frame never arrives (a ZeroMQ peer that reconnected mid-send, a crashed broker), the agent
+        still counts it as owed and does not fetch again, and over ZeroMQ it never reconnects:
+        the endpoint would starve with tasks queued for it. Its heartbeats carry ``want``: when two
+        in a row want work while the hub has no credit and nothing leased to it (on its way),
+        the two sides have lost sync, and ``want`` becomes the credit."""
+        if s.credit > 0 or not isinstance(want, int) or isinstance(want, bool) or want <= 0:
+            s.starved = 0
+            return
+        if await self.store.count_leased(s.endpoint_id):
+            s.starved = 0
+            return
+        s.starved += 1
+        if s.starved >= 2:
+            s.starved = 0
+            s.credit = want
+            self.kick(s.endpoint_id)
 
     # ------------------------------------------------------------------ watchdog
     async def _watch(self) -> None:

@@ -129,6 +129,14 @@ class LocalMesh:
                 self._hub_proc.kill()
                 self._hub_proc.wait(5)
 
+    def kill_hub(self) -> None:
+        """SIGKILL the hub process (``hub_process=True``): a crash, no graceful shutdown."""
+        if not self.hub_process:
+            raise RuntimeError("kill_hub needs LocalMesh(hub_process=True); an in-process hub can only stop_hub()")
+        if self._hub_proc is not None and self._hub_proc.poll() is None:
+            self._hub_proc.kill()
+            self._hub_proc.wait(10)
+
     def _start_hub_process(self) -> None:
         import asyncio
 

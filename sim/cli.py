@@ -1,4 +1,5 @@
-"""``mesh-sim``: run simulator scenarios. ``des`` drives the real scheduler with a simulated clock."""
+"""``mesh-sim``: run simulator scenarios. ``des`` drives the real scheduler with a simulated clock;
+``run`` emulates outages against a real hub, broker and agent processes."""
 
 from __future__ import annotations
 
@@ -44,6 +45,49 @@ def des(
         out.write_text(text)
     else:
         print(text)
+
+
+@app.command()
+def run(
+    scenario: Path = typer.Argument(..., help="emulation scenario YAML, e.g. sim/scenarios/rural-outages.yaml"),
+    reduced: bool = typer.Option(False, "--reduced", help="the scenario's small variant (what the test suite runs)"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="override the scenario's seed"),
+    out: Optional[Path] = typer.Option(None, "--out", help="directory for report.json and timeline.png (default sim/results/<name>)"),
+    keep: bool = typer.Option(False, "--keep", help="keep the working directory (databases, logs) even after a passing run"),
+) -> None:
+    """Emulate a scenario with real processes behind fault-injecting proxies; check that every
+    accepted task got exactly one result. Exit 0: invariants held; 1: they did not; 2: bad scenario."""
+    from sim.emulate import ScenarioError, run_emulation
+
+    try:
+        report = run_emulation(scenario, reduced=reduced, seed=seed, out_dir=out, keep=keep, echo=console.print)
+    except (ScenarioError, FileNotFoundError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    inv, ex, f = report["invariants"], report["executions"], report["faults"]
+    t = Table(title=f"{report['scenario']}{' (reduced)' if report['reduced'] else ''}: seed {report['seed']}, "
+                    f"{report['agents']['count']} agents, {report['wall_s']:.0f} s", show_header=False)
+    rows = [
+        ("tasks accepted / delivered", f"{inv['accepted']} / {inv['delivered']}"),
+        ("lost / duplicated / wrong", f"{inv['lost']} / {inv['duplicated']} / {inv['wrong_results']}"),
+        ("unexpected errors", str(inv["unexpected_errors"] or 0)),
+        ("link down (share of agent-time)", f"{100 * f['outage_share']:.1f}% in {f['link_outages']} outages {f['link_outages_by_mode']}"),
+        ("power cuts / hub / broker restarts", f"{f['agent_kills']} / {f['hub_restarts']} / {f['broker_restarts']}"),
+        ("re-executions (tasks)", f"{ex['re_executions']} ({ex['tasks_re_executed']}); hub extra leases {ex['hub_extra_attempts']}"),
+        ("delay after reconnect p50 / p99 s", f"{report['delay_after_reconnect_s']['p50']} / {report['delay_after_reconnect_s']['p99']} "
+                                               f"({report['delay_after_reconnect_s']['count']} tasks)"),
+        ("completion p50 / p99 s", f"{report['completion_s']['p50']} / {report['completion_s']['p99']}"),
+        ("expectations", ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in report["expectations"].items())),
+        ("report / timeline", f"{report['files']['report']} / {report['files']['timeline']}"),
+    ]
+    if report.get("workdir"):
+        rows.append(("working directory (kept)", report["workdir"]))
+    for k, v in rows:
+        t.add_row(k, v)
+    console.print(t)
+    console.print("[green]OK[/green]: every accepted task has exactly one delivered result" if report["ok"]
+                  else "[red]FAILED[/red]: see the report")
+    raise typer.Exit(0 if report["ok"] else 1)
 
 
 if __name__ == "__main__":

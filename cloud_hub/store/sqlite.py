@@ -348,6 +348,11 @@ class SqliteStore:
 
         await self.tx(q, durable=False)
 
+    async def count_leased(self, endpoint_id: str) -> int:
+        """Tasks of an endpoint sent but not yet acked: on their way, or lost on the way."""
+        return int(await self._run(lambda: self._conn().execute(
+            "SELECT COUNT(*) FROM tasks WHERE endpoint_id=? AND state='leased'", (endpoint_id,)).fetchone()[0]))
+
     async def requeue(self, endpoint_id: str | None = None, expired_before: float | None = None, not_in: set[str] | None = None) -> int:
         """Put tasks back in the queue: leases that expired, or an endpoint's leases when it is lost.
 

@@ -1,0 +1,449 @@
+"""Runs an emulation scenario against real processes and returns its report.
+
+What runs: Mosquitto, the hub as its own ``mesh-hub serve`` process, and one ``mesh-agent start``
+process per agent (all through :class:`cloud_hub.localmesh.LocalMesh`); each agent's config
+points at its own :class:`~sim.emulate.proxy.FaultProxy` instead of the broker (MQTT) or the
+hub's ZeroMQ port. This process holds the proxies (asyncio), replays the fault schedule, submits
+the workload through the SDK (``Client.submit_batch``) and reads the SDK's result stream raw.
+
+Phases: start and enroll everything; ``duration_s`` of workload and faults (replayed on the
+wall clock, each target's events in order); heal (links up, agents, hub and broker running);
+drain until every accepted task has its result or ``drain_timeout_s`` passes; stop; check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import platform
+import shutil
+import signal
+import sqlite3
+import threading
+import time
+from collections import Counter, defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+
+from cloud_hub.client import Client, HubError
+from cloud_hub.localmesh import AgentProcess, LocalMesh
+
+from .checker import Records, check, percentiles, reconnect_delays
+from .faults import FaultEvent, FaultSchedule, build_schedule
+from .functions import CATALOG
+from .proxy import FaultProxy, LinkShape
+from .scenario import EmulationScenario
+from .workload import TaskPlan, payload_of, plan_workload
+
+__all__ = ["Emulation"]
+
+log = logging.getLogger("sim.emulate")
+
+
+def _not_sent(exc: BaseException) -> bool:
+    """True when a failed submit certainly never reached the hub (so it cannot have been stored)."""
+    return isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+
+
+class Emulation:
+    def __init__(self, sc: EmulationScenario, workdir: Path, *, echo: Callable[[str], None] = print) -> None:
+        self.sc = sc
+        self.workdir = Path(workdir)
+        self.echo = echo
+        self.schedule: FaultSchedule = build_schedule(sc)
+        self.plan: list[TaskPlan] = plan_workload(sc, len(self.schedule.agents))
+        self.records = Records(sc.seed, self.plan)
+        self.mesh: LocalMesh | None = None
+        self.proxies: dict[str, FaultProxy] = {}
+        self.agents: dict[str, AgentProcess] = {}
+        self.endpoints: dict[str, str] = {}  # agent name -> endpoint id
+        self.dead: dict[str, list[list[float]]] = defaultdict(list)  # agent -> [[killed, restarted]]
+        self.service_down: dict[str, list[list[float]]] = defaultdict(list)  # hub/broker -> [[stopped, up]]
+        self.t0 = 0.0
+        self._lock = threading.Lock()
+        self._stop_reader = threading.Event()
+        self._submitting_done = False
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.errors: list[str] = []
+
+    # ------------------------------------------------------------------ entry point
+    async def run(self) -> dict[str, Any]:
+        sc = self.sc
+        wall0 = time.time()
+        started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / "runs").mkdir(exist_ok=True)
+        self.mesh = LocalMesh(self.workdir / "mesh", heartbeat_s=sc.hub.heartbeat_s, lost_after_s=sc.hub.lost_after_s,
+                              lease_s=sc.hub.lease_s, hub_process=True)
+        reader: threading.Thread | None = None
+        drain_s = None
+        try:
+            await asyncio.to_thread(self.mesh.start)
+            await self._start_agents()
+            client = self.mesh.client
+            fids = {name: await asyncio.to_thread(client.register_function, fn, name) for name, fn in CATALOG.items()}
+            cursor = await asyncio.to_thread(client.result_cursor)
+            reader = threading.Thread(target=self._read_results, args=(cursor,), name="sim-results", daemon=True)
+            reader.start()
+            self.echo(f"{sc.name}: {len(self.agents)} agents up; {len(self.plan)} tasks and {len(self.schedule.events)} faults over {sc.duration_s:.0f}s")
+            self.t0 = time.time()
+            submitter = asyncio.create_task(self._submit_all(fids))
+            progress = asyncio.create_task(self._progress())
+            await self._replay_faults()
+            await self._sleep_until(sc.duration_s)
+            await self._heal()
+            t_heal = time.time()
+            deadline = t_heal + sc.drain_timeout_s
+            while time.time() < deadline:
+                if submitter.done() and self._outstanding() == 0:
+                    break
+                await asyncio.sleep(0.25)
+            drain_s = time.time() - t_heal
+            if not submitter.done():
+                submitter.cancel()
+                self.errors.append("submissions still failing at the drain deadline")
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await submitter
+            await asyncio.sleep(max(2.0, 2 * sc.hub.heartbeat_s))  # late duplicates would show up now
+            progress.cancel()
+        finally:
+            self._stop_reader.set()
+            if reader is not None:
+                reader.join(15)
+            await self._shutdown()
+        self._collect()
+        result = check(self.records)
+        return self._report(result, started, wall0, drain_s)
+
+    # ------------------------------------------------------------------ setup and teardown
+    async def _start_agents(self) -> None:
+        assert self.mesh is not None
+        mesh = self.mesh
+        zmq_port = int(str(mesh.hub_cfg.zmq_bind).rsplit(":", 1)[1])
+        groups = {g.name: g for g in self.sc.agents}
+        for slot in self.schedule.agents:
+            g = groups[slot.group]
+            up = ("127.0.0.1", mesh.broker.port if g.transport == "mqtt" else zmq_port)
+            shape = LinkShape(g.link.latency_ms / 1000, g.link.jitter_ms / 1000, g.link.bandwidth_kbps * 1000 if g.link.bandwidth_kbps else None)
+            proxy = await FaultProxy(slot.name, up, shape, seed=self.sc.seed).start()
+            self.proxies[slot.name] = proxy
+            agent = await asyncio.to_thread(mesh.add_agent, slot.name, g.transport, workers=g.workers, prefetch=g.prefetch, start=False)
+            cfg = agent.cfg
+            if g.transport == "mqtt":
+                cfg = cfg.model_copy(update={"mqtt": cfg.mqtt.model_copy(update={"host": "127.0.0.1", "port": proxy.port, "keepalive": g.mqtt_keepalive_s})})
+            else:
+                cfg = cfg.model_copy(update={"zmq": cfg.zmq.model_copy(update={"address": f"tcp://127.0.0.1:{proxy.port}"})})
+            cfg.save(agent.config_path)
+            agent.cfg = cfg
+            self.agents[slot.name] = agent
+            self.endpoints[slot.name] = agent.endpoint_id
+        for agent in self.agents.values():
+            agent.start()
+        await asyncio.to_thread(mesh.wait_online, *self.agents.values(), timeout=60 + 3 * len(self.agents))
+
+    async def _shutdown(self) -> None:
+        for p in self.proxies.values():
+            p.restore_all()
+        if self.mesh is not None:
+            await asyncio.to_thread(self.mesh.stop)
+        for p in self.proxies.values():
+            await p.stop()
+
+    # ------------------------------------------------------------------ faults
+    async def _sleep_until(self, t: float) -> None:
+        delay = self.t0 + t - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    async def _replay_faults(self) -> None:
+        """Replay the schedule on the wall clock; each target's events run in order, while a slow
+        one (a hub start takes seconds) does not hold up the links of the others."""
+        tasks = []
+        for ev in self.schedule.events:
+            await self._sleep_until(ev.t)
+            lock = self._locks.setdefault(ev.target, asyncio.Lock())
+            tasks.append(asyncio.create_task(self._apply(ev, lock)))
+        for t in tasks:
+            await t
+
+    async def _apply(self, ev: FaultEvent, lock: asyncio.Lock) -> None:
+        assert self.mesh is not None
+        mesh = self.mesh
+        async with lock:
+            try:
+                if ev.kind == "link_down":
+                    self.proxies[ev.target].cut(ev.cause, ev.mode)  # type: ignore[arg-type]
+                elif ev.kind == "link_up":
+                    self.proxies[ev.target].restore(ev.cause)
+                elif ev.kind == "agent_kill":
+                    t = time.time()
+                    await asyncio.to_thread(self.agents[ev.target].kill)
+                    self.dead[ev.target].append([t, float("nan")])
+                elif ev.kind == "agent_start":
+                    await self._start_agent(ev.target)
+                elif ev.kind == "hub_stop":
+                    self.service_down["hub"].append([time.time(), float("nan")])
+                    await asyncio.to_thread(mesh.kill_hub if ev.mode == "kill" else mesh.stop_hub)
+                elif ev.kind == "hub_start":
+                    await asyncio.to_thread(mesh.start_hub)
+                    self.service_down["hub"][-1][1] = time.time()
+                elif ev.kind == "broker_stop":
+                    self.service_down["broker"].append([time.time(), float("nan")])
+                    await asyncio.to_thread(self._stop_broker, ev.mode)
+                elif ev.kind == "broker_start":
+                    await asyncio.to_thread(mesh.broker.start)
+                    self.service_down["broker"][-1][1] = time.time()
+            except Exception as exc:
+                self.errors.append(f"t={ev.t:.1f}s {ev.kind} {ev.target}: {exc!r}")
+                log.exception("fault %s failed", ev)
+
+    async def _start_agent(self, name: str) -> None:
+        agent = self.agents[name]
+        if not agent.alive():
+            if not (self.dead[name] and math.isnan(self.dead[name][-1][1])):
+                # Not one of our power cuts: the agent died by itself. Say so; then restart it.
+                self.errors.append(f"agent {name} exited on its own (see {agent.log_path})")
+                self.dead[name].append([time.time(), float("nan")])
+            await asyncio.to_thread(agent.start)
+            self.dead[name][-1][1] = time.time()
+
+    def _stop_broker(self, mode: str) -> None:
+        assert self.mesh is not None
+        b = self.mesh.broker
+        if mode == "kill" and b.proc is not None and b.proc.poll() is None:
+            os.kill(b.proc.pid, signal.SIGKILL)  # a crash: whatever was not yet autosaved is gone
+            b.proc.wait(10)
+        b.stop()
+
+    async def _heal(self) -> None:
+        """End of the fault window: every link up, every process running."""
+        assert self.mesh is not None
+        for p in self.proxies.values():
+            p.restore_all()
+        for name in self.agents:
+            await self._start_agent(name)
+        for svc in ("broker", "hub"):
+            spans = self.service_down.get(svc)
+            if spans and math.isnan(spans[-1][1]):
+                if svc == "broker":
+                    await asyncio.to_thread(self.mesh.broker.start)
+                else:
+                    await asyncio.to_thread(self.mesh.start_hub)
+                spans[-1][1] = time.time()
+
+    # ------------------------------------------------------------------ workload
+    async def _submit_all(self, fids: dict[str, str]) -> None:
+        assert self.mesh is not None
+        client = Client(self.mesh.url, self.mesh.token)
+        try:
+            plan, i, n = self.plan, 0, len(self.plan)
+            batch_max = self.sc.workload.batch_max
+            while i < n:
+                now = time.time() - self.t0
+                j = i
+                while j < n and plan[j].t <= now and j - i < batch_max:
+                    j += 1
+                if j == i:
+                    await asyncio.sleep(min(0.05, max(0.0, plan[i].t - now)))
+                    continue
+                await self._submit_batch(client, plan[i:j], fids)
+                i = j
+        finally:
+            self._submitting_done = True
+            await asyncio.to_thread(client.close)
+
+    async def _submit_batch(self, client: Client, batch: list[TaskPlan], fids: dict[str, str]) -> None:
+        """Submit until the hub answers 2xx; a retry after an ambiguous failure is a new key."""
+        r = self.records
+        names = [s.name for s in self.schedule.agents]
+        attempt = 0
+        backoff = 0.25
+        while True:
+            keys = [f"{p.seq}.{attempt}" for p in batch]
+            specs = [
+                Client.task_spec(self.endpoints[names[p.agent]], fids[p.fn],
+                                 (k, payload_of(self.sc.seed, p.seq, p.size), p.param, str(self.workdir / "runs" / f"{names[p.agent]}.log")),
+                                 ttl_s=self.sc.workload.ttl_s)
+                for p, k in zip(batch, keys)
+            ]
+            r.submit_attempts += 1
+            try:
+                ids = await asyncio.to_thread(client.submit_batch, specs)
+            except HubError as exc:
+                if exc.status < 500:
+                    raise RuntimeError(f"hub refused a valid batch: {exc}") from None
+                r.submit_failures += 1
+                r.ambiguous_submits += 1
+            except Exception as exc:  # hub down or restarting: retry, results are durable once accepted
+                r.submit_failures += 1
+                if not _not_sent(exc):
+                    r.ambiguous_submits += 1
+                else:
+                    attempt -= 1  # certainly not stored: the same keys may be reused
+            else:
+                now = time.time()
+                for p, k, tid in zip(batch, keys, ids):
+                    r.accepted[p.seq] = (tid, k, now)
+                return
+            attempt += 1
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    def _read_results(self, cursor: int) -> None:
+        """The SDK's result stream, read raw: every delivered row is recorded, duplicates too."""
+        assert self.mesh is not None
+        client = Client(self.mesh.url, self.mesh.token, timeout=30)
+        backoff = 0.1
+        try:
+            while not self._stop_reader.is_set():
+                try:
+                    rows, cursor = client.result_stream(cursor, timeout_s=2.0, limit=5000)
+                    backoff = 0.1
+                except Exception:  # hub restarting
+                    self._stop_reader.wait(backoff)
+                    backoff = min(backoff * 2, 2.0)
+                    continue
+                now = time.time()
+                with self._lock:
+                    for row in rows:
+                        self.records.deliveries.setdefault(row["task_id"], []).append((now, bool(row["ok"]), row["data"]))
+        finally:
+            client.close()
+
+    def _outstanding(self) -> int:
+        with self._lock:
+            return sum(1 for tid, _, _ in self.records.accepted.values() if tid not in self.records.deliveries)
+
+    async def _progress(self) -> None:
+        while True:
+            await asyncio.sleep(10)
+            down = sum(1 for p in self.proxies.values() if p.state != "up")
+            dead = sum(1 for a in self.agents.values() if not a.alive())
+            with self._lock:
+                acc = len(self.records.accepted)
+                dlv = sum(1 for tid, _, _ in self.records.accepted.values() if tid in self.records.deliveries)
+            self.echo(f"  t={time.time() - self.t0:5.0f}s accepted {acc}/{len(self.plan)} delivered {dlv} "
+                      f"in flight {acc - dlv}; links down {down}/{len(self.proxies)}, agents dead {dead}")
+
+    # ------------------------------------------------------------------ results
+    def _collect(self) -> None:
+        """Hub database and run logs, read after everything stopped."""
+        assert self.mesh is not None
+        r = self.records
+        db_path = self.mesh.hub_cfg.db_path
+        db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+        try:
+            for tid, ep, state, attempts in db.execute("SELECT id, endpoint_id, state, attempts FROM tasks"):
+                r.hub_tasks[tid] = (ep, state, attempts)
+            for tid, n, ok, data in db.execute("SELECT task_id, COUNT(*), MAX(ok), MAX(data) FROM results GROUP BY task_id"):
+                r.hub_results[tid] = (n, bool(ok), data)
+        finally:
+            db.close()
+        for f in (self.workdir / "runs").glob("*.log"):
+            for line in f.read_text().splitlines():
+                key = line.split(" ", 1)[0]
+                if key:
+                    r.runs[key] += 1
+
+    def _intervals(self) -> dict[str, Any]:
+        """Realized disruptions, in seconds after t0: per agent link states, deaths; hub, broker."""
+        end = self.t0 + self.sc.duration_s
+        links: dict[str, list[tuple[float, float, str]]] = {}
+        for name, p in self.proxies.items():
+            spans = []
+            tr = p.transitions + [(time.time(), "up")]
+            for (t, st), (t2, _) in zip(tr, tr[1:]):
+                if st != "up" and t2 > t:
+                    spans.append((t - self.t0, t2 - self.t0, st))
+            links[name] = spans
+        dead = {n: [(a - self.t0, (end if math.isnan(b) else b) - self.t0) for a, b in v] for n, v in self.dead.items()}
+        svc = {k: [(a - self.t0, (end if math.isnan(b) else b) - self.t0) for a, b in v] for k, v in self.service_down.items()}
+        return {"links": links, "dead": dead, "services": svc}
+
+    def _report(self, result: dict[str, Any], started: str, wall0: float, drain_s: float | None) -> dict[str, Any]:
+        sc, r = self.sc, self.records
+        iv = self._intervals()
+        T = sc.duration_s
+        from sim.outages import down_time
+
+        link_down = {n: down_time([(a, b) for a, b, _ in v], 0.0, T) for n, v in iv["links"].items()}
+        share = sum(link_down.values()) / (len(self.proxies) * T) if self.proxies else 0.0
+        outages = sum(len(v) for v in iv["links"].values())
+        modes = Counter(st for v in iv["links"].values() for _, _, st in v)
+        # Delivery times, per task, relative to t0.
+        names = [s.name for s in self.schedule.agents]
+        by_seq = {p.seq: p for p in self.plan}
+        lifes: list[tuple[float, float, str]] = []
+        completion: list[float] = []
+        for seq, (tid, _, acc) in r.accepted.items():
+            rows = r.deliveries.get(tid)
+            if rows:
+                done = rows[0][0]
+                completion.append(done - acc)
+                lifes.append((acc - self.t0, done - self.t0, names[by_seq[seq].agent]))
+        disruptions: dict[str, list[tuple[float, float]]] = {
+            n: [(a, b) for a, b, _ in iv["links"].get(n, [])] + iv["dead"].get(n, []) for n in names
+        }
+        transports = {s.name: s.transport for s in self.schedule.agents}
+        shared = {n: iv["services"].get("hub", []) + (iv["services"].get("broker", []) if transports[n] == "mqtt" else []) for n in names}
+        delays = reconnect_delays(lifes, disruptions, shared)
+        inv = result["invariants"]
+        expectations: dict[str, bool] = {}
+        if sc.expect.min_outage_share is not None:
+            expectations[f"outage_share >= {sc.expect.min_outage_share}"] = share >= sc.expect.min_outage_share
+        if sc.expect.min_tasks is not None:
+            expectations[f"accepted tasks >= {sc.expect.min_tasks}"] = inv["accepted"] >= sc.expect.min_tasks
+        expectations["every scheduled fault applied"] = not self.errors
+        ok = bool(inv["ok"]) and all(expectations.values())
+        return {
+            "scenario": sc.name,
+            "description": sc.description.strip(),
+            "seed": sc.seed,
+            "ok": ok,
+            "started": started,
+            "wall_s": round(time.time() - wall0, 1),
+            "machine": f"{platform.machine()} {os.cpu_count()} cpu, Python {platform.python_version()}",
+            "duration_s": T,
+            "drain_s": None if drain_s is None else round(drain_s, 2),
+            "agents": {"count": len(self.agents), "mqtt": sum(1 for t in transports.values() if t == "mqtt"),
+                       "zmq": sum(1 for t in transports.values() if t == "zmq")},
+            "schedule": {"digest": self.schedule.digest(), "events": len(self.schedule.events),
+                         "planned_outage_share": round(self.schedule.outage_share(), 4)},
+            "faults": {
+                "outage_share": round(share, 4),
+                "link_outages": outages,
+                "link_outages_by_mode": dict(modes),
+                "agent_kills": sum(len(v) for v in self.dead.values()),
+                "hub_restarts": len(self.service_down.get("hub", [])),
+                "broker_restarts": len(self.service_down.get("broker", [])),
+                "errors": self.errors,
+            },
+            "workload": {"tasks": len(self.plan), "functions": dict(Counter(p.fn for p in self.plan)),
+                         "payload_bytes_mean": round(sum(p.size for p in self.plan) / max(1, len(self.plan)), 1),
+                         "payload_bytes_max": max((p.size for p in self.plan), default=0), **result["submits"]},
+            "invariants": inv,
+            "executions": result["executions"],
+            "expectations": expectations,
+            "completion_s": percentiles(completion),
+            "delay_after_reconnect_s": percentiles(delays),
+            "proxies": {n: p.stats for n, p in self.proxies.items()},
+            "timeline": {
+                "t0": self.t0,
+                "links": {n: [[round(a, 3), round(b, 3), st] for a, b, st in v] for n, v in iv["links"].items()},
+                "dead": {n: [[round(a, 3), round(b, 3)] for a, b in v] for n, v in iv["dead"].items()},
+                "services": {k: [[round(a, 3), round(b, 3)] for a, b in v] for k, v in iv["services"].items()},
+                "tasks": [[round(a, 3), round(b, 3)] for a, b, _ in lifes],
+                "undelivered": [round(acc - self.t0, 3) for tid, _, acc in r.accepted.values() if not r.deliveries.get(tid)],
+            },
+            "workdir": str(self.workdir),
+        }
+
+
+def remove_workdir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
