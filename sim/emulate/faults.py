@@ -164,10 +164,12 @@ def build_schedule(sc: EmulationScenario) -> FaultSchedule:
         if spec.every_s:
             times.update(spec.every_s * k for k in range(1, int(T / spec.every_s) + 1))
         up_at = -1.0
+        srng = _stream(seed, svc, "signal")
         for t in sorted(x for x in times if x < T):
             if t < up_at:
                 continue  # still down from the previous restart
-            events.append(FaultEvent(t, f"{svc}_stop", svc, "restart", spec.signal))  # type: ignore[arg-type]
+            sig = srng.choice(("term", "kill")) if spec.signal == "mixed" else spec.signal
+            events.append(FaultEvent(t, f"{svc}_stop", svc, "restart", sig))  # type: ignore[arg-type]
             up_at = t + spec.down_s
             events.append(FaultEvent(up_at, f"{svc}_start", svc, "restart"))  # type: ignore[arg-type]
     events.sort(key=lambda e: (e.t, _ORDER[e.kind], e.target, e.cause))

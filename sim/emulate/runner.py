@@ -71,6 +71,7 @@ class Emulation:
         self._submitting_done = False
         self._locks: dict[str, asyncio.Lock] = {}
         self.errors: list[str] = []
+        self.applied: list[tuple[float, float, float, str, str, str]] = []  # planned t, began, took, kind, target, mode
 
     # ------------------------------------------------------------------ entry point
     async def run(self) -> dict[str, Any]:
@@ -176,6 +177,7 @@ class Emulation:
         assert self.mesh is not None
         mesh = self.mesh
         async with lock:
+            began = time.time()
             try:
                 if ev.kind == "link_down":
                     self.proxies[ev.target].cut(ev.cause, ev.mode)  # type: ignore[arg-type]
@@ -202,6 +204,8 @@ class Emulation:
             except Exception as exc:
                 self.errors.append(f"t={ev.t:.1f}s {ev.kind} {ev.target}: {exc!r}")
                 log.exception("fault %s failed", ev)
+            finally:
+                self.applied.append((ev.t, began - self.t0, time.time() - began, ev.kind, ev.target, ev.mode))
 
     async def _start_agent(self, name: str) -> None:
         agent = self.agents[name]
@@ -423,6 +427,8 @@ class Emulation:
                 "hub_restarts": len(self.service_down.get("hub", [])),
                 "broker_restarts": len(self.service_down.get("broker", [])),
                 "errors": self.errors,
+                "max_lag_s": round(max((b - t for t, b, *_ in self.applied), default=0.0), 3),
+                "applied": [[round(t, 3), round(b, 3), round(d, 3), k, tg, m] for t, b, d, k, tg, m in sorted(self.applied)],
             },
             "workload": {"tasks": len(self.plan), "functions": dict(Counter(p.fn for p in self.plan)),
                          "payload_bytes_mean": round(sum(p.size for p in self.plan) / max(1, len(self.plan)), 1),

@@ -115,7 +115,7 @@ class ServiceRestarts(_Model):
     at_s: list[float] = []
     every_s: float | None = Field(None, gt=0)
     down_s: float = Field(2.0, ge=0, le=600, description="how long it stays down")
-    signal: Literal["term", "kill"] = Field("kill", description="kill = crash (SIGKILL), term = clean stop")
+    signal: Literal["term", "kill", "mixed"] = Field("kill", description="kill = crash (SIGKILL), term = clean stop, mixed = a seeded choice per restart")
 
     @field_validator("at_s")
     @classmethod
