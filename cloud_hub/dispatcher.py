@@ -199,7 +199,11 @@ class Dispatcher:
                         await self._send(s, Kind.TASKS, {"tasks": tasks, "functions": bodies, "allow": self._allow_field(s.endpoint_id)})
                         self.stats["tasks_sent"] += len(tasks)
                     except LinkError as exc:
-                        log.warning("sending to %s failed (%s); its lease will expire and re-queue", s.endpoint_id, exc)
+                        # Not handed to the transport (a ZeroMQ peer gone, the broker away): back in
+                        # the queue now rather than after lease_s; a copy that did get out is
+                        # de-duplicated by the agent.
+                        n = await self.store.unlease(s.endpoint_id, [t["id"] for t in tasks])
+                        log.warning("sending to %s failed (%s); %d tasks re-queued", s.endpoint_id, exc, n)
                         s.credit = 0
                         break
                 if not s.again:

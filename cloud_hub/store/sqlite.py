@@ -353,6 +353,18 @@ class SqliteStore:
         return int(await self._run(lambda: self._conn().execute(
             "SELECT COUNT(*) FROM tasks WHERE endpoint_id=? AND state='leased'", (endpoint_id,)).fetchone()[0]))
 
+    async def unlease(self, endpoint_id: str, ids: Sequence[str]) -> int:
+        """Put these leased tasks back in the queue at once: the frame carrying them failed to send."""
+
+        def q(db: sqlite3.Connection) -> int:
+            return sum(
+                db.execute("UPDATE tasks SET state='queued', leased_until=NULL WHERE id=? AND endpoint_id=? AND state='leased'",
+                           (i, endpoint_id)).rowcount
+                for i in ids
+            )
+
+        return await self.tx(q, durable=False)
+
     async def requeue(self, endpoint_id: str | None = None, expired_before: float | None = None, not_in: set[str] | None = None) -> int:
         """Put tasks back in the queue: leases that expired, or an endpoint's leases when it is lost.
 

@@ -71,6 +71,7 @@ class Emulation:
         self._submitting_done = False
         self._locks: dict[str, asyncio.Lock] = {}
         self.errors: list[str] = []
+        self.phases: dict[str, float] = {}
         self.applied: list[tuple[float, float, float, str, str, str]] = []  # planned t, began, took, kind, target, mode
 
     # ------------------------------------------------------------------ entry point
@@ -87,6 +88,7 @@ class Emulation:
         try:
             await asyncio.to_thread(self.mesh.start)
             await self._start_agents()
+            self.phases["setup_s"] = round(time.time() - wall0, 2)
             client = self.mesh.client
             fids = {name: await asyncio.to_thread(client.register_function, fn, name) for name, fn in CATALOG.items()}
             cursor = await asyncio.to_thread(client.result_cursor)
@@ -111,13 +113,15 @@ class Emulation:
                 self.errors.append("submissions still failing at the drain deadline")
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await submitter
-            await asyncio.sleep(max(2.0, 2 * sc.hub.heartbeat_s))  # late duplicates would show up now
+            await asyncio.sleep(max(1.0, 2 * sc.hub.heartbeat_s))  # late duplicates would show up now
             progress.cancel()
         finally:
             self._stop_reader.set()
+            t_stop = time.time()
             if reader is not None:
                 reader.join(15)
             await self._shutdown()
+            self.phases["shutdown_s"] = round(time.time() - t_stop, 2)
         self._collect()
         result = check(self.records)
         return self._report(result, started, wall0, drain_s)
@@ -151,6 +155,12 @@ class Emulation:
     async def _shutdown(self) -> None:
         for p in self.proxies.values():
             p.restore_all()
+        # SIGTERM every agent at once (each drains its engine and closes its queue), then the rest.
+        for a in self.agents.values():
+            if a.alive() and a.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    a.proc.send_signal(signal.SIGTERM)
+        await asyncio.gather(*(asyncio.to_thread(a.stop, 15) for a in self.agents.values()))
         if self.mesh is not None:
             await asyncio.to_thread(self.mesh.stop)
         for p in self.proxies.values():
@@ -415,6 +425,7 @@ class Emulation:
             "machine": f"{platform.machine()} {os.cpu_count()} cpu, Python {platform.python_version()}",
             "duration_s": T,
             "drain_s": None if drain_s is None else round(drain_s, 2),
+            "phases_s": self.phases,
             "agents": {"count": len(self.agents), "mqtt": sum(1 for t in transports.values() if t == "mqtt"),
                        "zmq": sum(1 for t in transports.values() if t == "zmq")},
             "schedule": {"digest": self.schedule.digest(), "events": len(self.schedule.events),
