@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import psutil
 
 from mesh_agent import __version__
+from mesh_agent.clock import HubClock
 from mesh_agent.config import AgentConfig, Credentials
 from mesh_agent.datasets import export_worker_env
 from mesh_agent.engine import EngineResult, EngineTask, LocalEngine, error_result
@@ -36,6 +37,7 @@ from mesh_agent.protocol import (
     Kind,
     ProtocolError,
     ReplayGuard,
+    Stale,
     check_freshness,
     encode,
     open_frame,
@@ -114,7 +116,7 @@ class Agent:
             )
         self._replay = ReplayGuard()
         self._heartbeat_s = cfg.heartbeat_s
-        self._clock_offset = 0.0  # hub clock minus ours, learned from the signed welcome
+        self._clock = HubClock()  # the hub's clock, learned from signed welcomes
         self._link: AgentLink | None = None
         self._welcomed = asyncio.Event()
         self._pending: list[EngineResult] = []
@@ -199,7 +201,7 @@ class Agent:
 
     # ------------------------------------------------------------------ sending
     def _now(self) -> float:
-        return time.time() + self._clock_offset
+        return self._clock.now()
 
     async def _send(self, kind: Kind, body: dict[str, Any]) -> None:
         link = self._link
@@ -321,6 +323,10 @@ class Agent:
         except ProtocolError as exc:
             self.stats["rejected_frames"] += 1
             log.warning("rejected frame from hub: %s: %s", exc.reason, exc)
+            if isinstance(exc, Stale) and sealed.ts > self._now():
+                # Authentic (its MAC passed) and from the hub's future: our estimate of the hub's
+                # clock is behind. Say hello (at most once a second) to learn it again.
+                raise _HelloRequired() from None
             return
         handler = _HANDLERS.get(env.kind)
         if handler is not None:
@@ -330,7 +336,7 @@ class Agent:
         now = time.time()
         sent = self._hello_nonces.get(body["reply_to"], now)
         self._hello_nonces.clear()
-        self._clock_offset = float(body["hub_time"]) - (sent + now) / 2
+        again = self._clock.sample(sent, now, float(body["hub_time"]))
         hub_beat = body.get("heartbeat_s")
         if isinstance(hub_beat, (int, float)) and 0 < hub_beat < self.cfg.heartbeat_s:
             self._heartbeat_s = float(hub_beat)  # the hub declares us lost on its own period
@@ -339,6 +345,9 @@ class Agent:
         await self._resume_stored_tasks()  # anything stored but not running (a session cut mid-batch)
         await self._maybe_fetch(force=True)
         await self._resend_stale_results(all_of_them=True)
+        if again:  # that welcome waited somewhere (a broker queue, an outage): measure again
+            log.warning("welcome came %.0fs after its hello; measuring the hub's clock again", now - sent)
+            await self._send_hello()
 
     async def _set_hub_allow(self, body: dict[str, Any]) -> None:
         if "allow" not in body:
