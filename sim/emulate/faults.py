@@ -156,21 +156,24 @@ def build_schedule(sc: EmulationScenario) -> FaultSchedule:
                 if back < T:
                     events.append(FaultEvent(back, "agent_start", victim, "power-cut"))
             t += rng.expovariate(1.0 / kills.mean_interval_s)
-    # Hub and broker restarts at fixed offsets.
-    for svc, spec in (("hub", sc.faults.hub_restarts), ("broker", sc.faults.broker_restarts)):
-        if spec is None:
+    # Hub and broker restarts at fixed offsets (one spec or several, e.g. short ones and a long one).
+    for svc, specs in (("hub", sc.faults.hub_restarts), ("broker", sc.faults.broker_restarts)):
+        if specs is None:
             continue
-        times = set(spec.at_s)
-        if spec.every_s:
-            times.update(spec.every_s * k for k in range(1, int(T / spec.every_s) + 1))
-        up_at = -1.0
         srng = _stream(seed, svc, "signal")
-        for t in sorted(x for x in times if x < T):
+        planned: list[tuple[float, float, str]] = []
+        for spec in specs if isinstance(specs, list) else [specs]:
+            times = set(spec.at_s)
+            if spec.every_s:
+                times.update(spec.every_s * k for k in range(1, int(T / spec.every_s) + 1))
+            planned += [(t, spec.down_s, spec.signal) for t in times if t < T]
+        up_at = -1.0
+        for t, down_s, signal in sorted(planned):
             if t < up_at:
                 continue  # still down from the previous restart
-            sig = srng.choice(("term", "kill")) if spec.signal == "mixed" else spec.signal
+            sig = srng.choice(("term", "kill")) if signal == "mixed" else signal
             events.append(FaultEvent(t, f"{svc}_stop", svc, "restart", sig))  # type: ignore[arg-type]
-            up_at = t + spec.down_s
+            up_at = t + down_s
             events.append(FaultEvent(up_at, f"{svc}_start", svc, "restart"))  # type: ignore[arg-type]
     events.sort(key=lambda e: (e.t, _ORDER[e.kind], e.target, e.cause))
     return FaultSchedule(T, agents, events)

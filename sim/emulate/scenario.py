@@ -127,8 +127,8 @@ class ServiceRestarts(_Model):
 
 class FaultsSpec(_Model):
     agent_kills: AgentKills | None = None
-    hub_restarts: ServiceRestarts | None = None
-    broker_restarts: ServiceRestarts | None = None
+    hub_restarts: ServiceRestarts | list[ServiceRestarts] | None = None
+    broker_restarts: ServiceRestarts | list[ServiceRestarts] | None = None
 
 
 class WorkloadSpec(_Model):
@@ -249,14 +249,15 @@ def _format_errors(err: ValidationError) -> str:
 
 
 def _merge(base: Any, over: Any, where: str) -> Any:
-    """Deep merge for ``reduced``: mappings recursively, lists of named mappings by name."""
+    """Deep merge for ``reduced``: mappings recursively, lists of named mappings by name;
+    anything else is replaced."""
     if isinstance(base, dict) and isinstance(over, dict):
         out = dict(base)
         for k, v in over.items():
             out[k] = _merge(base[k], v, f"{where}.{k}") if k in base else copy.deepcopy(v)
         return out
-    if isinstance(base, list) and isinstance(over, dict):
-        by_name = {item.get("name"): item for item in base if isinstance(item, dict)}
+    if isinstance(base, list) and isinstance(over, dict) and base and all(isinstance(i, dict) and "name" in i for i in base):
+        by_name = {item["name"]: item for item in base}
         for k in over:
             if k not in by_name:
                 raise ScenarioError(f"reduced{where}: no item named {k!r} to override (known: {sorted(map(str, by_name))})")
