@@ -218,3 +218,22 @@ async def test_fl_run_store_on_both_backends(store: SqliteStore) -> None:
     assert [r["id"] for r in await fl.list_runs(uid)] == [rid]
     with pytest.raises(FLNotFound):
         await fl.get_run("u_other", rid)
+
+
+async def test_count_leased_and_unlease_after_a_failed_send(store: SqliteStore) -> None:
+    """What the dispatcher uses when a ``tasks`` frame fails to send (found by ``mesh-sim run``)."""
+    uid = await store.create_user("alice")
+    await store.put_function(uid, FID, b"body", "fn")
+    ep = await _endpoint(store, uid)
+    other = await _endpoint(store, uid, "other")
+    await store.insert_tasks(_tasks(uid, ep, 5))
+    tasks, _ = await store.lease(ep, 3, 30.0, 1 << 20)
+    assert await store.count_leased(ep) == 3 and await store.count_leased(other) == 0
+    await store.ack(ep, [tasks[0]["id"]])
+    ids = [t["id"] for t in tasks]
+    assert await store.unlease(other, ids) == 0, "only the endpoint's own tasks"
+    assert await store.unlease(ep, ids) == 2, "the acked one stays on the device"
+    assert await store.count_leased(ep) == 0
+    assert await store.task_counts(uid) == {"acked": 1, "queued": 4}
+    again, _ = await store.lease(ep, 10, 30.0, 1 << 20)
+    assert [t["id"] for t in again] == ["t00001", "t00002", "t00003", "t00004"]
