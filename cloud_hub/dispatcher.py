@@ -21,6 +21,7 @@ from typing import Any
 from cloud_hub.config import HubConfig
 from cloud_hub.observer import DispatchObserver
 from cloud_hub.store import SqliteStore
+from cloud_hub.store.availability import close_stale_sessions, prune_events, record_transition
 from mesh_agent.protocol import (
     UP_KINDS,
     BadFrame,
@@ -42,6 +43,7 @@ log = logging.getLogger("cloud_hub.dispatcher")
 
 _LEASE_BATCH = 2000
 _LEASE_BYTES = 8 * 2**20
+_EVENTS_KEEP_S = 90 * 86400  # availability history kept for the console and the scheduler
 
 
 class ResultBus:
@@ -115,6 +117,7 @@ class Dispatcher:
         n = await self.store.requeue(expired_before=time.time() if self.replicated else float("inf"))
         if n:
             log.info("re-queued %d tasks leased before the restart", n)
+        await self.store.tx(close_stale_sessions)  # availability history: nobody has a session yet
         for link in links:
             await link.start(self.on_frame)
             self.links.append(link)
@@ -297,6 +300,8 @@ class Dispatcher:
             log.warning("%s no longer holds %d acked tasks; re-queued", env.endpoint, lost)
         await self.store.set_endpoint_state(env.endpoint, True, now, {**s.info, "capacity": s.capacity})
         self._observe("endpoint_online", env.endpoint, now, {**s.info, "capacity": s.capacity})
+        if old is None:
+            await self.store.tx(record_transition, env.endpoint, True, now)
         # The welcome's message id is the hello's nonce: the agent matches it before parsing the body.
         welcome = {"reply_to": b["nonce"], "hub_time": time.time(), "heartbeat_s": self.cfg.heartbeat_s, "allow": self._allow_field(env.endpoint)}
         await self._send(s, Kind.WELCOME, welcome, msg_id=b["nonce"])
@@ -362,6 +367,7 @@ class Dispatcher:
                             self._owned.pop(ep, None)
                             await self.store.release_endpoint(ep, self.replica_id)
                         self._observe("endpoint_lost", ep, now, s.last_seen)
+                        await self.store.tx(record_transition, ep, False, s.last_seen)
                         log.warning("endpoint %s lost (silent %.0fs); %d leased tasks re-queued", ep, now - s.last_seen, n)
                 if await self.store.requeue(expired_before=now):
                     for ep in self._sessions:
@@ -373,6 +379,7 @@ class Dispatcher:
                 if now - last_prune > 60:
                     last_prune = now
                     await self.store.prune_results(now - self.cfg.result_ttl_s)
+                    await self.store.tx(prune_events, now - _EVENTS_KEEP_S)
             except Exception:
                 log.exception("watchdog pass failed")
 

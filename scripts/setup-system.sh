@@ -8,6 +8,8 @@ if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then root=1; fi
 need=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
 command -v pg_ctlcluster >/dev/null 2>&1 || need+=(postgresql)
+# The console tests drive Debian's Chromium headless (never a browser downloaded by playwright).
+[ -x /usr/bin/chromium ] || need+=(chromium)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$root" = 1 ]; then
     echo "setup: installing ${need[*]}"
@@ -16,7 +18,7 @@ if [ ${#need[@]} -gt 0 ]; then
     # The Debian mosquitto package starts a system broker on :1883; ours start their own on free ports.
   else
     echo "setup: missing ${need[*]}; install them (e.g. sudo apt-get install ${need[*]})." >&2
-    echo "setup: without mosquitto the hub falls back to its embedded broker." >&2
+    echo "setup: without mosquitto the hub falls back to its embedded broker; without chromium the console tests fail." >&2
   fi
 fi
 

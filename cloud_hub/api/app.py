@@ -41,6 +41,7 @@ from cloud_hub.api.schemas import (
 )
 from cloud_hub.config import HubConfig
 from cloud_hub.globus_auth import GlobusUnavailable
+from cloud_hub.console import router as console_router
 from cloud_hub.dispatcher import Dispatcher, ResultBus
 from cloud_hub.placement import PlacementError, PlacementService
 from cloud_hub.store import hash_token, make_store
@@ -213,6 +214,7 @@ def create_app(cfg: HubConfig) -> FastAPI:
     from cloud_hub.api import scheduler as scheduler_api  # here: it imports this module's dependencies
 
     app.include_router(scheduler_api.router)
+    app.include_router(console_router)  # web console at /console (docs/console.md)
 
     @app.get("/v1/health")
     async def health(h: HubDep) -> dict[str, Any]:

@@ -115,4 +115,21 @@ MIGRATIONS: list[tuple[int, str]] = [
         CREATE TABLE endpoint_owners (endpoint_id TEXT PRIMARY KEY, replica TEXT NOT NULL, until REAL NOT NULL);
         """,
     ),
+    (
+        6,
+        """
+        -- Endpoint online/offline transitions, written by the dispatcher (console availability timeline).
+        CREATE TABLE endpoint_events (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT, endpoint_id TEXT NOT NULL REFERENCES endpoints(id),
+            online INTEGER NOT NULL, at REAL NOT NULL
+        );
+        CREATE INDEX endpoint_events_at ON endpoint_events (endpoint_id, at);
+        -- Web console sign-ins: only the SHA-256 of the opaque session id is stored.
+        CREATE TABLE console_sessions (
+            hash TEXT PRIMARY KEY, user_id TEXT NOT NULL REFERENCES users(id), token_hash TEXT NOT NULL,
+            created REAL NOT NULL, expires REAL NOT NULL, last_used REAL NOT NULL
+        );
+        CREATE INDEX console_sessions_expires ON console_sessions (expires);
+        """,
+    ),
 ]

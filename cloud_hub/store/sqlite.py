@@ -13,6 +13,7 @@ import json
 import secrets
 import sqlite3
 import time
+import urllib.parse
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,6 +45,8 @@ class SqliteStore:
         self.path = Path(path)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hub-db")
         self._db: sqlite3.Connection | None = None
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hub-db-read")
+        self._rdb: sqlite3.Connection | None = None
 
     # ------------------------------------------------------------------ plumbing
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -74,6 +77,23 @@ class SqliteStore:
     async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``fn(db)`` on the DB thread without opening a write transaction."""
         return await self._run(lambda: fn(self._conn()))
+
+    async def read_parallel(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run read-only ``fn(db, *args)`` on a second, read-only connection with its own thread.
+
+        For the console's queries: a slow page query (a scan of a large task table) must not
+        queue the dispatcher's leases and acks behind it on the DB thread. WAL lets this reader
+        and the writer work at once; it sees what is committed."""
+        return await asyncio.get_running_loop().run_in_executor(self._reader, self._read_parallel, fn, args)
+
+    def _read_parallel(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        if self._db is None:
+            raise StoreError("store is not open")
+        if self._rdb is None:
+            uri = "file:" + urllib.parse.quote(str(self.path.resolve())) + "?mode=ro"
+            self._rdb = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+            self._rdb.execute("PRAGMA query_only=ON")
+        return fn(self._rdb, *args)
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
@@ -116,6 +136,13 @@ class SqliteStore:
                 self._db.close()
                 self._db = None
 
+        def _close_reader() -> None:
+            if self._rdb is not None:
+                self._rdb.close()
+                self._rdb = None
+
+        await asyncio.get_running_loop().run_in_executor(self._reader, _close_reader)
+        self._reader.shutdown(wait=True)
         await self._run(_close)
         self._pool.shutdown(wait=True)
 
