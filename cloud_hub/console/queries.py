@@ -160,8 +160,13 @@ def function_stats(db: sqlite3.Connection, user_id: str) -> list[dict[str, Any]]
 
 
 def names(db: sqlite3.Connection, user_id: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """(endpoint id, name) and (function id, name) pairs the user owns, for filter menus."""
-    eps = db.execute("SELECT id, name FROM endpoints WHERE user_id=? ORDER BY name", (user_id,)).fetchall()
+    """(endpoint id, name) pairs of the endpoints the user may use (own and shared with them, not
+    revoked: what ``GET /v1/endpoints`` lists) and (function id, name) pairs they registered."""
+    eps = db.execute(
+        "SELECT id, name FROM endpoints WHERE revoked IS NULL AND "
+        "(user_id=? OR id IN (SELECT endpoint_id FROM endpoint_shares WHERE user_id=?)) ORDER BY name",
+        (user_id, user_id),
+    ).fetchall()
     fns = db.execute(
         "SELECT f.id, COALESCE(f.name, f.id) FROM functions f JOIN function_owners o ON o.function_id=f.id "
         "WHERE o.user_id=? ORDER BY f.name", (user_id,)

@@ -163,7 +163,11 @@ def test_bad_page_parameters_get_a_clear_error(hub: HubThread) -> None:
 
 def test_users_see_only_their_own_endpoints_tasks_and_functions(hub: HubThread) -> None:
     alice = Client(hub.url, hub.token)
-    enroll = httpx.post(f"{hub.url}/v1/endpoints/enroll", json={"token": alice.create_enrollment_token(), "name": "alice-pi", "transport": "zmq"})
+    import zmq
+
+    enroll = httpx.post(f"{hub.url}/v1/endpoints/enroll", json={"token": alice.create_enrollment_token(), "name": "alice-pi",
+                                                                "transport": "zmq", "curve_public": zmq.curve_keypair()[0].decode()})
+    assert enroll.status_code == 201, enroll.text
     ep = enroll.json()["endpoint_id"]
     fid = alice.register_function(station, name="alice_station")
     tid = alice.submit(ep, fid, 1)
