@@ -117,7 +117,8 @@ class Dispatcher:
         n = await self.store.requeue(expired_before=time.time() if self.replicated else float("inf"))
         if n:
             log.info("re-queued %d tasks leased before the restart", n)
-        await self.store.tx(close_stale_sessions)  # availability history: nobody has a session yet
+        if not self.replicated:  # availability history: nobody has a session yet (replicas may)
+            await self.store.tx(close_stale_sessions)
         for link in links:
             await link.start(self.on_frame)
             self.links.append(link)

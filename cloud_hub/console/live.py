@@ -22,7 +22,7 @@ from cloud_hub.console import queries
 if TYPE_CHECKING:
     from cloud_hub.api.app import Hub
 
-__all__ = ["Live", "TooManyStreams", "BUCKET_S", "BUCKETS"]
+__all__ = ["Live", "TooManyStreams", "BUCKET_S", "BUCKETS", "endpoint_view"]
 
 SNAPSHOT_TTL_S = 1.0
 #: A snapshot is reused for at least this many times its own compute time: on a huge task table
@@ -43,6 +43,15 @@ Extra = Callable[["Hub", str], Awaitable[Any]]
 
 class TooManyStreams(RuntimeError):
     pass
+
+
+def endpoint_view(hub: "Hub", e: dict[str, Any]) -> tuple[bool, dict[str, Any], float | None]:
+    """(online, info, last seen) of a store row, exactly as ``GET /v1/endpoints`` reports them
+    (the live session when this hub holds it; with replicas, the shared row while it is fresh)."""
+    from cloud_hub.api.app import _endpoint_out
+
+    out = _endpoint_out(hub, e)
+    return out.online, out.info, out.last_seen
 
 
 class _Stream:
@@ -89,11 +98,9 @@ class Live:
         now = time.time()
         eps = []
         for e in await hub.store.list_endpoints(user_id=user_id):
-            live = hub.dispatcher.session_info(e["id"])
-            info = {**e["info"], **(live or {})}
+            online, info, last_seen = endpoint_view(hub, e)
             eps.append({
-                "id": e["id"], "name": e["name"], "online": live is not None,
-                "last_seen": (live or {}).get("last_seen", e["last_seen"]),
+                "id": e["id"], "name": e["name"], "online": online, "last_seen": last_seen,
                 "queued": e["queued"], "in_flight": e["in_flight"],
                 "running": info.get("running"), "capacity": info.get("capacity"),
             })

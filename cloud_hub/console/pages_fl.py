@@ -30,7 +30,8 @@ async def summary(hub: "Hub", user_id: str) -> dict[str, Any]:
     def q(db: sqlite3.Connection) -> dict[str, Any]:
         try:
             n, updated, running = db.execute(
-                "SELECT COUNT(*), MAX(updated), SUM(status = 'running') FROM fl_runs WHERE user_id=?", (user_id,)).fetchone()
+                "SELECT COUNT(*), MAX(updated), SUM(CASE WHEN status = 'running' THEN 1 ELSE 0 END) FROM fl_runs WHERE user_id=?",
+                (user_id,)).fetchone()
         except sqlite3.OperationalError:  # a hub without the FL tables
             return {"count": 0}
         return {"count": n, "updated": updated, "running": running or 0}

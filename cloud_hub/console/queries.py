@@ -47,15 +47,18 @@ def throughput(db: sqlite3.Connection, user_id: str, now: float, bucket_s: float
     ``bucket_s`` so that the series is stable between refreshes."""
     end = (int(now // bucket_s) + 1) * bucket_s
     start = end - buckets * bucket_s
+    # Integer milliseconds and integer division: the same floor in SQLite and PostgreSQL (whose
+    # CAST of a float rounds). "user_id || ''" keeps SQLite on the received index (the window),
+    # not on all of the user's results.
     rows = db.execute(
-        "SELECT CAST((received - ?) / ? AS INTEGER) AS b, SUM(ok), SUM(1 - ok) FROM results INDEXED BY results_age "
-        "WHERE received >= ? AND user_id=? GROUP BY b",  # the window, not all of the user's results
-        (start, bucket_s, start, user_id),
+        "SELECT (CAST(received * 1000 AS BIGINT) - ?) / ?, SUM(ok), SUM(1 - ok) FROM results "
+        "WHERE received >= ? AND user_id || '' = ? GROUP BY 1",
+        (int(start * 1000), int(bucket_s * 1000), start, user_id),
     ).fetchall()
     series = [[start + i * bucket_s, 0, 0] for i in range(buckets)]
     for b, ok, bad in rows:
         if 0 <= b < buckets:
-            series[b][1], series[b][2] = int(ok or 0), int(bad or 0)
+            series[int(b)][1], series[int(b)][2] = int(ok or 0), int(bad or 0)
     return [(s, ok, bad) for s, ok, bad in series]
 
 
@@ -116,7 +119,7 @@ def list_tasks(
     found: list[int] = []
     for st in ([_DB_STATE[state]] if state is not None else ["queued", "leased", "acked", "done"]):
         found += [r[0] for r in db.execute(
-            f"SELECT rowid FROM tasks INDEXED BY tasks_user WHERE user_id=? AND state=?{cond} ORDER BY rowid DESC LIMIT ?",
+            f"SELECT rowid FROM tasks WHERE user_id=? AND state=?{cond} ORDER BY rowid DESC LIMIT ?",
             (user_id, st, *extra, limit),
         )]
     rowids = sorted(found, reverse=True)[:limit]
@@ -147,8 +150,9 @@ def task_detail(db: sqlite3.Connection, user_id: str, task_id: str) -> dict[str,
 def function_stats(db: sqlite3.Connection, user_id: str) -> list[dict[str, Any]]:
     """The user's functions with task counts, failures and mean run time on the device."""
     rows = db.execute(
-        "SELECT f.id, f.name, f.created, LENGTH(f.body), COUNT(t.id), COALESCE(SUM(t.state != 'done'), 0), "
-        "COALESCE(SUM(r.ok = 1), 0), COALESCE(SUM(r.ok = 0), 0), "
+        "SELECT f.id, f.name, f.created, LENGTH(f.body), COUNT(t.id), "
+        "COALESCE(SUM(CASE WHEN t.state != 'done' THEN 1 ELSE 0 END), 0), "
+        "COALESCE(SUM(CASE WHEN r.ok = 1 THEN 1 ELSE 0 END), 0), COALESCE(SUM(CASE WHEN r.ok = 0 THEN 1 ELSE 0 END), 0), "
         "AVG(CASE WHEN r.ok = 1 AND r.finished >= r.started THEN r.finished - r.started END) "
         "FROM functions f JOIN function_owners o ON o.function_id = f.id "
         "LEFT JOIN tasks t ON t.function_id = f.id AND t.user_id = o.user_id LEFT JOIN results r ON r.task_id = t.id "

@@ -20,7 +20,7 @@ from starlette.responses import RedirectResponse, Response, StreamingResponse
 
 from cloud_hub.console import charts, queries
 from cloud_hub.console.blobs import describe_result
-from cloud_hub.console.live import BUCKET_S, Live, TooManyStreams
+from cloud_hub.console.live import BUCKET_S, Live, TooManyStreams, endpoint_view
 from cloud_hub.console.optional import OPTIONAL_PAGES, Helpers, add_routes, optional_extras
 from cloud_hub.console.sessions import COOKIE, SESSION_TTL_S, Session, close_session, csrf_token, find_session, open_session
 from cloud_hub.console.views import HERE, fmt_duration, render, secure
@@ -225,11 +225,7 @@ async def _endpoint_rows(request: Request, viewer: Viewer, endpoint_id: str | No
     ids = [e["id"] for e in rows]
     evs = await hub.store.read_parallel(events_between, ids, start, now)
     for e in rows:
-        live = hub.dispatcher.session_info(e["id"])
-        e["online"] = live is not None
-        e["info"] = {**e["info"], **(live or {})}
-        if live:
-            e["last_seen"] = live["last_seen"]
+        e["online"], e["info"], e["last_seen"] = endpoint_view(hub, e)
         segs = charts.segments(evs.get(e["id"], []), start, now, e["created"], e["online"])
         e["timeline"] = charts.timeline(segs, start, now, f"availability of {e['name']}")
         e["uptime"] = charts.uptime(segs)

@@ -206,6 +206,11 @@ class PostgresStore(SqliteStore):
             raise StoreError(f"{_safe(self.url)}: cannot prepare the hub schema ({exc})") from None
         self._db = db
 
+    async def read_parallel(self, fn: Callable[..., T], *args: Any) -> T:
+        """The console's reads (``SqliteStore.read_parallel``): here on the store's own connection;
+        PostgreSQL readers never block its writers anyway."""
+        return await self._run(lambda: fn(self._conn(), *args))
+
     async def close(self) -> None:
         self._stop_listen.set()
         if self._listener is not None:
