@@ -14,6 +14,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any
@@ -45,10 +46,38 @@ def spectral_radius(n: int, seed: int) -> float:
     return float(np.max(np.abs(np.linalg.eigvalsh(a + a.T))))
 
 
+def _auto_placement(mesh: LocalMesh, agents: list[Any], n: int) -> bool:
+    """Let the scheduler place work (``endpoint="auto"``) in two waves: the first explores an
+    unprofiled function, the second uses what it measured. Shows where tasks went and how far
+    the predictions were from the actual times."""
+    if n <= 0:
+        return True
+    names = {a.endpoint_id: a.cfg.name for a in agents}
+    table = Table(title=f'Scheduler placement (endpoint="auto"), 2 waves of {n // 2} tasks')
+    for col in ("wave", *names.values(), "median |predicted - actual|"):
+        table.add_column(col, justify="right")
+    ok = True
+    with Executor(mesh.client, endpoint="auto") as ex:
+        for wave in (1, 2):
+            fs = [ex.submit(spectral_radius, 120, i) for i in range(n // 2)]
+            done, not_done = wait(fs, timeout=300)
+            ok = ok and not not_done and all(f.exception() is None for f in done)
+            placed = Counter(getattr(f, "endpoint_id", "") for f in fs)
+            ids = {f.task_id for f in fs}  # type: ignore[attr-defined]
+            rows = [d for d in mesh.client.scheduler_decisions(limit=n)["decisions"]
+                    if d["task_id"] in ids and d.get("actual_s") is not None and d.get("predicted_s") is not None]
+            err = statistics.median(abs(d["actual_s"] - d["predicted_s"]) for d in rows) if rows else float("nan")
+            table.add_row(str(wave), *(str(placed[e]) for e in names), f"{err * 1e3:.0f} ms")
+    console.print(table)
+    console.print("each decision, with the predictions it compared: GET /v1/scheduler/decisions")
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calls", type=int, default=3000, help="small calls per endpoint")
     ap.add_argument("--matrices", type=int, default=20, help="numpy tasks per endpoint")
+    ap.add_argument("--auto", type=int, default=300, help="tasks placed by the scheduler (endpoint='auto')")
     ap.add_argument("--keep", action="store_true", help="keep the working directory")
     ap.add_argument("--no-kill", action="store_true", help="do not SIGKILL an agent mid-run")
     args = ap.parse_args(argv)
@@ -103,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
             console.print(table)
             lost = len(not_done)
             console.print(f"lost: {lost}, results delivered: {len(done)} of {total}")
-            return 0 if lost == 0 and all(f.exception() is None for f in done) else 1
+            auto_ok = _auto_placement(mesh, agents, args.auto)
+            console.print(f"console: {mesh.url}/console (sign in with token {mesh.token})")
+            return 0 if lost == 0 and auto_ok and all(f.exception() is None for f in done) else 1
     except KeyboardInterrupt:
         console.print("interrupted; everything stopped")
         return 130
