@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import re
 import threading
 import time
@@ -44,7 +45,7 @@ __all__ = ["PostgresStore", "to_pg_sql", "to_pg_ddl"]
 log = logging.getLogger("cloud_hub.store.postgres")
 T = TypeVar("T")
 
-_RETRIES = 20
+_RETRIES = 30
 _RESULTS_LOCK = 0x6D657368  # advisory lock key ("mesh") serializing writes to results
 _MIGRATE_LOCK = 0x6D657369
 
@@ -158,13 +159,12 @@ class PostgresStore(SqliteStore):
             self._db = self._connect()
         return _PgConn(self._db)
 
-    def _tx(self, fn: Callable[..., T], *args: Any, durable: bool = True) -> T:
+    def _tx(self, fn: Callable[..., T], *args: Any, durable: bool = True, isolation: str = "SERIALIZABLE") -> T:
         import psycopg.errors as pe
 
-        delay = 0.002
         for attempt in range(_RETRIES):
             db = self._conn()
-            db.raw.execute("BEGIN ISOLATION LEVEL SERIALIZABLE")
+            db.raw.execute(f"BEGIN ISOLATION LEVEL {isolation}")
             try:
                 if not durable:
                     db.raw.execute("SET LOCAL synchronous_commit = off")
@@ -174,12 +174,82 @@ class PostgresStore(SqliteStore):
             except (pe.SerializationFailure, pe.DeadlockDetected):
                 db.raw.execute("ROLLBACK")
                 self.stats["serialization_retries"] += 1
-                time.sleep(delay * (1 + attempt))
+                # capped exponential backoff with jitter: replicas that collided must not collide again
+                time.sleep(min(0.25, 0.002 * 2 ** min(attempt, 8)) * random.uniform(0.5, 1.5))
             except BaseException:
                 if not db.raw.closed and not db.raw.broken:
                     db.raw.execute("ROLLBACK")
                 raise
         raise StoreError(f"transaction still conflicting after {_RETRIES} attempts")
+
+    async def _tx_rc(self, fn: Callable[..., T], *, durable: bool = True) -> T:
+        """READ COMMITTED, for statements whose WHERE clauses (re-checked on concurrent updates)
+        and row locks already make them safe: far fewer conflicts on the hot path than SSI."""
+        return await self._run(lambda: self._tx(fn, durable=durable, isolation="READ COMMITTED"))
+
+    # ------------------------------------------------------------------ hot path without SSI conflicts
+    async def lease(self, endpoint_id: str, n: int, lease_s: float, max_bytes: int) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
+        """As SqliteStore.lease; ``FOR UPDATE SKIP LOCKED`` keeps two replicas off the same rows."""
+
+        def q(db: _PgConn) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
+            now = time.time()
+            rows = db.raw.execute(
+                "SELECT t.id, t.function_id, t.args, t.timeout, t.expires, LENGTH(f.body) FROM tasks t JOIN functions f ON f.id = t.function_id "
+                "WHERE t.endpoint_id = %s AND t.state = 'queued' ORDER BY t.created, t.rowid LIMIT %s FOR UPDATE OF t SKIP LOCKED",
+                (endpoint_id, n),
+            ).fetchall()
+            tasks: list[dict[str, Any]] = []
+            seen: set[str] = set()
+            size = 0
+            for tid, fid, args, timeout, exp, body_len in rows:
+                if fid not in seen:  # each body travels once per frame: count it once
+                    seen.add(fid)
+                    size += body_len
+                size += len(args)
+                if tasks and size > max_bytes:
+                    break
+                tasks.append({"id": tid, "fn": fid, "args": args, "timeout": timeout, "exp": exp})
+            if tasks:
+                db.raw.cursor().executemany(
+                    "UPDATE tasks SET state='leased', leased_until=%s, attempts=attempts+1, dispatched=%s WHERE id=%s AND state='queued'",
+                    [(now + lease_s, now, t["id"]) for t in tasks],
+                )
+            fids = sorted({t["fn"] for t in tasks})
+            bodies = dict(db.raw.execute("SELECT id, body FROM functions WHERE id = ANY(%s)", (fids,)).fetchall()) if fids else {}
+            return tasks, bodies
+
+        return await self._tx_rc(q, durable=False)
+
+    async def ack(self, endpoint_id: str, ids: Sequence[str]) -> None:
+        def q(db: _PgConn) -> None:
+            db.raw.execute(
+                "UPDATE tasks SET state='acked', acked=%s WHERE id = ANY(%s) AND endpoint_id=%s AND state IN ('leased','queued')",
+                (time.time(), list(ids), endpoint_id),
+            )
+
+        await self._tx_rc(q, durable=False)
+
+    async def requeue(self, endpoint_id: str | None = None, expired_before: float | None = None, not_in: set[str] | None = None) -> int:
+        """As SqliteStore.requeue, at READ COMMITTED: each UPDATE re-checks its state condition on
+        rows a concurrent transaction changed, so an acked or finished task is never re-queued."""
+
+        def q(db: _PgConn) -> int:
+            n = 0
+            if expired_before is not None:
+                n += db.raw.execute(
+                    "UPDATE tasks SET state='queued', leased_until=NULL WHERE state='leased' AND leased_until < %s",
+                    (min(expired_before, 1e300),)).rowcount
+            if endpoint_id is not None and not_in is None:
+                n += db.raw.execute(
+                    "UPDATE tasks SET state='queued', leased_until=NULL WHERE state='leased' AND endpoint_id=%s", (endpoint_id,)).rowcount
+            if endpoint_id is not None and not_in is not None:
+                acked = [r[0] for r in db.raw.execute("SELECT id FROM tasks WHERE endpoint_id=%s AND state='acked'", (endpoint_id,))]
+                lost = [i for i in acked if i not in not_in]
+                if lost:
+                    n += db.raw.execute("UPDATE tasks SET state='queued' WHERE id = ANY(%s) AND state='acked'", (lost,)).rowcount
+            return n
+
+        return await self._tx_rc(q)
 
     def _open(self) -> None:
         db = self._connect()
