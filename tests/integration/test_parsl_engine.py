@@ -27,7 +27,8 @@ def fails(msg: str) -> None:
 
 def test_tasks_from_the_hub_run_through_parsl(mesh: LocalMesh) -> None:
     agent = mesh.add_agent("hpc-login", "zmq", workers=2, start=False)
-    settings = ParslSettings(provider="local", min_blocks=0, init_blocks=1, max_blocks=1, heartbeat_period=1)
+    # No block at start: the first tasks make Parsl's htex_auto_scale strategy submit one (elastic).
+    settings = ParslSettings(provider="local", min_blocks=0, init_blocks=0, max_blocks=1, strategy_period=0.5, heartbeat_period=1)
     agent.cfg = agent.cfg.model_copy(update={"engine": "parsl", "parsl": settings})
     agent.cfg.save(agent.config_path)
     agent.start()
@@ -52,4 +53,6 @@ def test_tasks_from_the_hub_run_through_parsl(mesh: LocalMesh) -> None:
         assert "WorkerDied" in type(died.value).__name__ or "died" in str(died.value).lower()
         assert ex.submit(where, 3).result(60)[0] == 9, "Parsl replaced the dead worker"
     assert (agent.cfg.data_dir / "parsl").is_dir(), "Parsl's run dir is under the agent's data dir"
+    parsl_log = next((agent.cfg.data_dir / "parsl").glob("*/parsl.log")).read_text()
+    assert "Scaling out by 1 blocks" in parsl_log, "the block came from htex_auto_scale scaling out"
     assert agent.stop() == 0
