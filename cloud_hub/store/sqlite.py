@@ -434,7 +434,7 @@ class SqliteStore:
                         (endpoint_id, *chunk),
                     ).fetchall()
                 )
-            fresh = [r for r in results if r["id"] in owners]
+            fresh = list({r["id"]: r for r in results if r["id"] in owners}.values())  # a batch may repeat an id
             db.executemany(
                 "INSERT OR IGNORE INTO results (task_id, user_id, ok, data, started, finished, received, pid) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",

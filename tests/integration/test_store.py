@@ -111,6 +111,8 @@ async def test_queue_lease_ack_requeue_and_results_once(store: SqliteStore) -> N
     fresh = await store.store_results(ep, [{"id": "t00000", "ok": True, "data": b"r0", "started": 1.0, "finished": 2.0, "pid": 7}])
     assert fresh == [("t00000", uid)]
     assert await store.store_results(ep, [{"id": "t00000", "ok": True, "data": b"again"}]) == [], "stored once"
+    twice = [{"id": "t00002", "ok": True, "data": b"r2"}] * 2
+    assert await store.store_results(ep, twice) == [("t00002", uid)], "an id repeated in one batch counts once"
     assert await store.store_results("ep-other", [{"id": "t00001", "ok": True, "data": b"x"}]) == [], "only from its endpoint"
     (r,) = await store.results(uid, ["t00000", "t00001"])
     assert (r["task_id"], r["ok"], r["data"], r["started"], r["finished"]) == ("t00000", True, b"r0", 1.0, 2.0)
