@@ -73,9 +73,14 @@ class HubThread:
             time.sleep(0.02)
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop and wait until the lifespan shutdown has run (links closed, ports released):
+        a restart on the same ports right after must not find them still taken. On a loaded
+        machine that shutdown (graceful HTTP close, profile save, store close) can take seconds."""
         self.server.should_exit = True
-        self._thread.join(15)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"hub thread did not stop within {timeout:.0f}s")
 
     def __enter__(self) -> "HubThread":
         return self.start()
