@@ -68,7 +68,6 @@ class Emulation:
         self.t0 = 0.0
         self._lock = threading.Lock()
         self._stop_reader = threading.Event()
-        self._submitting_done = False
         self._locks: dict[str, asyncio.Lock] = {}
         self.errors: list[str] = []
         self.phases: dict[str, float] = {}
@@ -104,13 +103,15 @@ class Emulation:
             t_heal = time.time()
             deadline = t_heal + sc.drain_timeout_s
             while time.time() < deadline:
-                if submitter.done() and self._outstanding() == 0:
+                if submitter.done() and (self._outstanding() == 0 or submitter.exception() is not None):
                     break
                 await asyncio.sleep(0.25)
             drain_s = time.time() - t_heal
             if not submitter.done():
                 submitter.cancel()
                 self.errors.append("submissions still failing at the drain deadline")
+            elif submitter.exception() is not None:
+                self.errors.append(f"workload: {submitter.exception()!r}")
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await submitter
             await asyncio.sleep(max(1.0, 2 * sc.hub.heartbeat_s))  # late duplicates would show up now
@@ -269,7 +270,6 @@ class Emulation:
                 await self._submit_batch(client, plan[i:j], fids)
                 i = j
         finally:
-            self._submitting_done = True
             await asyncio.to_thread(client.close)
 
     async def _submit_batch(self, client: Client, batch: list[TaskPlan], fids: dict[str, str]) -> None:
@@ -413,7 +413,7 @@ class Emulation:
             expectations[f"outage_share >= {sc.expect.min_outage_share}"] = share >= sc.expect.min_outage_share
         if sc.expect.min_tasks is not None:
             expectations[f"accepted tasks >= {sc.expect.min_tasks}"] = inv["accepted"] >= sc.expect.min_tasks
-        expectations["every scheduled fault applied"] = not self.errors
+        expectations["every fault applied and every task submitted"] = not self.errors
         ok = bool(inv["ok"]) and all(expectations.values())
         return {
             "scenario": sc.name,
