@@ -71,6 +71,7 @@ class Emulation:
         self._locks: dict[str, asyncio.Lock] = {}
         self.errors: list[str] = []
         self.phases: dict[str, float] = {}
+        self.agent_log: Counter[str] = Counter()
         self.applied: list[tuple[float, float, float, str, str, str]] = []  # planned t, began, took, kind, target, mode
 
     # ------------------------------------------------------------------ entry point
@@ -359,6 +360,11 @@ class Emulation:
                 r.hub_results[tid] = (n, bool(ok), data)
         finally:
             db.close()
+        for a in self.agents.values():  # what the agents had to say about it (warnings they logged)
+            text = a.log_path.read_text(errors="replace") if a.log_path.exists() else ""
+            self.agent_log["clock_remeasures"] += text.count("measuring the hub's clock again")
+            self.agent_log["rejected_frames"] += text.count("rejected frame from hub")
+            self.agent_log["link_losses"] += text.count("link to hub lost")
         for f in (self.workdir / "runs").glob("*.log"):
             for line in f.read_text().splitlines():
                 key = line.split(" ", 1)[0]
@@ -445,6 +451,7 @@ class Emulation:
                          "payload_bytes_mean": round(sum(p.size for p in self.plan) / max(1, len(self.plan)), 1),
                          "payload_bytes_max": max((p.size for p in self.plan), default=0), **result["submits"]},
             "invariants": inv,
+            "agent_logs": {k: self.agent_log[k] for k in ("link_losses", "rejected_frames", "clock_remeasures")},
             "executions": result["executions"],
             "expectations": expectations,
             "completion_s": percentiles(completion),
