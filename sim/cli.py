@@ -78,7 +78,7 @@ def run(
                                                f"({report['delay_after_reconnect_s']['count']} tasks)"),
         ("completion p50 / p99 s", f"{report['completion_s']['p50']} / {report['completion_s']['p99']}"),
         ("expectations", ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in report["expectations"].items())),
-        ("report / timeline", f"{report['files']['report']} / {report['files']['timeline']}"),
+        ("report / timeline", f"{report['files']['report']} / {report['files'].get('timeline', report.get('timeline_missing'))}"),
     ]
     if report.get("workdir"):
         rows.append(("working directory (kept)", report["workdir"]))

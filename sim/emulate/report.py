@@ -16,11 +16,16 @@ _COLORS = {"reset": "#d62728", "blackhole": "#7b4fa0", "dead": "#111111", "hub":
 
 
 def write_report(report: dict[str, Any], out_dir: Path) -> dict[str, Path]:
-    """Write ``report.json`` and ``timeline.png`` into ``out_dir``; returns their paths."""
+    """Write ``report.json`` and ``timeline.png`` (if matplotlib is installed) into ``out_dir``;
+    returns their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"report": out_dir / "report.json", "timeline": out_dir / "timeline.png"}
-    draw_timeline(report, paths["timeline"])
+    try:
+        draw_timeline(report, paths["timeline"])
+    except ImportError:  # the run's verdict does not depend on the picture
+        del paths["timeline"]
+        report["timeline_missing"] = "matplotlib is not installed: pip install 'continuum-mesh[sim]'"
     report["files"] = {k: str(v) for k, v in paths.items()}
     paths["report"].write_text(json.dumps(report, indent=2, default=str))
     return paths
