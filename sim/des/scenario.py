@@ -11,17 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # Outage models are shared with the emulation mode (sim/outages.py); re-exported here.
+from sim._scenario_io import ScenarioError, read_mapping
 from sim.outages import MarkovOutage, OutageSpec, ScheduledOutage, parse_hhmm  # noqa: F401
 
 from .hardware import CATALOG, KINDS, HardwareClass
-
-
-class ScenarioError(ValueError):
-    """A scenario file that cannot be used, with a message that says where and why."""
 
 
 class _Model(BaseModel):
@@ -211,21 +207,7 @@ def load_scenario(source: str | Path | dict | Scenario) -> Scenario:
     """Load and validate a scenario from a YAML path, a dict, or pass a model through."""
     if isinstance(source, Scenario):
         return source
-    where = "<dict>"
-    if isinstance(source, (str, Path)):
-        where = str(source)
-        try:
-            text = Path(source).read_text()
-        except OSError as exc:
-            raise ScenarioError(f"{where}: cannot read scenario: {exc}") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ScenarioError(f"{where}: not valid YAML: {exc}") from None
-    else:
-        data = source
-    if not isinstance(data, dict):
-        raise ScenarioError(f"{where}: a scenario must be a mapping at the top level")
+    data, where = read_mapping(source)
     try:
         return Scenario.model_validate(data)
     except ValidationError as exc:

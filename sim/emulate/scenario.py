@@ -22,9 +22,9 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from sim._scenario_io import ScenarioError, read_mapping
 from sim.outages import OutageSpec, parse_hhmm
 
 __all__ = [
@@ -36,10 +36,6 @@ __all__ = [
 FUNCTIONS = ("echo", "sleep", "cpu", "fail")
 
 _NAME = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
-
-
-class ScenarioError(ValueError):
-    """A scenario file that cannot be used, with a message that says where and why."""
 
 
 class _Model(BaseModel):
@@ -286,21 +282,7 @@ def load_scenario(source: str | Path | dict[str, Any] | EmulationScenario, *, re
     test-suite variant). Raises :class:`ScenarioError` with every problem found."""
     if isinstance(source, EmulationScenario):
         return source
-    where = "<dict>"
-    if isinstance(source, (str, Path)):
-        where = str(source)
-        try:
-            text = Path(source).read_text()
-        except OSError as exc:
-            raise ScenarioError(f"{where}: cannot read scenario: {exc}") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ScenarioError(f"{where}: not valid YAML: {exc}") from None
-    else:
-        data = source
-    if not isinstance(data, dict):
-        raise ScenarioError(f"{where}: a scenario must be a mapping at the top level")
+    data, where = read_mapping(source)
     if "endpoints" in data and "functions" in data and "agents" not in data:
         raise ScenarioError(f"{where}: this is a discrete-event scenario; run it with `mesh-sim des {where}`")
     if reduced:
