@@ -73,12 +73,16 @@ def test_two_replicas_dispatch_and_deliver_exactly_once(tmp_path: Path, pg_url: 
             ex.shutdown()
         assert set(dict(_db(pg_url, "SELECT endpoint_id, replica FROM endpoint_owners")).values()) == {"b"}
 
-        # Phase 3: A comes back; B keeps the endpoints; work submitted through A reaches them.
+        # Phase 3: A comes back; work submitted through A reaches the endpoints, whichever replica
+        # answers them. Ownership is a lease: B normally keeps it, but a renewal that runs late on
+        # a loaded machine lets A take an endpoint over, which is failover working, not a fault.
+        # What must hold either way is below: every task dispatched and stored exactly once.
         mesh.start_hub()
         for a in agents:
             with Executor(mesh.client, a.endpoint_id) as ex:
                 assert list(ex.map(triple, range(50))) == [3 * i for i in range(50)]
-        assert set(dict(_db(pg_url, "SELECT endpoint_id, replica FROM endpoint_owners")).values()) == {"b"}
+        owners = dict(_db(pg_url, "SELECT endpoint_id, replica FROM endpoint_owners"))
+        assert set(owners) == {a.endpoint_id for a in agents} and set(owners.values()) <= {"a", "b"}
         (n, distinct), = _db(pg_url, "SELECT COUNT(*), COUNT(DISTINCT task_id) FROM results")
         assert n == distinct == 700, "every task has exactly one stored result"
         assert _db(pg_url, "SELECT state, COUNT(*) FROM tasks GROUP BY state") == [("done", 700)]
