@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
-__all__ = ["ScenarioError", "read_mapping"]
+__all__ = ["ScenarioError", "format_errors", "read_mapping"]
 
 
 class ScenarioError(ValueError):
@@ -33,3 +34,15 @@ def read_mapping(source: str | Path | dict[str, Any]) -> tuple[dict[str, Any], s
     if not isinstance(data, dict):
         raise ScenarioError(f"{where}: a scenario must be a mapping at the top level")
     return data, where
+
+
+def format_errors(err: ValidationError, fields_in: str) -> str:
+    """One line per problem, with its path; an unknown field points at the module that lists the fields."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = f"unknown field (check the spelling; see {fields_in} for the fields)"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)

@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # Outage models are shared with the emulation mode (sim/outages.py); re-exported here.
-from sim._scenario_io import ScenarioError, read_mapping
+from sim._scenario_io import ScenarioError, format_errors, read_mapping
 from sim.outages import MarkovOutage, OutageSpec, ScheduledOutage, parse_hhmm  # noqa: F401
 
 from .hardware import CATALOG, KINDS, HardwareClass
@@ -193,14 +193,7 @@ class Scenario(_Model):
 
 
 def _format_errors(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; see sim/des/scenario.py for the fields)"
-        lines.append(f"  {loc}: {msg}")
-    return "\n".join(lines)
+    return format_errors(err, "sim/des/scenario.py")
 
 
 def load_scenario(source: str | Path | dict | Scenario) -> Scenario:

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from sim._scenario_io import ScenarioError, read_mapping
+from sim._scenario_io import ScenarioError, format_errors, read_mapping
 from sim.outages import OutageSpec, parse_hhmm
 
 __all__ = [
@@ -234,14 +234,7 @@ class EmulationScenario(_Model):
 
 
 def _format_errors(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; see sim/emulate/scenario.py for the fields)"
-        lines.append(f"  {loc}: {msg}")
-    return "\n".join(lines)
+    return format_errors(err, "sim/emulate/scenario.py")
 
 
 def _merge(base: Any, over: Any, where: str) -> Any:
