@@ -20,14 +20,31 @@ time in the round (timed inside the training function on both sides), their diff
 framework overhead per round, the start-up before round 1, and the final test accuracy.
 Targets: mesh overhead per round <= Flower's; final accuracies within 1 point.
 
+Update compression (issue 11): on the same mesh, the same job again for each setting of
+``--compression`` (default ``fp16,q8,topk:0.01,topk:0.1+q8,topk:0.25+q8``): model bytes up per
+update and down per client per round (from the round records), their ratio to uncompressed
+float32 (today's lossless wire blob, and the raw 4 bytes per weight), and the final accuracy next
+to the uncompressed run's over the same rounds (same seeds). Targets: >= 8x fewer uplink bytes
+with <= 1 point of final accuracy lost.
+
+Time to accuracy over a shaped link (``--link-kbps 256``; 0 skips it): a second mesh whose
+agents each reach the broker through their own ``sim.emulate.proxy.FaultProxy`` capped at that
+bandwidth per direction (one rural link per device), running ``--tta-rounds`` rounds uncompressed
+and with ``--tta-compression``; then Flower with its defaults, each SuperNode reaching the
+SuperLink through its own capped proxy. Reported: time from round 1 (and from launch) to the
+first global model at >= ``--tta-target`` test accuracy, and the bytes each link carried.
+
 One JSON object on stdout and in bench/results/fl-<UTC>.json; progress on stderr.
 
     python bench/fl.py [--rounds 5] [--clients 5] [--local-epochs 2] [--quick] [--no-flower]
+                       [--compression LIST] [--link-kbps 256] [--tta-rounds 10] [--no-shaped-flower]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -37,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -84,43 +102,181 @@ def _summary(round_s: list[float], train_s: list[float], accuracy: list[float], 
 
 
 # ------------------------------------------------------------------------------- mesh
-def run_mesh(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], list[str]]:
+def _split(setting: str) -> tuple[str | None, str | None]:
+    """``"UPLINK|DOWNLINK"`` (e.g. ``"topk:0.25+q8|fp16"``; ``"none"``: neither)."""
+    up, _, down = setting.partition("|")
+    return (None if up in ("", "none") else up), (down or None)
+
+
+def _mesh_job(client: Any, ids: list[str], args: argparse.Namespace, rounds: int, setting: str | None,
+              name: str) -> tuple[Any, dict[str, Any]]:
+    """The benchmark job once on the mesh; returns the history and its timings."""
+    compression, downlink = _split(setting or "none")
     import torch
 
-    from cloud_hub.localmesh import LocalMesh
     from fl import FedAvg, Federation
     from fl.data import load_test_data
-    from fl.localmesh import add_digits_agents
     from fl.models import MLP
+
+    stamps: list[float] = []
+    first_start: list[float] = []
+
+    def on_round_start(r: int, _tasks: dict[str, str]) -> None:
+        if not first_start:
+            first_start.append(time.time())
+
+    torch.manual_seed(0)
+    fed = Federation(client, ids)
+    t0 = time.time()
+    hist = fed.fit(MLP(), "digits", rounds=rounds, strategy=FedAvg(min_clients=args.clients),
+                   local_epochs=args.local_epochs, deadline_s=600, trainer=TRAINER, eval_data=load_test_data(),
+                   seed=0, name=name, on_round=lambda rec, w: stamps.append(time.time()),
+                   on_round_start=on_round_start, compression=compression, downlink=downlink)
+    return hist, {"t0": t0, "first_start": first_start[0], "stamps": stamps, "t_end": time.time()}
+
+
+def _raw_float32_bytes() -> int:
+    import torch
+
+    from fl.models import MLP
+
+    torch.manual_seed(0)
+    return int(sum(p.numel() for p in MLP().state_dict().values() if p.is_floating_point()) * 4)
+
+
+def _traffic(hist: Any) -> dict[str, Any]:
+    t = hist.traffic()
+    per_round_up = [r["up"] for r in t["rounds"]]
+    return {"model_bytes_up_per_update": round(t["up_per_update"], 1) if t["up_per_update"] else None,
+            "model_bytes_down_per_client": round(t["down_per_client"], 1) if t["down_per_client"] else None,
+            "model_bytes_up_per_round": per_round_up, "model_bytes_down_per_round": [r["down"] for r in t["rounds"]]}
+
+
+def run_mesh(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
+    from cloud_hub.localmesh import LocalMesh
+    from fl.localmesh import add_digits_agents
 
     with LocalMesh(workdir / "mesh", heartbeat_s=1.0, lost_after_s=10.0, lease_s=10.0, hub_process=True) as mesh:
         agents = add_digits_agents(mesh, args.clients, scheme="dirichlet", alpha=args.alpha, seed=0)
         mesh.wait_online(timeout=120)
         ids = [a.endpoint_id for a in agents]
         c.log(f"mesh: {args.clients} agents online; fit {args.rounds} rounds")
-        stamps: list[float] = []
-        torch.manual_seed(0)
-        fed = Federation(mesh.client, ids)
-        t0 = time.time()
-        first_start: list[float] = []
-
-        def on_round_start(r: int, _tasks: dict[str, str]) -> None:
-            if r == 1:
-                first_start.append(time.time())
-
-        hist = fed.fit(MLP(), "digits", rounds=args.rounds, strategy=FedAvg(min_clients=args.clients),
-                       local_epochs=args.local_epochs, deadline_s=600, trainer=TRAINER, eval_data=load_test_data(),
-                       seed=0, name="bench-fl", on_round=lambda rec, w: stamps.append(time.time()),
-                       on_round_start=on_round_start)
-        t_end = time.time()
-        start = first_start[0]
-        bounds = [start] + stamps
+        hist, tm = _mesh_job(mesh.client, ids, args, args.rounds, None, "bench-fl")
+        start = tm["first_start"]
+        bounds = [start] + tm["stamps"]
         round_s = [b - a for a, b in zip(bounds, bounds[1:])]
         train_s = [float(r.extra.get("max_train_time_s", 0.0)) for r in hist]
-        out = _summary(round_s, train_s, [float(r.accuracy) for r in hist], start - t0, t_end - t0)
+        out = _summary(round_s, train_s, [float(r.accuracy) for r in hist], start - tm["t0"], tm["t_end"] - tm["t0"])
         out["warmup"] = hist.metadata.get("warmup", {}).get("time_s")
         out["participants_per_round"] = [len(r.participants) for r in hist]
-        return out, ids
+        out.update(_traffic(hist))
+        sweep = compression_sweep(args, mesh, ids, out)
+        return out, ids, sweep
+
+
+def compression_sweep(args: argparse.Namespace, mesh: Any, ids: list[str], base: dict[str, Any]) -> dict[str, Any]:
+    """The same job with each compression setting, on the same (warm) mesh."""
+    raw = _raw_float32_bytes()
+    wire = base["model_bytes_up_per_update"]
+    out: dict[str, Any] = {"raw_float32_bytes_per_update": raw, "settings": {}}
+    out["settings"]["none"] = {"final_accuracy": base["final_accuracy"], "accuracy_per_round": base["accuracy_per_round"],
+                               "model_bytes_up_per_update": wire, "model_bytes_down_per_client": base["model_bytes_down_per_client"],
+                               "uplink_reduction_vs_wire": 1.0, "uplink_reduction_vs_raw_float32": round(raw / wire, 2) if wire else None}
+    for spec in [x for x in args.compression.split(",") if x and x != "none"]:
+        c.log(f"mesh: compression {spec}, {args.rounds} rounds")
+        hist, tm = _mesh_job(mesh.client, ids, args, args.rounds, spec, f"bench-fl-{spec}")
+        tr = _traffic(hist)
+        up = tr["model_bytes_up_per_update"]
+        acc = [round(float(r.accuracy), 4) for r in hist]
+        diff = (base["final_accuracy"] - acc[-1]) * 100
+        out["settings"][spec] = {
+            "final_accuracy": acc[-1], "accuracy_per_round": acc, **tr,
+            "uplink_reduction_vs_wire": round(wire / up, 2) if up and wire else None,
+            "uplink_reduction_vs_raw_float32": round(raw / up, 2) if up else None,
+            "accuracy_lost_points": round(diff, 2),
+            "target_8x_met": bool(up and wire and wire / up >= 8),
+            "target_accuracy_met": diff <= 1.0,
+            "mean_s_per_round": round((tm["t_end"] - tm["first_start"]) / max(1, len(hist)), 3),
+        }
+        c.log(f"  {spec}: up {up} B/update ({out['settings'][spec]['uplink_reduction_vs_wire']}x), accuracy {acc[-1]:.4f}")
+    return out
+
+
+# ------------------------------------------------------------------------------- shaped links
+class _Links:
+    """Fault proxies (sim/emulate/proxy.py) capped at a bandwidth, on an event loop in a thread."""
+
+    def __init__(self, kbps: float) -> None:
+        self.kbps = float(kbps)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="links", daemon=True)
+        self.thread.start()
+        self.proxies: dict[str, Any] = {}
+
+    def add(self, name: str, upstream_port: int) -> int:
+        from sim.emulate.proxy import FaultProxy, LinkShape
+
+        shape = LinkShape(bandwidth_bps=self.kbps * 1000)
+        proxy = asyncio.run_coroutine_threadsafe(FaultProxy(name, ("127.0.0.1", upstream_port), shape).start(), self.loop).result(10)
+        self.proxies[name] = proxy
+        return int(proxy.port)
+
+    def counters(self, prefix: str = "") -> dict[str, int]:
+        up = sum(p.stats["bytes_up"] for n, p in self.proxies.items() if n.startswith(prefix))
+        down = sum(p.stats["bytes_down"] for n, p in self.proxies.items() if n.startswith(prefix))
+        return {"up": int(up), "down": int(down)}
+
+    def close(self) -> None:
+        for p in self.proxies.values():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(p.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def _time_to(acc: list[float], ends: list[float], start: float, target: float) -> float | None:
+    for a, t in zip(acc, ends):
+        if a >= target:
+            return round(t - start, 3)
+    return None
+
+
+def run_mesh_shaped(args: argparse.Namespace, workdir: Path, links: _Links) -> tuple[dict[str, Any], list[str]]:
+    from cloud_hub.localmesh import LocalMesh
+    from fl.localmesh import add_digits_agents
+
+    out: dict[str, Any] = {}
+    with LocalMesh(workdir / "mesh-shaped", heartbeat_s=1.0, lost_after_s=10.0, lease_s=10.0, hub_process=True) as mesh:
+        agents = add_digits_agents(mesh, args.clients, scheme="dirichlet", alpha=args.alpha, seed=0, prefix="fl-rural", start=False)
+        for a in agents:
+            port = links.add(f"mesh/{a.cfg.name}", mesh.broker.port)
+            a.cfg = a.cfg.model_copy(update={"mqtt": a.cfg.mqtt.model_copy(update={"host": "127.0.0.1", "port": port})})
+            a.cfg.save(a.config_path)
+            a.start()
+        mesh.wait_online(timeout=180)
+        ids = [a.endpoint_id for a in agents]
+        for spec in ["none"] + [x for x in args.tta_compression.split(",") if x and x != "none"]:
+            c.log(f"mesh over {links.kbps:g} kbps links: compression {spec}, {args.tta_rounds} rounds")
+            before = links.counters("mesh/")
+            hist, tm = _mesh_job(mesh.client, ids, args, args.tta_rounds, spec, f"bench-fl-shaped-{spec}")
+            after = links.counters("mesh/")
+            acc = [round(float(r.accuracy), 4) for r in hist]
+            n = max(1, len(hist))
+            res = {
+                "accuracy_per_round": acc, "final_accuracy": acc[-1],
+                "round_end_s": [round(t - tm["first_start"], 3) for t in tm["stamps"]],
+                "time_to_target_s": _time_to(acc, tm["stamps"], tm["first_start"], args.tta_target),
+                "time_to_target_from_launch_s": _time_to(acc, tm["stamps"], tm["t0"], args.tta_target),
+                "startup_s": round(tm["first_start"] - tm["t0"], 3),
+                "mean_s_per_round": round((tm["t_end"] - tm["first_start"]) / n, 3),
+                "link_bytes_up_per_round": round((after["up"] - before["up"]) / n),
+                "link_bytes_down_per_round": round((after["down"] - before["down"]) / n),
+                **_traffic(hist),
+            }
+            out[spec] = res
+            c.log(f"  {spec}: {res['mean_s_per_round']} s/round, {args.tta_target:.0%} after {res['time_to_target_s']} s, "
+                  f"link up {res['link_bytes_up_per_round']} B/round")
+    return out, ids
 
 
 # ------------------------------------------------------------------------------- flower
@@ -132,7 +288,8 @@ class _Procs:
 
     def start(self, cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
         fh = open(log, "ab")
-        p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # cwd: the run's own folder, so what an app's ServerApp saves (a model file) lands there, not in the repo
+        p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=log.parent)
         fh.close()
         self.procs.append(p)
         return p
@@ -166,11 +323,17 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_flower(args: argparse.Namespace, workdir: Path, seed_keys: list[str]) -> dict[str, Any]:
+def run_flower(args: argparse.Namespace, workdir: Path, seed_keys: list[str], rounds: int | None = None,
+               links: "_Links | None" = None, tag: str = "") -> dict[str, Any]:
+    """The job on Flower's Deployment Engine; with ``links``, each SuperNode reaches the
+    SuperLink through its own bandwidth-capped proxy."""
+    n_rounds = int(rounds or args.rounds)
     venv_bin = Path(sys.executable).parent
     flwr = shutil.which("flwr", path=str(venv_bin)) or shutil.which("flwr")
     if flwr is None:
         raise RuntimeError("flwr CLI not found: pip install flwr (the 'flower' extra)")
+    workdir = workdir / f"flower{tag}"
+    workdir.mkdir(parents=True)
     home, out = workdir / "flwr-home", workdir / "flwr-out"
     home.mkdir(parents=True)
     out.mkdir(parents=True)
@@ -193,11 +356,14 @@ def run_flower(args: argparse.Namespace, workdir: Path, seed_keys: list[str]) ->
             raise RuntimeError(f"flower-superlink did not listen within 60 s: {(workdir / 'superlink.log').read_text()[-2000:]}")
         for k in range(args.clients):
             node_cfg = f"partition-id={k} num-partitions={args.clients} seed-key='{seed_keys[k]}'"
-            procs.start([str(venv_bin / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
+            link_port = links.add(f"flower{tag}/{k}", port) if links is not None else port
+            procs.start([str(venv_bin / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{link_port}",
                          "--node-config", node_cfg, "--port", str(_free_port())], workdir / f"supernode-{k}.log", env)
-        c.log(f"flower: SuperLink on :{port}, {args.clients} SuperNodes; flwr run")
-        run_cfg = (f"num-server-rounds={args.rounds} num-nodes={args.clients} local-epochs={args.local_epochs} "
+        c.log(f"flower: SuperLink on :{port}, {args.clients} SuperNodes" + (f" over {links.kbps:g} kbps links" if links else "")
+              + f"; flwr run, {n_rounds} rounds")
+        run_cfg = (f"num-server-rounds={n_rounds} num-nodes={args.clients} local-epochs={args.local_epochs} "
                    f"alpha={args.alpha} out-dir='{out}'")
+        before = links.counters(f"flower{tag}/") if links is not None else None
         t0 = time.time()
         run = subprocess.run([flwr, "run", str(FLOWER_APP), "bench", "--run-config", run_cfg, "--stream"],
                              env=env, cwd=workdir, capture_output=True, text=True, timeout=args.flower_timeout)
@@ -205,18 +371,160 @@ def run_flower(args: argparse.Namespace, workdir: Path, seed_keys: list[str]) ->
         (workdir / "flwr-run.log").write_text(run.stdout + run.stderr)
         rounds = sorted(_jsonl(out / "flower-rounds.jsonl"), key=lambda d: d["round"])
         clients = _jsonl(out / "flower-clients.jsonl")
-        if run.returncode != 0 or len(rounds) != args.rounds + 1:
+        if run.returncode != 0 or len(rounds) != n_rounds + 1:
             raise RuntimeError(f"flwr run exited {run.returncode} with {len(rounds)} evaluations: {(run.stdout + run.stderr)[-3000:]}")
         ts = [d["t"] for d in rounds]  # round 0 = the initial model, evaluated before round 1
         round_s = [b - a for a, b in zip(ts, ts[1:])]
-        train_s = [max((d["train_s"] for d in clients if d["round"] == r), default=0.0) for r in range(1, args.rounds + 1)]
-        res = _summary(round_s, train_s, [float(d["accuracy"]) for d in rounds[1:]], ts[0] - t0, t_end - t0)
-        res["participants_per_round"] = [sum(1 for d in clients if d["round"] == r) for r in range(1, args.rounds + 1)]
+        train_s = [max((d["train_s"] for d in clients if d["round"] == r), default=0.0) for r in range(1, n_rounds + 1)]
+        acc = [float(d["accuracy"]) for d in rounds[1:]]
+        res = _summary(round_s, train_s, acc, ts[0] - t0, t_end - t0)
+        res["participants_per_round"] = [sum(1 for d in clients if d["round"] == r) for r in range(1, n_rounds + 1)]
         handler = [d["handler_s"] - d["train_s"] for d in clients]
         res["mean_clientapp_handler_minus_train_s"] = round(statistics.fmean(handler), 4) if handler else None
+        if links is not None:
+            assert before is not None
+            after = links.counters(f"flower{tag}/")
+            res["round_end_s"] = [round(t - ts[0], 3) for t in ts[1:]]
+            res["time_to_target_s"] = _time_to(acc, ts[1:], ts[0], args.tta_target)
+            res["time_to_target_from_launch_s"] = _time_to(acc, ts[1:], t0, args.tta_target)
+            res["link_bytes_up_per_round"] = round((after["up"] - before["up"]) / n_rounds)
+            res["link_bytes_down_per_round"] = round((after["down"] - before["down"]) / n_rounds)
         return res
     finally:
         procs.stop()
+
+
+# ------------------------------------------------------------------------------- Flower App, both sides
+def _flower_final_metrics(text: str) -> dict[str, float]:
+    """The last round's aggregated ClientApp-side evaluate metrics from ``flwr run --stream``."""
+    import re
+
+    block = text.split("Aggregated ClientApp-side Evaluate Metrics", 1)[-1].split("ServerApp-side", 1)[0]
+    rounds = re.findall(r"(\d+): \{([^}]*)\}", block)
+    if not rounds:
+        return {}
+    return {k: float(v) for k, v in re.findall(r"'([\w-]+)': '([-+0-9.e]+)'", rounds[-1][1])}
+
+
+def run_flower_app_mesh(args: argparse.Namespace, workdir: Path, app: Path) -> dict[str, Any]:
+    """The Flower App on the mesh: ``fl.flower.run_app`` against N agents (one worker each)."""
+    from cloud_hub.localmesh import LocalMesh
+    from fl.flower.run import run_app
+    from fl.localmesh import add_digits_agents
+
+    with LocalMesh(workdir / "mesh-app", heartbeat_s=1.0, lost_after_s=10.0, lease_s=10.0, hub_process=True) as mesh:
+        agents = add_digits_agents(mesh, args.clients, prefix="flwr-app", workers=1)
+        mesh.wait_online(timeout=120)
+        ids = [a.endpoint_id for a in agents]
+        traffic0 = {e["id"]: dict((e.get("info") or {}).get("traffic") or {}) for e in mesh.client.list_endpoints()}
+        t0 = time.time()
+        res = run_app(app, mesh.client, endpoints=ids, dataset="digits", workdir=workdir / "mesh-app-out",
+                      run_config={"num-server-rounds": args.rounds})
+        total = time.time() - t0
+        rounds = res.rounds
+        first_start = total - sum(float(r["round_time_s"]) for r in rounds)
+        fe = (rounds[-1]["extra"].get("federated_eval") or {}).get("metrics") or {}
+        traffic1 = {e["id"]: dict((e.get("info") or {}).get("traffic") or {}) for e in mesh.client.list_endpoints()}
+        return {
+            "status": res.status, "rounds": len(rounds), "total_s": round(total, 3),
+            "mean_s_per_round": round(statistics.fmean(float(r["round_time_s"]) for r in rounds), 4) if rounds else None,
+            "round_s": [round(float(r["round_time_s"]), 4) for r in rounds],
+            "startup_s_delivery_and_warmup": round(first_start, 3),
+            "final_federated_eval": fe,
+            "message_bytes_out": res.bytes_out, "message_bytes_in": res.bytes_in,
+            "message_bytes_per_round": round((res.bytes_out + res.bytes_in) / max(1, len(rounds))),
+            "app_fab_bytes_delivered": res.delivery.get("fab_bytes_sent"),
+            "endpoint_traffic_before": traffic0, "endpoint_traffic_after": traffic1,
+        }
+
+
+def run_flower_app_flower(args: argparse.Namespace, workdir: Path, app: Path) -> dict[str, Any]:
+    """The same app directory on Flower's Deployment Engine (SuperLink + N SuperNodes, flwr run)."""
+    venv_bin = Path(sys.executable).parent
+    flwr = shutil.which("flwr", path=str(venv_bin)) or shutil.which("flwr")
+    if flwr is None:
+        raise RuntimeError("flwr CLI not found: pip install flwr (the 'flower' extra)")
+    home = workdir / "flwr-app-home"
+    home.mkdir(parents=True)
+    port = _free_port()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
+    env = dict(os.environ, FLWR_HOME=str(home), PYTHONPATH=str(c.REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PATH=str(venv_bin) + os.pathsep + os.environ.get("PATH", ""), PYTHONUNBUFFERED="1")
+    procs = _Procs()
+    try:
+        procs.start([str(venv_bin / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
+                     "--host", "127.0.0.1", "--port", str(port)], workdir / "superlink-app.log", env)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.2)
+        for k in range(args.clients):
+            procs.start([str(venv_bin / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
+                         "--node-config", f"partition-id={k} num-partitions={args.clients}", "--port", str(_free_port())],
+                        workdir / f"supernode-app-{k}.log", env)
+        c.log(f"flower: SuperLink on :{port}, {args.clients} SuperNodes; flwr run {app.name}")
+        out_dir = workdir / "flwr-app-out"
+        out_dir.mkdir()
+        t0 = time.time()
+        run = subprocess.run([flwr, "run", str(app), "bench", "--run-config", f"num-server-rounds={args.rounds}", "--stream"],
+                             env=env, cwd=out_dir, capture_output=True, text=True, timeout=args.flower_timeout)
+        total = time.time() - t0
+        text = run.stdout + run.stderr
+        (workdir / "flwr-app-run.log").write_text(text)
+        done = text.count("[ROUND ")
+        if run.returncode != 0 or done < args.rounds:
+            raise RuntimeError(f"flwr run exited {run.returncode} after {done} rounds: {text[-3000:]}")
+        return {"status": "finished", "rounds": done, "total_s": round(total, 3), "mean_s_per_round_incl_startup": round(total / done, 4),
+                "final_federated_eval": _flower_final_metrics(text)}
+    finally:
+        procs.stop()
+
+
+def flower_app_main(args: argparse.Namespace, out: dict[str, Any], workdir: Path) -> None:
+    app = Path(args.flower_app).resolve()
+    mesh = run_flower_app_mesh(args, workdir, app)
+    out["flower_app"] = {"app": str(app.relative_to(c.REPO)) if app.is_relative_to(c.REPO) else str(app), "continuum_mesh": mesh}
+    c.log(f"mesh: {mesh['rounds']} rounds in {mesh['total_s']} s ({mesh['mean_s_per_round']} s/round), {mesh['final_federated_eval']}")
+    if not args.no_flower:
+        try:
+            fl = run_flower_app_flower(args, workdir, app)
+            out["flower_app"]["flower"] = fl
+            c.log(f"flower: {fl['rounds']} rounds in {fl['total_s']} s, {fl['final_federated_eval']}")
+        except Exception as exc:  # reported, not hidden
+            out["flower_app"]["flower"] = {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def shaped_main(args: argparse.Namespace, out: dict[str, Any], workdir: Path) -> None:
+    """Time to ``--tta-target`` accuracy over ``--link-kbps`` links: mesh uncompressed, mesh
+    compressed, Flower with its defaults."""
+    links = _Links(args.link_kbps)
+    res: dict[str, Any] = {"link_kbps": args.link_kbps, "rounds": args.tta_rounds, "target_accuracy": args.tta_target,
+                           "compressed_settings": args.tta_compression, "loadavg_before": c.loadavg()}
+    out["shaped_link"] = res
+    try:
+        mesh, ids = run_mesh_shaped(args, workdir, links)
+        res["continuum_mesh_uncompressed"] = mesh.pop("none")
+        res["continuum_mesh_compressed"] = mesh
+        res["loadavg_after_mesh"] = c.loadavg()
+        if not args.no_shaped_flower:
+            try:
+                fl = run_flower(args, workdir, ids, rounds=args.tta_rounds, links=links, tag="-shaped")
+                res["flower"] = fl
+                c.log(f"flower over {args.link_kbps:g} kbps: {fl['mean_s_per_round']} s/round, "
+                      f"{args.tta_target:.0%} after {fl.get('time_to_target_s')} s")
+            except Exception as exc:  # reported, not hidden
+                res["flower"] = {"error": f"{type(exc).__name__}: {exc}"}
+                c.log(f"flower over shaped links failed: {exc}")
+        res["loadavg_after"] = c.loadavg()
+        un, fl = res["continuum_mesh_uncompressed"], res.get("flower") or {}
+        res["speedup_over_uncompressed"] = {k: c.ratio(un["time_to_target_s"], v["time_to_target_s"]) for k, v in mesh.items()}
+        res["speedup_over_flower"] = {k: c.ratio(fl.get("time_to_target_s"), v["time_to_target_s"])
+                                      for k, v in [("none", un), *mesh.items()]}
+    finally:
+        links.close()
 
 
 def main() -> None:
@@ -230,18 +538,36 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="3 rounds, 3 clients (smoke run)")
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--workdir", default=None)
+    p.add_argument("--compression", default="fp16,q8,topk:0.01,topk:0.1+q8,topk:0.25+q8,topk:0.25+q8|fp16",
+                   help="compression settings (UPLINK or UPLINK|DOWNLINK) to run the job with after the uncompressed run")
+    p.add_argument("--link-kbps", type=float, default=256, help="shaped-link legs: bandwidth per device link (0: skip them)")
+    p.add_argument("--tta-rounds", type=int, default=10, help="rounds of each shaped-link leg")
+    p.add_argument("--tta-target", type=float, default=0.90, help="test accuracy the shaped-link legs time")
+    p.add_argument("--tta-compression", default="q8,topk:0.25+q8,q8|fp16,topk:0.25+q8|fp16",
+                   help="compressed shaped-link legs (UPLINK or UPLINK|DOWNLINK each), after the uncompressed one")
+    p.add_argument("--no-shaped-flower", action="store_true", help="skip Flower over the shaped links")
+    p.add_argument("--flower-app", default=None,
+                   help="a Flower App directory (e.g. tests/fixtures/flower_apps/quickstart-sklearn): run it unchanged "
+                        "on the mesh (mesh-fl's run_app) and on Flower's Deployment Engine instead of the MLP job")
     args = p.parse_args()
     if args.quick:
-        args.rounds, args.clients = 3, 3
+        args.rounds, args.clients, args.tta_rounds = 3, 3, 3
     started = time.monotonic()
     out = c.header("fl", args)
     out["machine"]["versions"].update({m: c._version(m) for m in ("torch", "flwr", "numpy")})
     workdir = Path(tempfile.mkdtemp(prefix="bench-fl-", dir=args.workdir))
     try:
+        if args.flower_app:
+            out["flower_app_examples_commit"] = "fdef7afb1dca3030553be302366cfd285ed6632c (adap/flower; see tests/fixtures/flower_apps/NOTICE)"
+            flower_app_main(args, out, workdir)
+            c.finish("fl", out, args, started)
+            return
         la = c.loadavg()
-        mesh, ids = run_mesh(args, workdir)
+        mesh, ids, sweep = run_mesh(args, workdir)
         mesh["loadavg_before"], mesh["loadavg_after"] = la, c.loadavg()
         out["continuum_mesh"] = mesh
+        sweep["loadavg_after"] = c.loadavg()
+        out["compression"] = sweep
         c.log(f"mesh: {mesh['mean_s_per_round']} s/round, overhead {mesh['mean_overhead_s_per_round']} s, "
               f"accuracy {mesh['final_accuracy']:.4f}")
         if not args.no_flower:
@@ -267,6 +593,8 @@ def main() -> None:
                 "target_overhead_met": mesh["mean_overhead_s_per_round"] <= fl["mean_overhead_s_per_round"],
                 "target_accuracy_met": diff <= 1.0,
             }
+        if args.link_kbps > 0:
+            shaped_main(args, out, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     c.finish("fl", out, args, started)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = ["HubConfig"]
 
@@ -26,16 +27,33 @@ class HubConfig(BaseModel):
     mqtt_username: str | None = None
     mqtt_password: str | None = None
     mqtt_public_host: str | None = None
+    # TLS (docs/security.md#tls): the broker URL agents are told at enrollment (mqtts://host:8883 or
+    # wss://host:443/mqtt; default mqtt://mqtt_public_host:mqtt_port), the CA they are given (its
+    # sha256 goes out with every enrollment token, for `mesh-agent init --ca-hash`), HTTPS for the API.
+    mqtt_public_url: str | None = Field(None, pattern=r"^(mqtt|mqtts|ws|wss)://[^/\s:]+(:\d{1,5})?(/\S*)?$")
+    mqtt_tls: bool = Field(False, description="the hub's own broker link uses TLS (verified with tls_ca_file, else the system's CAs)")
+    tls_ca_file: Path | None = Field(None, description="PEM CA that signs the broker's (and API's) certificate; sent to agents at enrollment")
+    tls_cert_file: Path | None = Field(None, description="HTTPS for the REST API: certificate chain (PEM)")
+    tls_key_file: Path | None = Field(None, description="HTTPS for the REST API: its private key (PEM)")
     # Per-endpoint broker logins and ACLs (docs/security.md): where the hub writes Mosquitto's
     # password_file and acl_file (on start and after each enrollment), and the broker's pid to SIGHUP.
     mqtt_auth_dir: Path | None = None
-    mqtt_broker_pid_file: Path | None = None
+    mqtt_broker_pid_file: Path | None = Field(None, description="pid file of the broker to SIGHUP after a rewrite (one pid a line: several nodes)")
+    # A clustered broker (docs/operations.md, "Clustered broker"): what the files in mqtt_auth_dir are
+    # written for, and the other nodes the hub's own link fails over to (mqtt_host:mqtt_port first).
+    mqtt_broker_kind: Literal["mosquitto", "nats"] = Field("mosquitto", description="mosquitto: password_file + acl_file; nats: nats_auth.conf")
+    mqtt_hosts: list[str] = Field(default_factory=list, description="further broker nodes, host:port each (MESH_HUB_MQTT_HOSTS=a:1883,b:1883)")
     # ZeroMQ: where the hub's ROUTER binds, and the address agents connect to.
     zmq_bind: str | None = "tcp://127.0.0.1:8701"
     zmq_public: str | None = None
     heartbeat_s: float = Field(5.0, gt=0, description="agents beat this often")
     lost_after_s: float = Field(15.0, gt=0, description="silence after which an endpoint is offline")
+    # Metered MQTT agents (profile: metered) beat only on change; the broker's will tells the hub
+    # when one goes silent. See docs/protocol.md, "Liveness and idle cost", for the bytes each costs.
+    mqtt_lost_after_s: float = Field(360.0, ge=2, description="offline bound for MQTT agents that beat on change: keepalive = (bound - slack) / 1.5")
+    beat_max_s: float = Field(1800.0, gt=0, description="longest an MQTT agent that beats on change stays silent (it is lost after this + mqtt_lost_after_s if its will never came)")
     lease_s: float = Field(30.0, gt=0, description="a dispatched task not acked by then is re-queued")
+    site_hold_s: float = Field(3600.0, gt=0, description="a task leased ahead to a site gateway (docs/sites.md) and not acked by its device by then is re-queued: the bound on work stranded at a dead gateway")
     max_payload_bytes: int = Field(10 * 2**20, ge=1024, description="largest function body or argument blob")
     max_batch: int = Field(50_000, ge=1)
     task_ttl_s: float = Field(30 * 86400, gt=0, description="default expiry of a task that never ran")
@@ -51,6 +69,46 @@ class HubConfig(BaseModel):
     globus_allowed_domains: list[str] = Field(default_factory=list, description="identity domains that get a hub user on first use")
     globus_users: dict[str, str] = Field(default_factory=dict, description="Globus username -> hub user name")
     globus_cache_s: float = Field(60.0, ge=0, description="how long an introspection answer is reused")
+
+    @field_validator("mqtt_host", "zmq_bind", "database_url", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v: object) -> object:
+        """``--mqtt-host ''`` / ``MESH_HUB_MQTT_HOST=`` mean "no MQTT at all", never "the default broker"."""
+        return None if isinstance(v, str) and not v.strip() else v
+
+    @model_validator(mode="after")
+    def _broker_login(self) -> "HubConfig":
+        """A hub that writes the broker's password file (``mqtt_auth_dir``) runs a broker that refuses
+        anonymous clients: it logs in as ``mqtt_username`` (default ``mesh-hub``) and needs its password.
+        Refuse to start without one rather than connect anonymously (docs/operations.md)."""
+        if self.mqtt_auth_dir is not None and self.mqtt_host:
+            if not self.mqtt_username:
+                self.mqtt_username = "mesh-hub"
+            if not self.mqtt_password:
+                raise ValueError(
+                    "MESH_HUB_MQTT_AUTH_DIR is set, so the broker refuses anonymous clients, but the hub has no broker password: "
+                    f"set MESH_HUB_MQTT_PASSWORD (the hub logs in as MESH_HUB_MQTT_USERNAME, here {self.mqtt_username!r})"
+                )
+        return self
+
+    @field_validator("mqtt_hosts", mode="before")
+    @classmethod
+    def _host_list(cls, v: object) -> object:
+        """``MESH_HUB_MQTT_HOSTS="10.0.0.2:1883,10.0.0.3:1883"``; each entry must parse as host[:port]."""
+        from mesh_agent.transport.brokers import parse_hostport
+
+        items = [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
+        for item in items if isinstance(items, list) else []:
+            parse_hostport(str(item), 1883)
+        return items
+
+    def broker_nodes(self) -> list[tuple[str, int]]:
+        """The hub's own link's brokers, in order: ``mqtt_host:mqtt_port``, then ``mqtt_hosts`` (a port left out is ``mqtt_port``)."""
+        from mesh_agent.transport.brokers import parse_hostport
+
+        first = [(self.mqtt_host, self.mqtt_port)] if self.mqtt_host else []
+        rest = [parse_hostport(h, self.mqtt_port) for h in self.mqtt_hosts]
+        return first + [b for b in rest if b not in first]
 
     @field_validator("globus_allowed_domains", mode="before")
     @classmethod

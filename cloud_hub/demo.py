@@ -2,16 +2,21 @@
 
 Starts Mosquitto, the hub (SQLite), three agent processes (two over MQTT, one over ZeroMQ),
 then runs thousands of small calls and some numpy work on every endpoint through the SDK,
-kills one agent in the middle to show that nothing is lost, and prints a summary table.
-Everything stops at the end or on Ctrl-C.
+kills one agent in the middle to show that nothing is lost, and prints a summary table; lets
+the scheduler place two waves (``endpoint="auto"``) and shows each endpoint's measured speed
+next to its share; then runs the FL demo (``fl.demo``) on the same mesh. Run from a terminal,
+the mesh then keeps serving (console link and token printed) until Ctrl-C; ``--no-serve``
+exits at once, ``--serve`` serves even without a terminal.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -46,31 +51,80 @@ def spectral_radius(n: int, seed: int) -> float:
     return float(np.max(np.abs(np.linalg.eigvalsh(a + a.T))))
 
 
-def _auto_placement(mesh: LocalMesh, agents: list[Any], n: int) -> bool:
+def placed_pi(seed: int) -> float:
+    """The scheduler's workload: a function of its own (no profile yet, so wave 1 explores), pure
+    Python and long enough (~8 ms on a full core) that a CPU quota shows in every run."""
+    return monte_carlo_pi(60000, seed)
+
+
+def _auto_placement(mesh: LocalMesh, agents: list[Any], n: int, speed: dict[str, str]) -> bool:
     """Let the scheduler place work (``endpoint="auto"``) in two waves: the first explores an
-    unprofiled function, the second uses what it measured. Shows where tasks went and how far
-    the predictions were from the actual times."""
+    unprofiled function, the second uses what it measured. One row per endpoint: what it is
+    (workers, CPU), how fast it really ran the function, and the share of each wave it got, so a
+    reader can judge the placement; plus how far the predictions were from the actual times."""
     if n <= 0:
         return True
-    names = {a.endpoint_id: a.cfg.name for a in agents}
-    table = Table(title=f'Scheduler placement (endpoint="auto"), 2 waves of {n // 2} tasks')
-    for col in ("wave", *names.values(), "median |predicted - actual|"):
-        table.add_column(col, justify="right")
+    table = Table(title=f'Scheduler placement (endpoint="auto"): 2 waves of {n // 2} tasks')
+    for col in ("endpoint", "workers", "CPU", "mean run ms", "wave 1 share", "wave 2 share"):
+        table.add_column(col, justify="left" if col in ("endpoint", "CPU") else "right")
     ok = True
+    shares: list[Counter[str]] = []
+    runs: dict[str, list[float]] = {a.endpoint_id: [] for a in agents}
+    errors: list[float] = []
     with Executor(mesh.client, endpoint="auto") as ex:
-        for wave in (1, 2):
-            fs = [ex.submit(spectral_radius, 120, i) for i in range(n // 2)]
+        for _wave in (1, 2):
+            fs = [ex.submit(placed_pi, i) for i in range(n // 2)]
             done, not_done = wait(fs, timeout=300)
             ok = ok and not not_done and all(f.exception() is None for f in done)
-            placed = Counter(getattr(f, "endpoint_id", "") for f in fs)
+            shares.append(Counter(getattr(f, "endpoint_id", "") for f in fs))
+            for f in done:
+                if getattr(f, "started", None) and getattr(f, "finished", None):
+                    runs.setdefault(f.endpoint_id, []).append((f.finished - f.started) * 1e3)  # type: ignore[attr-defined]
             ids = {f.task_id for f in fs}  # type: ignore[attr-defined]
             rows = [d for d in mesh.client.scheduler_decisions(limit=n)["decisions"]
                     if d["task_id"] in ids and d.get("actual_s") is not None and d.get("predicted_s") is not None]
-            err = statistics.median(abs(d["actual_s"] - d["predicted_s"]) for d in rows) if rows else float("nan")
-            table.add_row(str(wave), *(str(placed[e]) for e in names), f"{err * 1e3:.0f} ms")
+            errors.append(statistics.median(abs(d["actual_s"] - d["predicted_s"]) for d in rows) if rows else float("nan"))
+    for a in agents:
+        r = runs.get(a.endpoint_id) or []
+        table.add_row(a.cfg.name, str(a.cfg.workers), speed.get(a.endpoint_id, "full"),
+                      f"{statistics.mean(r):.1f}" if r else "-",  # mean: a CPU quota shows as throttled runs
+                      *(f"{c[a.endpoint_id] / max(1, sum(c.values())):.0%}" for c in shares))
     console.print(table)
-    console.print("each decision, with the predictions it compared: GET /v1/scheduler/decisions")
+    console.print(f"median |predicted - actual| per task: wave 1 {errors[0] * 1e3:.0f} ms, wave 2 {errors[1] * 1e3:.0f} ms; "
+                  "each decision, with the predictions it compared: GET /v1/scheduler/decisions")
     return ok
+
+
+def _slow_device(mesh: LocalMesh, name: str, speed: dict[str, str]) -> tuple[Any, Any]:
+    """Start ``name`` as a Raspberry Pi Zero 2 W would run it: one core at a quarter of its time,
+    in a cgroup (the simulator's device profile, docs/simulator.md). Where cgroups cannot be used
+    here it runs at full speed, and the demo says why. Returns the agent and its cgroups."""
+    from sim.emulate.constrain import CgroupRun, ConstrainedAgent, Unavailable
+    from sim.emulate.devices import profile
+
+    base = mesh.add_agent(name, "mqtt", workers=1, start=False)
+    prof = profile("pi-zero-2w")
+    try:
+        cgroups = CgroupRun(f"mesh-demo-{os.getpid()}").probe()
+        slow = ConstrainedAgent(base, cgroups.add(name, prof, slot=0), {})
+    except (Unavailable, OSError) as exc:
+        console.print(f"[yellow]{name} runs at full speed: cannot emulate a slow device here ({exc})[/yellow]")
+        return base.start(), None
+    mesh.agents[mesh.agents.index(base)] = slow
+    speed[base.endpoint_id] = f"{prof.cpu_quota:.0%} of 1 core (a Pi Zero 2 W)"
+    return slow.start(), cgroups
+
+
+def _serve_until_interrupted(mesh: LocalMesh) -> None:
+    """Keep hub, broker and agents up so the console link printed above works; Ctrl-C ends it."""
+    # soft_wrap: a link and a token broken over two lines cannot be copied
+    console.print(f"[bold]serving[/bold]: console {mesh.url}/console (token {mesh.token}); "
+                  "the mesh stays up until Ctrl-C", soft_wrap=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        console.print("stopping the mesh")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,14 +134,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--auto", type=int, default=300, help="tasks placed by the scheduler (endpoint='auto')")
     ap.add_argument("--keep", action="store_true", help="keep the working directory")
     ap.add_argument("--no-kill", action="store_true", help="do not SIGKILL an agent mid-run")
+    ap.add_argument("--tls", action="store_true", help="HTTPS hub, MQTT agents over TLS (certificates from `mesh-hub tls init`, CA pinned at enrollment)")
+    ap.add_argument("--fl-rounds", type=int, default=12, help="rounds of the FL demo on the same mesh (0: no FL)")
+    ap.add_argument("--serve", action=argparse.BooleanOptionalAction, default=None,
+                    help="keep the mesh (and its console) up until Ctrl-C; default: yes when run from a terminal")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    # One BLAS thread per worker (the agents inherit this): four workers on a small machine each
+    # starting a thread per core would make the numpy tasks fight over the cores.
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+    serve = args.serve if args.serve is not None else sys.stdin.isatty() and sys.stdout.isatty()
     workdir = Path(tempfile.mkdtemp(prefix="continuum-demo-"))
     console.print(f"[bold]Continuum Mesh demo[/bold] in {workdir}")
     try:
-        with LocalMesh(workdir, heartbeat_s=1.0, lost_after_s=4.0) as mesh:
+        with LocalMesh(workdir, heartbeat_s=1.0, lost_after_s=4.0, tls=args.tls) as mesh:
             console.print(f"hub {mesh.url}, mosquitto 127.0.0.1:{mesh.broker.port}, ZeroMQ {mesh.hub.hub.zmq_address}")  # type: ignore[union-attr]
-            agents = [mesh.add_agent("pi-field-1", "mqtt"), mesh.add_agent("pi-field-2", "mqtt"), mesh.add_agent("hpc-login", "zmq")]
+            if args.tls:
+                console.print(f"TLS: MQTT agents use mqtts://127.0.0.1:{mesh.broker.tls_port}, CA pinned at enrollment by {mesh.tls_files.ca_hash}")  # type: ignore[union-attr]
+            # Visibly different endpoints, so the scheduler's choices can be judged: a slow field
+            # device (a Pi Zero 2 W's CPU, emulated with a cgroup quota), a full-speed one, and a
+            # two-worker login node.
+            speed: dict[str, str] = {}
+            slow, cgroups = _slow_device(mesh, "pi-field-1", speed)
+            agents = [slow, mesh.add_agent("pi-field-2", "mqtt", workers=1), mesh.add_agent("hpc-login", "zmq", workers=2)]
             mesh.wait_online(timeout=60)
             console.print("three agents online: " + ", ".join(f"{a.cfg.name} ({a.cfg.transport})" for a in agents))
             t0 = time.perf_counter()
@@ -132,9 +202,20 @@ def main(argv: list[str] | None = None) -> int:
             console.print(table)
             lost = len(not_done)
             console.print(f"lost: {lost}, results delivered: {len(done)} of {total}")
-            auto_ok = _auto_placement(mesh, agents, args.auto)
-            console.print(f"console: {mesh.url}/console (sign in with token {mesh.token})")
-            return 0 if lost == 0 and auto_ok and all(f.exception() is None for f in done) else 1
+            auto_ok = _auto_placement(mesh, agents, args.auto, speed)
+            console.print(f"console: {mesh.url}/console (sign in with token {mesh.token})", soft_wrap=True)
+            fl_rc = 0
+            if args.fl_rounds > 0:
+                from fl.demo import run as run_fl
+
+                fl_rc = run_fl(mesh, rounds=args.fl_rounds, kill=not args.no_kill)
+            rc = 0 if lost == 0 and auto_ok and fl_rc == 0 and all(f.exception() is None for f in done) else 1
+            if serve:
+                _serve_until_interrupted(mesh)
+            mesh.stop()
+            if cgroups is not None:
+                cgroups.remove()
+            return rc
     except KeyboardInterrupt:
         console.print("interrupted; everything stopped")
         return 130

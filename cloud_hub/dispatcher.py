@@ -6,6 +6,11 @@
 - Transport-blind: each endpoint's session remembers the link it last spoke on.
 - Results are stored once per task id (duplicates from re-execution are acked, not stored),
   then waiters (long-poll and stream requests) are woken.
+- Liveness: every verified frame is proof of life. ZeroMQ agents and agents on the ``lan`` profile
+  beat every ``heartbeat_s`` and are lost after ``lost_after_s`` of silence. Metered MQTT agents
+  beat only on change; their MQTT will (a signed ``gone`` frame the broker publishes when their
+  keepalive lapses) ends the session within ``mqtt_lost_after_s``, and silence beyond
+  ``beat_max_s + mqtt_lost_after_s`` does if the will never came (docs/protocol.md, "Liveness").
 """
 
 from __future__ import annotations
@@ -77,6 +82,32 @@ class _Session:
     pumping: bool = False
     again: bool = False
     starved: int = 0  # heartbeats in a row that wanted work while the hub had no credit for it
+    conn: str | None = None  # the agent's connection id (its will names it), from the hello
+    compress: bool = False  # the agent reads compressed bodies
+    bound: float = 0.0  # silence after which the session is lost (0: the hub's lost_after_s)
+    retry_credit: int = 0  # credit of a tasks frame that failed to send, given back after retry_at
+    retry_at: float = 0.0
+    site_hold: int = 0  # a site gateway: how many tasks for its devices it holds ahead of time (docs/sites.md)
+    site_broker: tuple[str, int] | None = None  # a site gateway: where its devices dial it on the LAN
+    site_pumping: bool = False
+    site_cache: bool = False  # a site gateway that caches function bodies: each crosses the uplink once
+    site_have: set[str] = field(default_factory=set)  # function ids that gateway holds
+
+
+def per_day(t: list[float], now: float | None = None) -> dict[str, float]:
+    """Counters ``[bytes in, bytes out, frames in, frames out, since]`` scaled to a day (over at least
+    an hour's worth of time, so a fresh start does not extrapolate one hello)."""
+    span = max(3600.0, (now or time.time()) - t[4])
+    return {"in": t[0] * 86400 / span, "out": t[1] * 86400 / span, "frames": (t[2] + t[3]) * 86400 / span,
+            "bytes_in": t[0], "bytes_out": t[1], "since": t[4]}
+
+
+def keepalive_for(bound_s: float) -> int:
+    """The MQTT keepalive that keeps an offline bound: the broker gives up on a client 1.5 keepalives
+    after its last packet and publishes its will at once. The slack covers Mosquitto's whole-second
+    keepalive arithmetic and check interval (measured: up to ~2 s) and the will's trip to the hub."""
+    slack = max(3.0, min(5.0, bound_s * 0.1))
+    return max(1, int((bound_s - slack) / 1.5))
 
 
 class Dispatcher:
@@ -90,7 +121,9 @@ class Dispatcher:
         self._replay = ReplayGuard()
         self._allow: dict[str, frozenset[str]] = {}  # endpoints with a function allow-list
         self._watchdog: asyncio.Task[None] | None = None
-        self.stats = {"rejected_frames": 0, "tasks_sent": 0, "results_stored": 0, "duplicate_results": 0}
+        self.stats = {"rejected_frames": 0, "tasks_sent": 0, "results_stored": 0, "duplicate_results": 0, "wills": 0, "goodbyes": 0}
+        #: Frame bytes per endpoint since this hub started: [in, out, frames in, frames out, since].
+        self.traffic: dict[str, list[float]] = {}
         self.observer = DispatchObserver()  # the hub plugs in its placement service
         # Replicas (several hubs on one PostgreSQL database and one broker): every replica hears
         # every MQTT frame; only the one holding an endpoint's row in endpoint_owners answers it.
@@ -98,6 +131,12 @@ class Dispatcher:
         self.replica_id = cfg.replica_id or uuid.uuid4().hex[:12]
         self._owned: dict[str, float] = {}  # endpoint -> our hold expires (wall clock)
         self._elsewhere: dict[str, float] = {}  # endpoint -> don't ask the database again before
+        self._stopping = False
+        self._takeovers: set[asyncio.Task[None]] = set()
+        # Endpoints whose heartbeat changed last_seen/info since the watchdog last wrote them: one
+        # transaction per watchdog pass instead of one durable transaction per heartbeat.
+        self._beat_dirty: set[str] = set()
+        self._site_of: dict[str, str] = {}  # device -> the site gateway that relays its frames
 
     def _observe(self, hook: str, *args: Any) -> None:
         try:
@@ -111,6 +150,8 @@ class Dispatcher:
 
         self._keys = await self.store.endpoint_keys()
         self._allow = await AccessStore(self.store).allow_lists()
+        if hasattr(self.store, "site_devices"):  # site gateways: SQLite only for now (docs/sites.md)
+            self._site_of = await self.store.site_devices()
         # Leases from before a restart may or may not have reached their agents: re-queue them;
         # an agent that did get one de-duplicates by task id. With replicas, others' leases are
         # live: only expired ones go back (the watchdog keeps doing that).
@@ -125,12 +166,17 @@ class Dispatcher:
         self._watchdog = asyncio.create_task(self._watch(), name="dispatcher-watchdog")
 
     async def stop(self) -> None:
+        self._stopping = True
+        for t in list(self._takeovers):
+            t.cancel()
         if self._watchdog is not None:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watchdog
         for link in self.links:
             await link.stop()
+        with contextlib.suppress(Exception):  # the last beats' info and traffic counters, kept across the restart
+            await self._flush_beats()
         if self.replicated:  # hand our endpoints over now rather than after lost_after_s
             for ep in list(self._owned):
                 with contextlib.suppress(Exception):
@@ -173,14 +219,168 @@ class Dispatcher:
             return None
         return {"credit": s.credit, "capacity": s.capacity, "last_seen": s.last_seen, "transport": s.link.name, **s.info}
 
+    def _count(self, endpoint_id: str, nbytes: int, out: bool) -> None:
+        t = self.traffic.get(endpoint_id)
+        if t is None:
+            t = self.traffic[endpoint_id] = [0, 0, 0, 0, time.time()]
+        t[1 if out else 0] += nbytes
+        t[3 if out else 2] += 1
+
+    def bytes_per_day(self, endpoint_id: str, now: float | None = None) -> dict[str, float] | None:
+        """Frame bytes to and from an endpoint, scaled to a day from what was counted since
+        ``since`` (this hub's start, or earlier: the counters persist in the endpoint's info)."""
+        t = self.traffic.get(endpoint_id)
+        return None if t is None else per_day(t, now)
+
+    def traffic_counters(self, endpoint_id: str) -> dict[str, float]:
+        """This endpoint's counters as kept in its info JSON (``traffic``), so a restarted hub, or
+        another replica, goes on from them."""
+        t = self.traffic.get(endpoint_id)
+        if t is None:
+            return {}
+        return {"traffic": {"bytes_in": t[0], "bytes_out": t[1], "frames_in": t[2], "frames_out": t[3], "since": t[4]}}
+
+    async def _resume_traffic(self, endpoint_id: str) -> None:
+        """Go on from the counters kept in the endpoint's info when they hold more than ours (a hub
+        restart, or a session another replica held meanwhile)."""
+        rows = await self.store.list_endpoints(endpoint_id=endpoint_id)
+        kept = (rows[0].get("info") or {}).get("traffic") if rows else None
+        if not isinstance(kept, dict):
+            return
+        try:
+            was = [float(kept[k]) for k in ("bytes_in", "bytes_out", "frames_in", "frames_out", "since")]
+        except (KeyError, TypeError, ValueError):
+            return
+        t = self.traffic.get(endpoint_id)
+        if t is None or was[0] + was[1] > t[0] + t[1]:
+            self.traffic[endpoint_id] = [*was[:4], min(was[4], t[4] if t else was[4])]
+
+    def silence_bound(self, adaptive: bool) -> float:
+        """Silence after which an endpoint is offline: ``lost_after_s``, or for an MQTT agent that
+        beats on change (it announced ``beats: adaptive``) ``beat_max_s + mqtt_lost_after_s`` (its will
+        normally ends the session much sooner). One rule for the replica that holds the session and
+        for the others, which judge from the shared row (cloud_hub/api/hub.py endpoint_out)."""
+        return self.cfg.mqtt_lost_after_s + self.cfg.beat_max_s if adaptive else self.cfg.lost_after_s
+
     # ------------------------------------------------------------------ outgoing
     async def _send(self, s: _Session, kind: Kind, body: dict[str, Any], msg_id: str | None = None) -> None:
         env = Envelope(kind, s.endpoint_id, body) if msg_id is None else Envelope(kind, s.endpoint_id, body, id=msg_id)
-        frame = encode(env, self._keys[s.endpoint_id], ttl=self.cfg.frame_ttl_s)
+        frame = encode(env, self._keys[s.endpoint_id], ttl=self.cfg.frame_ttl_s, compress=s.compress)
         await s.link.send(s.endpoint_id, frame)
+        self._count(s.endpoint_id, len(frame), out=True)
+
+    # ------------------------------------------------------------------ sites (docs/sites.md)
+    async def add_site_device(self, device_id: str, gateway_id: str) -> None:
+        """A device enrolled behind a gateway: lease its work to the site from now on, and make the
+        gateway say hello again so that its welcome lists the device (its broker login)."""
+        self._site_of[device_id] = gateway_id
+        g = self._sessions.get(gateway_id)
+        if g is not None:
+            with contextlib.suppress(LinkError):
+                await self._send(g, Kind.ERROR, {"code": "hello_required", "message": "your site changed; say hello"})
+
+    async def move_site_device(self, device_id: str, old: str | None, new: str | None) -> None:
+        """A device re-homed (``PUT /v1/endpoints/{id}/gateway``): both gateways say hello again, so
+        their welcomes list their devices; the device's work is leased the new way from now on."""
+        if new is None:
+            self._site_of.pop(device_id, None)
+        else:
+            self._site_of[device_id] = new
+        for gw in {old, new} - {None}:
+            g = self._sessions.get(gw)  # type: ignore[arg-type]
+            if g is not None:
+                with contextlib.suppress(LinkError):
+                    await self._send(g, Kind.ERROR, {"code": "hello_required", "message": "your site changed; say hello"})
+        self.kick(device_id)
+
+    def site_broker(self, gateway_id: str) -> tuple[str, int] | None:
+        """Where the devices of this gateway's site dial it (from its hello), if it is online."""
+        g = self._sessions.get(gateway_id)
+        return None if g is None else g.site_broker
+
+    def gateway_of(self, device_id: str) -> str | None:
+        return self._site_of.get(device_id)
+
+    def site_devices(self, gateway_id: str) -> list[str]:
+        return sorted(d for d, g in self._site_of.items() if g == gateway_id)
+
+    async def _site_welcome(self, gateway_id: str) -> list[dict[str, str]]:
+        """The devices a gateway relays, with the Mosquitto hash of each one's broker password:
+        its site broker then takes the same per-device logins (it never learns a password)."""
+        from cloud_hub.broker_auth import hash_part
+        from cloud_hub.store.access import AccessStore
+
+        devices = set(self.site_devices(gateway_id))
+        accounts = await AccessStore(self.store).broker_accounts()
+        return [{"id": a.endpoint_id, "user": a.username, "hash": h} for a in accounts
+                if a.endpoint_id in devices and (h := hash_part(a.password_hash, "mosquitto"))]
+
+    def kick_site(self, gateway_id: str) -> None:
+        g = self._sessions.get(gateway_id)
+        if g is None or g.site_hold <= 0 or g.site_pumping:
+            return
+        g.site_pumping = True
+        asyncio.create_task(self._pump_site(g))
+
+    async def _pump_site(self, g: _Session) -> None:
+        """Lease queued work of the site's devices to its gateway ahead of time, up to the hold it
+        announced: each task goes in a ``tasks`` frame signed with its *device's* key and valid for
+        ``site_hold_s``, on the device's own down topic, which the gateway's login may read. The
+        gateway stores it and hands it on when the device asks, with the uplink up or down; it
+        cannot forge or alter it. The lease lasts ``site_hold_s``: a gateway that dies strands
+        nothing for longer than that."""
+        try:
+            devices = self.site_devices(g.endpoint_id)
+            while self._sessions.get(g.endpoint_id) is g and devices:
+                room = g.site_hold - await self.store.count_site_leased(g.endpoint_id)
+                if room <= 0:
+                    break
+                # lease_s until the gateway confirms it stored them (its own ack), then site_hold_s: a
+                # frame lost on the way (the gateway died before its commit) is sent again soon.
+                by_dev, bodies = await self.store.lease_site(g.endpoint_id, devices, min(room, _LEASE_BATCH), self.cfg.lease_s, _LEASE_BYTES)
+                if not by_dev:
+                    break
+                if g.site_cache:
+                    # Content-addressed, once per site: bodies the gateway lacks go to the gateway
+                    # itself (its own key, an empty tasks batch it stores); each device's frame names
+                    # them in ``at_site`` (signed), and the device takes the gateway's copy only if its
+                    # SHA-256 is that function id.
+                    new = {f: b for f, b in bodies.items() if f not in g.site_have}
+                    if new:
+                        try:
+                            await self._send(g, Kind.TASKS, {"tasks": [], "functions": new})
+                        except LinkError as exc:
+                            n = sum([await self.store.unlease(d, [t["id"] for t in ts]) for d, ts in by_dev.items()])
+                            log.warning("sending bodies to site %s failed (%s); %d tasks re-queued", g.endpoint_id, exc, n)
+                            return
+                        g.site_have.update(new)
+                        self.stats["site_bodies"] = self.stats.get("site_bodies", 0) + len(new)
+                for dev, tasks in by_dev.items():
+                    fids = {t["fn"] for t in tasks}
+                    if g.site_cache:
+                        body = {"tasks": tasks, "functions": {}, "at_site": sorted(fids), "allow": self._allow_field(dev)}
+                    else:
+                        body = {"tasks": tasks, "functions": {f: b for f, b in bodies.items() if f in fids}, "allow": self._allow_field(dev)}
+                    frame = encode(Envelope(Kind.TASKS, dev, body), self._keys[dev], ttl=self.cfg.site_hold_s)
+                    try:
+                        await g.link.send(dev, frame)
+                    except LinkError as exc:
+                        n = await self.store.unlease(dev, [t["id"] for t in tasks])
+                        log.warning("leasing ahead to site %s failed (%s); %d tasks re-queued", g.endpoint_id, exc, n)
+                        return
+                    self._count(dev, len(frame), out=True)
+                    self.stats["tasks_sent"] += len(tasks)
+                    self.stats["site_leased"] = self.stats.get("site_leased", 0) + len(tasks)
+        except Exception:
+            log.exception("leasing ahead to site %s failed", g.endpoint_id)
+        finally:
+            g.site_pumping = False
 
     def kick(self, endpoint_id: str) -> None:
         """New work for an endpoint: send it now if its agent has credit (coalesced per endpoint)."""
+        gw = self._site_of.get(endpoint_id)
+        if gw is not None:
+            self.kick_site(gw)
         s = self._sessions.get(endpoint_id)
         if s is None or s.credit <= 0:
             return
@@ -208,6 +408,10 @@ class Dispatcher:
                         # de-duplicated by the agent.
                         n = await self.store.unlease(s.endpoint_id, [t["id"] for t in tasks])
                         log.warning("sending to %s failed (%s); %d tasks re-queued", s.endpoint_id, exc, n)
+                        # The agent still counts on this credit and, beating only on change, may not
+                        # say so for a long time: the watchdog gives it back after a pause.
+                        s.retry_credit = max(s.retry_credit, s.credit + len(tasks))
+                        s.retry_at = time.time() + 2.0
                         s.credit = 0
                         break
                 if not s.again:
@@ -234,8 +438,10 @@ class Dispatcher:
             if sealed.kind not in UP_KINDS:
                 raise BadFrame(f"a {sealed.kind.value} frame cannot come from an agent (reflected?)")
             # A hello is answered with a nonce-bound welcome that tells the agent our clock, so it
-            # may come from a device whose clock is off (a Pi after a power cut has no RTC).
-            if sealed.kind is not Kind.HELLO:
+            # may come from a device whose clock is off (a Pi after a power cut has no RTC). A gone
+            # frame is the agent's MQTT will, signed when it connected and published by the broker
+            # whenever the connection dies: it acts only on the session whose hello named its conn.
+            if sealed.kind is not Kind.HELLO and sealed.kind is not Kind.GONE:
                 check_freshness(sealed)
             self._replay.check(sealed)
             env = sealed.open()  # the body is parsed only after MAC, freshness and replay passed
@@ -245,12 +451,24 @@ class Dispatcher:
             return
         if self.replicated and not await self._holds(endpoint_id):
             return  # another replica answers this endpoint
+        self._count(endpoint_id, len(frame), out=False)
         if env.kind is Kind.HELLO:
             await self._on_hello(env, link)
+            return
+        if env.kind is Kind.GONE:
+            await self._on_gone(endpoint_id, env.body)
             return
         s = self._sessions.get(endpoint_id)
         if s is None:
             tmp = _Session(endpoint_id, link, time.time())
+            if env.kind in (Kind.RESULTS, Kind.ACK):
+                # Authentic and fresh: keep it even without a session. A site gateway forwards a
+                # device's results and acks long after the device's session ended (the uplink was
+                # down), possibly with the device itself dead; dropping them would leave the
+                # results to wait for the device (docs/sites.md). Both are idempotent by task id.
+                handler = _HANDLERS[env.kind]
+                with contextlib.suppress(LinkError):
+                    await handler(self, tmp, env.body)
             with contextlib.suppress(LinkError):
                 await self._send(tmp, Kind.ERROR, {"code": "hello_required", "message": "no session; say hello"})
             return
@@ -285,28 +503,118 @@ class Dispatcher:
         self._elsewhere[endpoint_id] = now + min(2.0, self.cfg.lost_after_s / 3)
         return False
 
+    def on_released(self, endpoint_id: str) -> None:
+        """Another replica let go of an endpoint (it stopped, or lost the agent): claim it now.
+
+        Without this an endpoint stays unowned until its agent's next frame reaches a replica
+        whose ``_elsewhere`` back-off has run out (up to a heartbeat plus 2 s), and work queued
+        for it waits that long. The claim is the same compare-and-set as on a frame, so when
+        several replicas hear the release exactly one wins."""
+        if self._stopping or not self.replicated or endpoint_id in self._sessions:
+            return
+        self._elsewhere.pop(endpoint_id, None)
+        task = asyncio.create_task(self._take_over(endpoint_id), name=f"take-over-{endpoint_id}")
+        self._takeovers.add(task)
+        task.add_done_callback(self._takeovers.discard)
+
+    async def _take_over(self, endpoint_id: str) -> None:
+        try:
+            transport = await self.store.endpoint_transport(endpoint_id)
+            link = next((lk for lk in self.links if lk.name == transport and getattr(lk, "shared", False)), None)
+            if link is None:
+                return  # a ZeroMQ agent dials one replica's socket: we cannot reach it, leave it
+            key = self._keys.get(endpoint_id) or await self.store.endpoint_key(endpoint_id)
+            if key is None:
+                return  # revoked meanwhile
+            self._keys[endpoint_id] = key
+            if not await self._holds(endpoint_id) or endpoint_id in self._sessions:
+                return
+            # Ask the agent to say hello to us; its hello re-queues what the old replica leased.
+            tmp = _Session(endpoint_id, link, time.time())
+            await self._send(tmp, Kind.ERROR, {"code": "hello_required", "message": "this hub replica took the endpoint over; say hello"})
+            log.info("took over endpoint %s released by another replica", endpoint_id)
+        except (LinkError, asyncio.CancelledError):
+            pass  # the agent's next frame reaches us (or another replica) and claims it then
+        except Exception:
+            log.exception("taking over endpoint %s failed", endpoint_id)
+
     async def _on_hello(self, env: Envelope, link: HubLink) -> None:
         b = env.body
         now = time.time()
         s = _Session(env.endpoint, link, now, capacity=int(b.get("capacity", 1)))
+        conn = b.get("conn")
+        s.conn = conn if isinstance(conn, str) else None
+        s.compress = b.get("z") == 1
+        adaptive = b.get("beats") == "adaptive" and link.name == "mqtt" and s.conn is not None
+        s.bound = self.silence_bound(adaptive)
         old = self._sessions.get(env.endpoint)
         if old is not None:
             s.credit = old.credit  # a repeated (or replayed) hello must not starve the agent
-        s.info = {k: b.get(k) for k in ("host", "version", "engine", "pid", "prefetch", "tags", "hardware", "gpu", "memory_mb")}
+        s.info = {k: b.get(k) for k in ("host", "version", "engine", "pid", "prefetch", "tags", "hardware", "gpu", "gpus", "memory_mb")}
+        site = b.get("site")
+        if isinstance(site, dict):  # a site gateway (docs/sites.md)
+            hold = site.get("hold")
+            s.site_hold = max(0, min(int(hold), 100_000)) if isinstance(hold, int) and not isinstance(hold, bool) else 0
+            where = site.get("broker")
+            if isinstance(where, str) and where.count(":") == 1 and where.rsplit(":", 1)[1].isdigit():
+                s.site_broker = (where.rsplit(":", 1)[0], int(where.rsplit(":", 1)[1]))
+            s.info["site"] = {"hold": s.site_hold, "broker": where, "devices": len(self.site_devices(env.endpoint))}
+            s.site_cache = site.get("cache") == 1
+            have = site.get("functions")
+            if isinstance(have, list):
+                s.site_have = {f for f in have[:10_000] if isinstance(f, str) and len(f) == 64}
+        if adaptive:  # kept in the shared row: other replicas judge its silence by the same bound
+            s.info["beats"] = "adaptive"
+        await self._resume_traffic(env.endpoint)
         self._sessions[env.endpoint] = s
         held = set(b.get("have", []))
         await self.store.requeue(endpoint_id=env.endpoint)
         lost = await self.store.requeue(endpoint_id=env.endpoint, not_in=held)
         if lost:
             log.warning("%s no longer holds %d acked tasks; re-queued", env.endpoint, lost)
-        await self.store.set_endpoint_state(env.endpoint, True, now, {**s.info, "capacity": s.capacity})
+        await self.store.set_endpoint_state(env.endpoint, True, now, {**s.info, "capacity": s.capacity, **self.traffic_counters(env.endpoint)})
         self._observe("endpoint_online", env.endpoint, now, {**s.info, "capacity": s.capacity})
         if old is None:
             await self.store.tx(record_transition, env.endpoint, True, now)
         # The welcome's message id is the hello's nonce: the agent matches it before parsing the body.
-        welcome = {"reply_to": b["nonce"], "hub_time": time.time(), "heartbeat_s": self.cfg.heartbeat_s, "allow": self._allow_field(env.endpoint)}
+        welcome = {"reply_to": b["nonce"], "hub_time": time.time(), "heartbeat_s": self.cfg.heartbeat_s, "allow": self._allow_field(env.endpoint),
+                   # liveness: how long an agent that beats on change may stay silent, and (MQTT) the
+                   # keepalive under which the broker's will arrives within our bound
+                   "beat_max_s": self.cfg.beat_max_s if adaptive else self.cfg.heartbeat_s, "z": 1,
+                   **({"keepalive_s": keepalive_for(self.cfg.mqtt_lost_after_s)} if adaptive else {})}
+        if isinstance(site, dict):
+            welcome["site"] = {"devices": await self._site_welcome(env.endpoint), "hold_s": self.cfg.site_hold_s}
         await self._send(s, Kind.WELCOME, welcome, msg_id=b["nonce"])
+        self.kick_site(env.endpoint)
         log.info("endpoint %s online via %s (capacity %d)", env.endpoint, link.name, s.capacity)
+
+    async def _on_gone(self, endpoint_id: str, body: dict[str, Any]) -> None:
+        """The agent's will (its connection died) or its goodbye (a clean stop). Only the session
+        its hello opened is ended: a will from an older connection, arriving after the agent
+        already reconnected, names another conn and changes nothing."""
+        s = self._sessions.get(endpoint_id)
+        if s is None or s.conn is None or body.get("conn") != s.conn:
+            return
+        if body.get("bye"):
+            self.stats["goodbyes"] += 1
+            await self._lose(endpoint_id, s, time.time(), "it stopped cleanly (goodbye)", level=logging.INFO)
+            return
+        self.stats["wills"] += 1
+        await self._lose(endpoint_id, s, time.time(), "its connection died (the broker published its will)")
+
+    async def _lose(self, ep: str, s: _Session, now: float, why: str, *, level: int = logging.WARNING) -> None:
+        """End a session: its leased tasks go back to the queue; acked ones stay on the device."""
+        if self._sessions.get(ep) is not s:
+            return
+        del self._sessions[ep]
+        n = await self.store.requeue(endpoint_id=ep)
+        await self.store.set_endpoint_state(ep, False, s.last_seen, {**s.info, "capacity": s.capacity, **self.traffic_counters(ep)})
+        if self.replicated:
+            self._owned.pop(ep, None)
+            await self.store.release_endpoint(ep, self.replica_id)
+        self._observe("endpoint_lost", ep, now, s.last_seen)
+        await self.store.tx(record_transition, ep, False, s.last_seen)
+        log.log(level, "endpoint %s offline: %s (silent %.1fs); %d leased tasks re-queued", ep, why, now - s.last_seen, n)
 
     async def _on_fetch(self, s: _Session, body: dict[str, Any]) -> None:
         s.credit = max(0, int(body.get("want", 0)))
@@ -314,6 +622,11 @@ class Dispatcher:
 
     async def _on_ack(self, s: _Session, body: dict[str, Any]) -> None:
         await self.store.ack(s.endpoint_id, body.get("ids", []))
+        if s.site_hold > 0 and body.get("ids"):  # a gateway confirms it holds tasks for its devices
+            await self.store.hold_site(s.endpoint_id, body["ids"], time.time() + self.cfg.site_hold_s)
+        gw = self._site_of.get(s.endpoint_id)
+        if gw is not None:  # room at the site again
+            self.kick_site(gw)
 
     async def _on_results(self, s: _Session, body: dict[str, Any]) -> None:
         results = body.get("results", [])
@@ -327,9 +640,13 @@ class Dispatcher:
         await self._send(s, Kind.RESULT_ACK, {"ids": [r["id"] for r in results]})
 
     async def _on_heartbeat(self, s: _Session, body: dict[str, Any]) -> None:
-        s.info.update({k: body.get(k) for k in ("running", "queued", "stored", "outbox", "cpu", "mem_used", "mem_avail_mb", "want")})
-        s.info["warm"] = body.get("warm", [])
-        await self.store.set_endpoint_state(s.endpoint_id, True, s.last_seen, {**s.info, "capacity": s.capacity})
+        # An agent that beats on change sends only what changed: keep the rest.
+        s.info.update({k: body[k] for k in ("running", "queued", "stored", "outbox", "cpu", "mem_used", "mem_avail_mb", "want") if k in body})
+        if "warm" in body or "warm" not in s.info:
+            s.info["warm"] = body.get("warm", [])
+        if isinstance(body.get("capacity"), int) and not isinstance(body["capacity"], bool):
+            s.capacity = body["capacity"]
+        self._beat_dirty.add(s.endpoint_id)  # written by the watchdog's next pass (_flush_beats), not one transaction per beat
         self._observe("heartbeat", s.endpoint_id, s.last_seen, {**s.info, "capacity": s.capacity})
         await self._resync_credit(s, body.get("want"))
 
@@ -353,26 +670,36 @@ class Dispatcher:
             self.kick(s.endpoint_id)
 
     # ------------------------------------------------------------------ watchdog
+    async def _flush_beats(self) -> None:
+        """Write the live info of every endpoint that beat since the last pass, in one transaction
+        (at most a second stale; ``endpoint_out`` prefers the live session anyway)."""
+        dirty, self._beat_dirty = self._beat_dirty, set()
+        rows = [(s.last_seen, {**s.info, "capacity": s.capacity, **self.traffic_counters(ep)}, ep)
+                for ep in dirty if (s := self._sessions.get(ep)) is not None]
+        await self.store.touch_endpoints(rows)
+
     async def _watch(self) -> None:
         last_prune = 0.0
         while True:
             await asyncio.sleep(min(1.0, self.cfg.heartbeat_s / 2))
             try:
                 now = time.time()
+                await self._flush_beats()
                 for ep, s in list(self._sessions.items()):
-                    if now - s.last_seen > self.cfg.lost_after_s:
-                        del self._sessions[ep]
-                        n = await self.store.requeue(endpoint_id=ep)
-                        await self.store.set_endpoint_state(ep, False, s.last_seen)
-                        if self.replicated:
-                            self._owned.pop(ep, None)
-                            await self.store.release_endpoint(ep, self.replica_id)
-                        self._observe("endpoint_lost", ep, now, s.last_seen)
-                        await self.store.tx(record_transition, ep, False, s.last_seen)
-                        log.warning("endpoint %s lost (silent %.0fs); %d leased tasks re-queued", ep, now - s.last_seen, n)
+                    if now - s.last_seen > (s.bound or self.cfg.lost_after_s):
+                        await self._lose(ep, s, now, "silent")
+                        continue
+                    if self.replicated and self._owned.get(ep, 0.0) - now < self.cfg.lost_after_s / 3 and not await self._holds(ep):
+                        continue  # a quiet session (a metered agent sends nothing for minutes) renews its hold here, not on frames
+                    if s.retry_credit and s.credit == 0 and now >= s.retry_at:
+                        s.credit, s.retry_credit = s.retry_credit, 0
+                        self.kick(ep)
                 if await self.store.requeue(expired_before=now):
                     for ep in self._sessions:
                         self.kick(ep)
+                for ep, s in list(self._sessions.items()):
+                    if s.site_hold > 0:  # work submitted for a site's devices while none of them is online
+                        self.kick_site(ep)
                 expired = await self.store.expire_tasks(now, _expired_blob)
                 if expired:
                     self.bus.notify({u for _, u in expired})

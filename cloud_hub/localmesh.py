@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from cloud_hub.broker import MosquittoBroker
 from cloud_hub.client import Client
@@ -23,7 +23,7 @@ from cloud_hub.server import HubThread
 from mesh_agent.cli import enroll
 from mesh_agent.config import AgentConfig
 
-__all__ = ["AgentProcess", "LocalMesh"]
+__all__ = ["AgentProcess", "GatewayProcess", "LocalMesh"]
 
 
 class AgentProcess:
@@ -72,25 +72,65 @@ class AgentProcess:
         return self.proc.returncode
 
 
+class GatewayProcess(AgentProcess):
+    """``mesh-agent gateway`` for an enrolled endpoint whose config has a ``site:`` section; its site
+    Mosquitto is its child, in its process group, so :meth:`kill` is a power cut of the whole box."""
+
+    def start(self) -> "GatewayProcess":
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mesh_agent.cli", "gateway", "--config", str(self.config_path)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+        log.close()
+        return self
+
+
 class LocalMesh:
     """Broker + hub (SQLite) + agents under one working directory; a context manager."""
 
     def __init__(self, workdir: Path, *, heartbeat_s: float = 1.0, lost_after_s: float = 4.0, lease_s: float = 10.0,
-                 hub_overrides: dict[str, Any] | None = None, hub_process: bool = False) -> None:
+                 hub_overrides: dict[str, Any] | None = None, hub_process: bool = False, tls: bool = False,
+                 mqtt_transport: str = "tcp", broker_factory: Callable[[Path, tuple[str, str]], Any] | None = None) -> None:
         """``hub_process=True`` runs the hub as its own ``mesh-hub serve`` process, as deployed
         (benchmarks: the SDK and hub then do not share a GIL); tests use the in-process hub to
-        look at its dispatcher."""
+        look at its dispatcher.
+
+        ``tls=True``: certificates from ``mesh-hub tls init`` (``tls_files``), the broker gets a TLS
+        listener (and a wss one with ``mqtt_transport="websockets"``) that the hub advertises, the
+        REST API is HTTPS, and agents enroll with the CA hash from their token (pinned), so their
+        MQTT links and enrollment are encrypted and verified as in the field.
+
+        ``broker_factory(workdir, hub_login)``: another broker than one Mosquitto, e.g.
+        ``cloud_hub.broker_nats.NatsCluster``; its ``hub_settings()`` (kind, every node) go to the hub."""
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.tls_files = None
+        tls_settings: dict[str, Any] = {}
+        broker_tls: dict[str, Any] = {}
+        if tls:
+            from cloud_hub.broker import BrokerTls, free_port
+            from cloud_hub.tls import init_dir
+
+            self.tls_files = f = init_dir(self.workdir / "tls", force=True)
+            broker_tls = {"tls": BrokerTls(f.ca_cert, f.server_cert, f.server_key),
+                          "ws_port": free_port() if mqtt_transport == "websockets" else None}
+            tls_settings = {"tls_ca_file": f.ca_cert, "tls_cert_file": f.server_cert, "tls_key_file": f.server_key}
         # The broker runs as in production: no anonymous clients, a login per endpoint, topic ACLs
         # (written by the hub on start and on every enrollment, reloaded with SIGHUP).
         hub_login = ("mesh-hub", secrets.token_urlsafe(24))
-        self.broker = MosquittoBroker(self.workdir / "broker", hub_login=hub_login)
+        self.broker: Any = (broker_factory(self.workdir / "broker", hub_login) if broker_factory is not None
+                            else MosquittoBroker(self.workdir / "broker", hub_login=hub_login, **broker_tls))
+        nodes = {k: v for k, v in getattr(self.broker, "hub_settings", dict)().items() if k in ("mqtt_broker_kind", "mqtt_hosts")}
+        if tls:
+            tls_settings["mqtt_public_url"] = (f"wss://127.0.0.1:{self.broker.ws_port}/mqtt" if mqtt_transport == "websockets"
+                                               else f"mqtts://127.0.0.1:{self.broker.tls_port}")
         self.hub_cfg = HubConfig(
             db_path=self.workdir / "hub.sqlite3", port=0, mqtt_port=self.broker.port, zmq_bind="tcp://127.0.0.1:*",
             heartbeat_s=heartbeat_s, lost_after_s=lost_after_s, lease_s=lease_s, bootstrap_user="demo",
             mqtt_username=hub_login[0], mqtt_password=hub_login[1],
-            mqtt_auth_dir=self.broker.workdir, mqtt_broker_pid_file=self.broker.pid_path, **(hub_overrides or {}),
+            mqtt_auth_dir=self.broker.workdir, mqtt_broker_pid_file=self.broker.pid_path, **{**tls_settings, **nodes, **(hub_overrides or {})},
         )
         self.hub: HubThread | None = None
         self.hub_process = hub_process
@@ -158,7 +198,9 @@ class LocalMesh:
 
             self._token = asyncio.run(mint())
         passed = {"heartbeat_s": cfg.heartbeat_s, "lost_after_s": cfg.lost_after_s, "lease_s": cfg.lease_s, "mqtt_username": cfg.mqtt_username,
-                  "mqtt_password": cfg.mqtt_password, "mqtt_auth_dir": cfg.mqtt_auth_dir, "mqtt_broker_pid_file": cfg.mqtt_broker_pid_file}
+                  "mqtt_password": cfg.mqtt_password, "mqtt_auth_dir": cfg.mqtt_auth_dir, "mqtt_broker_pid_file": cfg.mqtt_broker_pid_file,
+                  "tls_ca_file": cfg.tls_ca_file, "mqtt_public_url": cfg.mqtt_public_url, "tls_cert_file": cfg.tls_cert_file,
+                  "tls_key_file": cfg.tls_key_file, "mqtt_broker_kind": cfg.mqtt_broker_kind, "mqtt_hosts": ",".join(cfg.mqtt_hosts) or None}
         env = dict(os.environ, **{f"MESH_HUB_{k.upper()}": str(v) for k, v in passed.items() if v is not None})
         log = open(self.workdir / "hub.log", "ab")
         self._hub_proc = subprocess.Popen(
@@ -172,7 +214,7 @@ class LocalMesh:
             if self._hub_proc.poll() is not None:
                 raise RuntimeError(f"hub process exited: {(self.workdir / 'hub.log').read_text()[-2000:]}")
             try:
-                if httpx.get(f"http://{cfg.host}:{cfg.port}/v1/health", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}/v1/health", timeout=1, verify=self._verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -182,9 +224,18 @@ class LocalMesh:
     @property
     def url(self) -> str:
         if self.hub_process:
-            return f"http://{self.hub_cfg.host}:{self.hub_cfg.port}"
+            return f"{'https' if self.hub_cfg.tls_cert_file else 'http'}://{self.hub_cfg.host}:{self.hub_cfg.port}"
         assert self.hub is not None
         return self.hub.url
+
+    @property
+    def _verify(self) -> Any:
+        """The SDK trusts our CA only (HTTPS with tls=True)."""
+        if self.tls_files is None:
+            return True
+        from mesh_agent.tls import client_context
+
+        return client_context(self.tls_files.ca_cert)
 
     @property
     def token(self) -> str:
@@ -194,7 +245,7 @@ class LocalMesh:
     @property
     def client(self) -> Client:
         if self._client is None:
-            self._client = Client(self.url, self.token)
+            self._client = Client(self.url, self.token, verify=self._verify)
         return self._client
 
     def add_agent(self, name: str, transport: str = "mqtt", *, workers: int | None = 2, prefetch: int = 256,
@@ -204,13 +255,45 @@ class LocalMesh:
         token = self.client.create_enrollment_token()
         config_path = self.workdir / "agents" / f"{name}.yaml"
         cfg = enroll(self.url, token, name, config_path, transport=transport, workers=workers, prefetch=prefetch, task_timeout=task_timeout,
-                     tags=tags, hardware=hardware, data_dir=data_dir)
+                     tags=tags, hardware=hardware, data_dir=data_dir, ca_hash=getattr(token, "ca_hash", None))
         if settings:
             cfg = AgentConfig.model_validate({**cfg.model_dump(), **settings})
             cfg.save(config_path)
         agent = AgentProcess(cfg, config_path, self.workdir / "agents" / f"{name}.log")
         self.agents.append(agent)
         return agent.start() if start else agent
+
+    def add_gateway(self, name: str, *, site_port: int | None = None, hold: int = 64, uplink_port: int | None = None,
+                    start: bool = True, **settings: Any) -> "GatewayProcess":
+        """Enroll an endpoint and run it as a site gateway (``mesh-agent gateway``, docs/sites.md) whose
+        site Mosquitto listens on ``site_port`` (a free one by default); ``uplink_port``: dial the hub's
+        broker through this port instead (a fault proxy)."""
+        from cloud_hub.broker import free_port
+
+        site = {"listen_host": "127.0.0.1", "listen_port": site_port or free_port(), "hold": hold, **settings.pop("site", {})}
+        agent = self.add_agent(name, start=False, site=site, **settings)
+        cfg = agent.cfg
+        if uplink_port is not None:
+            cfg = AgentConfig.model_validate({**cfg.model_dump(), "mqtt": {**cfg.mqtt.model_dump(), "port": uplink_port}})
+            cfg.save(agent.config_path)
+        gw = GatewayProcess(cfg, agent.config_path, agent.log_path)
+        self.agents[self.agents.index(agent)] = gw
+        return gw.start() if start else gw
+
+    def add_site_device(self, name: str, gateway: "GatewayProcess", *, start: bool = True, workers: int | None = 1,
+                        prefetch: int = 4, **settings: Any) -> AgentProcess:
+        """Enroll a device behind ``gateway`` (it dials the gateway's site broker) and start it."""
+        token = self.client.create_enrollment_token()
+        path = self.workdir / "agents" / f"{name}.yaml"
+        site = gateway.cfg.site
+        cfg = enroll(self.url, token, name, path, workers=workers, prefetch=prefetch, gateway_id=gateway.endpoint_id,
+                     mqtt_host=site.listen_host, mqtt_port=site.listen_port)
+        if settings:
+            cfg = AgentConfig.model_validate({**cfg.model_dump(), **settings})
+            cfg.save(path)
+        dev = AgentProcess(cfg, path, self.workdir / "agents" / f"{name}.log")
+        self.agents.append(dev)
+        return dev.start() if start else dev
 
     def wait_online(self, *agents: AgentProcess, timeout: float = 30.0, online: bool = True) -> None:
         want = {a.endpoint_id for a in (agents or self.agents)}

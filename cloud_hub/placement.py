@@ -507,6 +507,34 @@ class PlacementService(DispatchObserver):
         self.stats["placed"] += len(out)
         return out
 
+    def predict(self, function_id: str, endpoint_ids: Sequence[str], payload_bytes: int, horizon_s: float | None,
+                now: float) -> list[dict[str, Any]]:
+        """What the scheduler predicts for ``function_id`` on each endpoint, placing nothing:
+        seconds to completion (with its parts and where the runtime came from) and the chance
+        the endpoint stays online until then (from its outage history). FL client selection
+        asks this (``POST /v1/scheduler/predict``). Callers check ownership first."""
+        from scheduler.predict import Predictor
+
+        pred = Predictor(self.sched.profiles)
+        nodes = self.sched.fleet.nodes
+        out: list[dict[str, Any]] = []
+        for eid in endpoint_ids:
+            node = nodes.get(eid)
+            if node is None:  # enrolled but never connected: nothing known
+                out.append({"endpoint_id": eid, "known": False, "online": False, "predicted_s": None, "run_s": None,
+                            "source": "prior", "exploration": True, "p_online": None, "share_online": None})
+                continue
+            p = pred.estimate(TaskInfo(f"predict:{eid}", function_id, int(payload_bytes)), node, now, outage_aware=True)
+            end = now + (horizon_s if horizon_s is not None else max(p.total, 0.0))
+            av = node.avail
+            p_on = None if av is None else 1.0 - av.p_offline(now, end)
+            out.append({"endpoint_id": eid, "known": True, "online": bool(node.ep.online),
+                        "predicted_s": _finite(p.total), "run_s": _finite(p.run), "source": p.source,
+                        "exploration": bool(p.exploration),
+                        "p_online": None if p_on is None else _finite(max(0.0, min(1.0, p_on))),
+                        "share_online": None if av is None else _finite(av.share_online(now))})
+        return out
+
     def retract(self, task_ids: Iterable[str]) -> None:
         """The batch was not stored after all: forget its placements (and named-endpoint tasks)."""
         self.sched.retract(task_ids)

@@ -7,26 +7,116 @@ talk HTTP to it exactly as users do, and can stop and restart it against the sam
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 import time
+from typing import Any
 
 import uvicorn
 
-from cloud_hub.api.app import Hub, create_app
+from cloud_hub.api.app import create_app
+from cloud_hub.api.hub import Hub
 from cloud_hub.config import HubConfig
 
-__all__ = ["serve", "HubThread"]
+__all__ = ["serve", "HubThread", "HubStartError", "listen_summary"]
+
+log = logging.getLogger("cloud_hub")
 
 
 def _server(cfg: HubConfig) -> uvicorn.Server:
     app = create_app(cfg)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=3)
+    tls = {}
+    if cfg.tls_cert_file or cfg.tls_key_file:  # HTTPS (mesh-hub serve --tls-cert/--tls-key); checked before binding
+        from cloud_hub.tls import load_server_pair
+
+        if not (cfg.tls_cert_file and cfg.tls_key_file):
+            raise ValueError("HTTPS needs both a certificate and its key (--tls-cert and --tls-key)")
+        load_server_pair(cfg.tls_cert_file, cfg.tls_key_file)
+        tls = {"ssl_certfile": str(cfg.tls_cert_file), "ssl_keyfile": str(cfg.tls_key_file)}
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=3,
+                            **tls)  # type: ignore[arg-type]
     return uvicorn.Server(config)
 
 
+def listen_summary(cfg: HubConfig) -> str:
+    """One line naming every address the hub serves or dials, for the log at start-up."""
+    parts = [f"REST {'https' if cfg.tls_cert_file else 'http'}://{cfg.host}:{cfg.port}"]
+    if cfg.mqtt_host:
+        login = f" as {cfg.mqtt_username}" if cfg.mqtt_username else " (anonymous)"
+        parts.append(f"MQTT broker mqtt://{cfg.mqtt_host}:{cfg.mqtt_port}{login}")
+    else:
+        parts.append("no MQTT")
+    parts.append(f"ZeroMQ {cfg.zmq_bind}" if cfg.zmq_bind else "no ZeroMQ")
+    parts.append(f"database {_safe_url(cfg.database_url)}" if cfg.database_url else f"database {cfg.db_path}")
+    return ", ".join(parts)
+
+
+def _safe_url(url: str) -> str:
+    """A database URL without its password (it ends up in logs)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        u = urlsplit(url)
+        if u.password:
+            u = u._replace(netloc=u.netloc.replace(f":{u.password}@", ":***@"))
+        return urlunsplit(u)
+    except ValueError:
+        return "(unparsable URL)"
+
+
+class HubStartError(RuntimeError):
+    """The hub could not start; the message is one line naming what and why (for the CLI)."""
+
+
+class _StartupFailureInOneLine(logging.Filter):
+    """uvicorn logs a failed start-up as a traceback plus "Application startup failed"; when the
+    hub recorded why, ``serve`` raises that as one line instead, so drop uvicorn's copy."""
+
+    def __init__(self, hub: Hub) -> None:
+        super().__init__()
+        self.hub = hub
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.hub.startup_error is None or record.levelno < logging.ERROR
+
+
 def serve(cfg: HubConfig) -> None:
-    _server(cfg).run()
+    """Run until SIGTERM/SIGINT; logs the listen addresses once the port is bound, and the stop.
+    Raises :class:`HubStartError` (one line) when start-up fails: a hub that did not start must
+    never look like one that stopped cleanly (exit status 0) to systemd or a script."""
+    from cloud_hub.broker import port_holder, port_taken
+
+    if cfg.port and port_taken(cfg.host, cfg.port):  # before anything starts (uvicorn would exit mid-start-up)
+        raise HubStartError(f"{cfg.host}:{cfg.port} is already in use by {port_holder(cfg.host, cfg.port) or 'another process'} (choose another --port)")
+    server = _server(cfg)
+    hub: Hub = server.config.app.state.hub
+    quiet = _StartupFailureInOneLine(hub)
+    uv_log = logging.getLogger("uvicorn.error")
+    uv_log.addFilter(quiet)
+
+    async def main() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            log.info("hub listening: %s", listen_summary(cfg))
+        await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        uv_log.removeFilter(quiet)
+    if not server.started:
+        err = hub.startup_error
+        raise HubStartError(_one_line(err) if err is not None else "the hub did not start (see the log above)")
+
+
+def _one_line(exc: BaseException) -> str:
+    from cloud_hub.store import StoreError
+
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text if isinstance(exc, StoreError) else f"{type(exc).__name__}: {text}"
 
 
 class HubThread:
@@ -44,7 +134,7 @@ class HubThread:
 
     @property
     def url(self) -> str:
-        return f"http://{self.cfg.host}:{self.cfg.port}"
+        return f"{'https' if self.cfg.tls_cert_file else 'http'}://{self.cfg.host}:{self.cfg.port}"
 
     @property
     def hub(self) -> Hub:
@@ -58,16 +148,20 @@ class HubThread:
 
     def _run(self) -> None:
         try:
-            asyncio.run(self.server.serve())
+            asyncio.run(self._serve())
         except BaseException as exc:  # surfaced by start()
             self._error = exc
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self.server.serve()
 
     def start(self, timeout: float = 20.0) -> "HubThread":
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
             if self._error is not None or not self._thread.is_alive():
-                raise RuntimeError(f"hub failed to start: {self._error!r}")
+                raise RuntimeError(f"hub failed to start: {self._error or self.hub.startup_error!r}")
             if time.monotonic() > deadline:
                 raise TimeoutError("hub did not start")
             time.sleep(0.02)
@@ -80,7 +174,47 @@ class HubThread:
         self.server.should_exit = True
         self._thread.join(timeout)
         if self._thread.is_alive():
-            raise TimeoutError(f"hub thread did not stop within {timeout:.0f}s")
+            raise TimeoutError(f"hub thread did not stop within {timeout:.0f}s; where it waits:\n{self._where()}")
+
+    def _where(self) -> str:
+        """The hub thread's stack and its event loop's pending tasks: what a stop is waiting on."""
+        import sys
+        import traceback
+
+        frame = sys._current_frames().get(self._thread.ident or -1)
+        out = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)\n"
+        loop = getattr(self, "_loop", None)
+        if loop is not None:
+            for t in asyncio.all_tasks(loop):
+                out += f"task {t.get_name()}:\n"
+                coro: Any = t.get_coro()
+                for _ in range(30):  # the await chain, outermost first
+                    frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+                    if frame is not None:
+                        out += f"    {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}\n"
+                    nxt = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+                    if nxt is None:
+                        if coro is not None and frame is None:
+                            out += f"    awaiting {coro!r}\n"
+                        break
+                    coro = nxt
+            import gc
+            import types
+
+            for gen in gc.get_objects():  # an async generator (a lifespan) hides its await chain from its task
+                if isinstance(gen, types.AsyncGeneratorType) and gen.ag_frame is not None and gen.ag_await is not None:
+                    out += f"async generator {gen.ag_code.co_name} at {gen.ag_frame.f_code.co_filename}:{gen.ag_frame.f_lineno}:\n"
+                    coro = gen.ag_await
+                    for _ in range(30):
+                        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+                        if frame is not None:
+                            out += f"    {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}\n"
+                        nxt = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+                        if nxt is None:
+                            out += f"    awaiting {coro!r}\n"
+                            break
+                        coro = nxt
+        return out
 
     def __enter__(self) -> "HubThread":
         return self.start()

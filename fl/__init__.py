@@ -6,7 +6,8 @@ updates that arrive, and records a per-round history. Data stays on devices.
 
 Public surface (numpy only; torch is never imported here):
 
-* strategies: ``FedAvg``, ``FedProx``, ``FedAsync``, ``FedBuff``, ``Hierarchical`` with the hooks
+* strategies: ``FedAvg``, ``FedProx``, ``FedAdam`` / ``FedYogi`` / ``FedAdagrad`` (server
+  optimizers), ``TrimmedMean`` / ``Krum`` (robust), ``FedAsync``, ``FedBuff``, ``Hierarchical`` with the hooks
   ``configure_round`` / ``aggregate`` / ``on_update`` (async) / ``aggregate_metrics``;
   data types ``ClientUpdate``, ``ClientInstruction``, ``AggregationReport``; ``Weights`` is a
   list of numpy arrays, one per tensor.
@@ -24,12 +25,18 @@ from .strategies import (
     AggregationReport,
     ClientInstruction,
     ClientUpdate,
+    FedAdagrad,
+    FedAdam,
     FedAsync,
     FedAvg,
     FedBuff,
+    FedOpt,
     FedProx,
+    FedYogi,
     Hierarchical,
+    Krum,
     Strategy,
+    TrimmedMean,
     Weights,
     polynomial_staleness,
     proximal_term,
@@ -49,7 +56,7 @@ from .data import (  # noqa: E402
 
 __all__ = [
     "AggregationReport", "ClientInstruction", "ClientUpdate", "FedAsync", "FedAvg", "FedBuff",
-    "FedProx", "Hierarchical", "Strategy", "Weights", "polynomial_staleness", "proximal_term",
+    "FedProx", "FedOpt", "FedAdam", "FedYogi", "FedAdagrad", "TrimmedMean", "Krum", "Hierarchical", "Strategy", "Weights", "polynomial_staleness", "proximal_term",
     "validate_update", "weighted_average",
     "ClientData", "FederatedData", "load_client_data", "load_federated_digits", "load_test_data",
     "partition_indices",

@@ -14,6 +14,10 @@ and returns
     {"v": 1, "kind": "update", "client_id", "round", "base_version", "weights": <fl.wire blob>,
      "num_samples": n, "metrics": {...}, "train_time_s", "data_time_s", "device"}
 
+A task with ``"uplink": <fl.compression spec>`` gets its update back compressed: ``weights`` is
+then the compressed delta against the task's weights and ``"encoding"`` says how (see
+``fl.compression``; the top-k residual stays on the device, in its durable store).
+
 Apps here: :class:`TorchClientApp` (a torch ``nn.Module`` trained with cross-entropy; torch is
 imported only when it runs), :class:`FunctionClientApp` (any framework: your
 ``train(weights, data, config)``), and ``fl.flower.FlowerClientApp`` (a Flower NumPyClient,
@@ -46,6 +50,7 @@ __all__ = [
     "GatewayAggregator",
     "TaskError",
     "client_seed",
+    "local_split",
 ]
 
 PROTOCOL = 1
@@ -60,13 +65,32 @@ def client_seed(seed: int, round: int, client_id: str) -> int:
     return (int(seed) * 1_000_003 + int(round) * 7919 + zlib.crc32(client_id.encode())) % (2**31 - 1)
 
 
+def local_split(data: Any, holdout: float, client_id: str) -> Tuple[Any, Any]:
+    """``(train, test)`` parts of a device's own data for federated evaluation.
+
+    A dict ``{"train": ..., "test": ...}`` from the device's loader is its own split (the device
+    owner decides); an ``(X, y)`` pair is split here, the ``holdout`` fraction held out. The
+    permutation is seeded by the client id only, so every round (and the training task, which
+    trains on the other part) sees the same split, and the test part is never trained on."""
+    if isinstance(data, dict) and "train" in data and "test" in data:
+        return data["train"], data["test"]
+    if not (isinstance(data, tuple) and len(data) == 2):
+        raise TaskError(f"federated evaluation needs (X, y) or {{'train', 'test'}} data, got {type(data).__name__}")
+    X, y = data
+    n = len(y)
+    n_test = min(n - 1, max(1, int(round(float(holdout) * n)))) if n >= 2 else 0
+    perm = np.random.default_rng(zlib.crc32(str(client_id).encode())).permutation(n)
+    test, train = np.sort(perm[:n_test]), np.sort(perm[n_test:])
+    return (X[train], y[train]), (X[test], y[test])
+
+
 def _check_task(task: Any, kind: str) -> Dict[str, Any]:
     if not isinstance(task, dict) or task.get("v") != PROTOCOL or task.get("kind") != kind:
         raise TaskError(f"expected an fl {kind!r} task of protocol v{PROTOCOL}, got {type(task).__name__}"
                         f" {task.get('kind') if isinstance(task, dict) else ''!r}")
     here = _datasets.endpoint_id()
     cid = task.get("client_id")
-    if kind in ("train", "warmup") and here is not None and cid != here:
+    if kind in ("train", "warmup", "evaluate") and here is not None and cid != here:
         raise TaskError(f"task for client {cid!r} arrived at endpoint {here!r}")
     return task
 
@@ -113,11 +137,17 @@ class ClientApp:
     def __call__(self, task: Dict[str, Any]) -> Dict[str, Any]:
         if isinstance(task, dict) and task.get("kind") == "warmup":
             return self._warmup(task)
+        if isinstance(task, dict) and task.get("kind") == "evaluate":
+            return self._evaluate(task)
         t0 = time.perf_counter()
         task = _check_task(task, "train")
         weights = decode_weights(task["weights"])
+        if task.get("downlink") == "fp16":  # the global model came down as float16: train in float32
+            weights = [w.astype(np.float32) if w.dtype == np.float16 else w for w in weights]
         t_data = time.perf_counter()
         data = self._load(task)
+        if task.get("holdout"):  # federated evaluation is on: never train on the local test part
+            data = local_split(data, float(task["holdout"]), str(task["client_id"]))[0]
         data_time = time.perf_counter() - t_data
         cfg = dict(task.get("config") or {})
         cfg.setdefault("round", task["round"])
@@ -126,14 +156,23 @@ class ClientApp:
         t_fit = time.perf_counter()
         new, n, metrics, device = self.fit(weights, data, cfg)
         train_time = time.perf_counter() - t_fit
-        blob = encode_weights(new)
-        return {
+        if cfg.get("dp_local"):  # local DP (fl.privacy): clip the delta and noise it before it leaves the device
+            new = _local_dp(weights, new, dict(cfg["dp_local"]), int(cfg["seed"]))
+        encoding = None
+        if task.get("uplink"):  # lossy compression the run asked for (fl.compression): a delta leaves
+            blob, encoding = _compress(task, weights, new, int(cfg["seed"]))
+        else:
+            blob = encode_weights(new)
+        out = {
             "v": PROTOCOL, "kind": "update", "client_id": task["client_id"], "round": int(task["round"]),
             "base_version": int(task.get("base_version", 0)), "weights": blob, "num_samples": int(n),
             "metrics": {k: _plain(v) for k, v in (metrics or {}).items()},
             "train_time_s": train_time, "data_time_s": data_time, "task_time_s": time.perf_counter() - t0,
             "device": device,
         }
+        if encoding is not None:
+            out["encoding"] = encoding
+        return out
 
     def _warmup(self, task: Dict[str, Any]) -> Dict[str, Any]:
         """Before round 1: load the dataset and build the model in this warm worker, so the first
@@ -149,6 +188,22 @@ class ClientApp:
             n = None
         return {"v": PROTOCOL, "kind": "ready", "client_id": task["client_id"], "num_samples": n, "device": device,
                 "warmup_time_s": time.perf_counter() - t0}
+
+    def _evaluate(self, task: Dict[str, Any]) -> Dict[str, Any]:
+        """Federated evaluation: the global model on this device's local test part (the data
+        stays here; only the loss, metrics and example count leave)."""
+        t0 = time.perf_counter()
+        task = _check_task(task, "evaluate")
+        weights = decode_weights(task["weights"])
+        _, test = local_split(self._load(task), float(task.get("holdout") or 0.2), str(task["client_id"]))
+        res = self.evaluate(weights, test)
+        if res is None:
+            raise TaskError(f"client app {self.name!r} has no evaluate(): it cannot take part in federated evaluation")
+        loss, metrics = res
+        n = len(test[1]) if isinstance(test, tuple) and len(test) == 2 else len(test)
+        return {"v": PROTOCOL, "kind": "evaluation", "client_id": task["client_id"], "round": int(task["round"]),
+                "loss": float(loss), "metrics": {k: _plain(v) for k, v in (metrics or {}).items()},
+                "num_examples": int(n), "eval_time_s": time.perf_counter() - t0}
 
     def _load(self, task: Dict[str, Any]) -> Any:
         if self.loads_data:
@@ -169,11 +224,42 @@ class ClientApp:
         return None
 
     def evaluate(self, weights: Weights, data: Any) -> Optional[Tuple[float, Dict[str, float]]]:
-        """Central evaluation on the driver: ``(loss, {"accuracy": ...})`` or None if unsupported."""
+        """``(loss, {"accuracy": ...})`` or None if unsupported: central evaluation on the driver
+        (``eval_data``), and federated evaluation on the device (its local test part)."""
         return None
 
     def describe(self) -> Dict[str, Any]:
         return {"app": self.name}
+
+
+def _compress(task: Dict[str, Any], base: Weights, new: Weights, seed: int) -> Tuple[bytes, Dict[str, Any]]:
+    """Compress this update as the task's ``uplink`` spec says; with error feedback, the
+    residual is read from and written to the device's durable store before the result leaves
+    (fl.compression.ResidualStore: a reboot keeps it, a re-run task reuses its input)."""
+    from fl import compression as fc
+
+    comp = fc.from_spec(task["uplink"])
+    run_id, cid, rnd = str(task.get("run_id")), str(task["client_id"]), int(task["round"])
+    residual, ef = None, None
+    store = fc.residual_store() if comp.error_feedback else None
+    if store is not None:
+        residual, ef = store.load(run_id, cid, rnd)
+    blob, enc, res_out = fc.encode_update(new, base, comp, seed=seed, residual=residual)
+    if store is not None and res_out is not None and not (ef or {}).get("stale"):
+        store.save(run_id, cid, rnd, residual, res_out)
+    if ef is not None:
+        enc["ef"] = ef
+    return blob, enc
+
+
+def _local_dp(base: Weights, new: Weights, spec: Dict[str, Any], seed: int) -> Weights:
+    from fl.privacy import clip_weights_delta
+
+    delta, _ = clip_weights_delta(new, base, float(spec["clip_norm"]))
+    rng = np.random.default_rng(seed)
+    std = float(spec.get("noise_std", 0.0))
+    return [(np.asarray(b, np.float64) + d + (rng.normal(0.0, std, d.shape) if std > 0 else 0.0)).astype(np.asarray(b).dtype)
+            for b, d in zip(base, delta)]
 
 
 def _plain(v: Any) -> Any:

@@ -3,7 +3,8 @@
 One ``RoundRecord`` per round: round number, global loss/accuracy (evaluated after
 aggregation), participants (clients whose updates were used), stragglers (asked but not back
 before the deadline), dropped (client -> reason the update was rejected), round time (s), and
-free-form ``extra`` metrics. Pure Python; matplotlib is imported only by ``plot_png``.
+free-form ``extra`` metrics (among them the bytes of model data up and down per client:
+``RoundRecord.bytes_up`` / ``bytes_down`` and ``History.traffic()`` sum them). Pure Python; matplotlib is imported only by ``plot_png``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,42 @@ class RoundRecord:
     round_time_s: Optional[float] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def epsilon(self) -> Optional[float]:
+        """Client-level DP budget spent up to this round (``extra["dp"]["epsilon"]``, from the
+        RDP accountant), or None for a run without DP."""
+        dp = self.extra.get("dp")
+        return _num(dp.get("epsilon")) if isinstance(dp, dict) else None
+
+    @property
+    def fed_accuracy(self) -> Optional[float]:
+        """Federated evaluation: accuracy on the clients' own test parts, weighted by examples
+        (``extra["fed_accuracy"]``); None in rounds without it."""
+        return _num(self.extra.get("fed_accuracy"))
+
+    @property
+    def fed_loss(self) -> Optional[float]:
+        """Federated evaluation's loss, weighted by examples (``extra["fed_loss"]``)."""
+        return _num(self.extra.get("fed_loss"))
+
+    @property
+    def fed_examples(self) -> Optional[int]:
+        """Test examples on the devices behind ``fed_loss``/``fed_accuracy``."""
+        v = self.extra.get("fed_examples")
+        return int(v) if isinstance(v, (int, float)) else None
+
+    @property
+    def bytes_up(self) -> Optional[int]:
+        """Bytes of model data the clients sent up this round (``extra["bytes_up_total"]``)."""
+        v = self.extra.get("bytes_up_total")
+        return int(v) if isinstance(v, (int, float)) else None
+
+    @property
+    def bytes_down(self) -> Optional[int]:
+        """Bytes of model data sent down to the clients this round (``extra["bytes_down_total"]``)."""
+        v = self.extra.get("bytes_down_total")
+        return int(v) if isinstance(v, (int, float)) else None
+
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "RoundRecord":
         return cls(
@@ -57,7 +94,7 @@ class History:
     """Ordered list of ``RoundRecord`` plus run ``metadata`` (strategy name, seed, ...)."""
 
     CSV_FIELDS = ["round", "loss", "accuracy", "num_participants", "participants",
-                  "num_stragglers", "stragglers", "num_dropped", "dropped", "round_time_s"]
+                  "num_stragglers", "stragglers", "num_dropped", "dropped", "round_time_s", "epsilon"]
 
     def __init__(self, rounds: Optional[List[RoundRecord]] = None, metadata: Optional[Dict[str, Any]] = None):
         self.rounds: List[RoundRecord] = list(rounds or [])
@@ -90,6 +127,25 @@ class History:
     @property
     def last(self) -> Optional[RoundRecord]:
         return self.rounds[-1] if self.rounds else None
+
+    def traffic(self) -> Dict[str, Any]:
+        """Model data moved over the run: per round ``(round, up, down, clients up)`` and the
+        totals and per-update means (up: bytes per update received; down: per client sent)."""
+        rows = []
+        n_up = n_down = 0
+        for r in self.rounds:
+            up, down = r.bytes_up, r.bytes_down
+            if up is None and down is None:
+                continue
+            k_up = len(r.extra.get("bytes_up") or {})
+            n_up += k_up
+            n_down += len(r.extra.get("bytes_down") or {})
+            rows.append({"round": r.round, "up": up or 0, "down": down or 0, "updates": k_up})
+        tot_up = sum(x["up"] for x in rows)
+        tot_down = sum(x["down"] for x in rows)
+        return {"rounds": rows, "up": tot_up, "down": tot_down,
+                "up_per_update": tot_up / n_up if n_up else None, "down_per_client": tot_down / n_down if n_down else None,
+                "compression": self.metadata.get("compression")}
 
     # ---- JSON ----------------------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:
@@ -128,7 +184,7 @@ class History:
                 r.round, "" if r.loss is None else r.loss, "" if r.accuracy is None else r.accuracy,
                 len(r.participants), ";".join(r.participants), len(r.stragglers), ";".join(r.stragglers),
                 len(r.dropped), ";".join(f"{k}={v}" for k, v in r.dropped.items()),
-                "" if r.round_time_s is None else r.round_time_s,
+                "" if r.round_time_s is None else r.round_time_s, "" if r.epsilon is None else r.epsilon,
             ] + [r.extra.get(k, "") for k in extra_keys])
         text = buf.getvalue()
         if path is not None:

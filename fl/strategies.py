@@ -15,6 +15,11 @@ The interface follows Flower's strategy hooks, reduced to what a function-mesh r
 
 ``Weights`` is a list of numpy arrays, one per model tensor, in a fixed order.
 
+Synchronous strategies: ``FedAvg``, ``FedProx``; server optimizers ``FedAdam``, ``FedYogi``,
+``FedAdagrad`` (FedOpt, Reddi et al. 2021); robust aggregation ``TrimmedMean`` (Yin et al. 2018),
+``Krum`` and multi-Krum (Blanchard et al. 2017); ``Hierarchical``. Asynchronous: ``FedAsync``,
+``FedBuff``.
+
 Every update is validated against the current global weights before it is used: wrong number
 of tensors, wrong shapes, non-finite values or a non-positive sample count reject *that* update
 with a reason (kept in ``last_report.rejected`` and in ``strategy.rejections``); aggregation never
@@ -39,6 +44,12 @@ __all__ = [
     "Strategy",
     "FedAvg",
     "FedProx",
+    "FedOpt",
+    "FedAdam",
+    "FedYogi",
+    "FedAdagrad",
+    "TrimmedMean",
+    "Krum",
     "FedAsync",
     "FedBuff",
     "Hierarchical",
@@ -186,6 +197,9 @@ class Strategy:
 
     is_async = False
     name = "strategy"
+    #: the round driver's mode (``fl.drivers``); None: sync, async or hierarchical as the
+    #: strategy's kind says
+    driver: Optional[str] = None
 
     def __init__(
         self,
@@ -322,6 +336,211 @@ class FedProx(FedAvg):
         cfg = super().client_round_config(round)
         cfg["proximal_mu"] = self.proximal_mu
         return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# server optimizers (FedOpt)
+# --------------------------------------------------------------------------------------------
+class FedOpt(FedAvg):
+    """FedOpt (Reddi et al., "Adaptive Federated Optimization", ICLR 2021): the sample-weighted
+    mean of the clients' deltas is a pseudo-gradient ``Δ = Σ n_k (w_k - w) / Σ n_k`` that a
+    server optimizer applies:
+
+        m <- β1 m + (1 - β1) Δ
+        v <- (subclass: Adagrad, Yogi or Adam's second-moment rule)
+        w <- w + η m / (sqrt(v) + τ)
+
+    ``eta`` is the server learning rate, ``tau`` the adaptivity (how far from sign-SGD);
+    ``bias_correction`` scales η by sqrt(1 - β2^t) / (1 - β1^t) as Adam does (Flower's FedAdam
+    does too). Moments start at zero (``v`` at ``tau²`` for Yogi, as in the paper); they are
+    kept in the strategy, so a resumed run starts them again. Integer tensors (e.g. BatchNorm's
+    ``num_batches_tracked``) are averaged as FedAvg does, not optimized.
+    """
+
+    name = "fedopt"
+
+    def __init__(self, *, eta: float = 0.1, beta_1: float = 0.9, beta_2: float = 0.99, tau: float = 1e-3,
+                 bias_correction: bool = False, **kw: Any) -> None:
+        super().__init__(**kw)
+        if eta <= 0 or tau <= 0:
+            raise ValueError("eta and tau must be > 0")
+        if not (0.0 <= beta_1 < 1.0 and 0.0 <= beta_2 < 1.0):
+            raise ValueError("beta_1 and beta_2 must be in [0, 1)")
+        self.eta, self.beta_1, self.beta_2, self.tau = float(eta), float(beta_1), float(beta_2), float(tau)
+        self.bias_correction = bool(bias_correction)
+        self.m: Optional[List[np.ndarray]] = None
+        self.v: Optional[List[np.ndarray]] = None
+        self.steps = 0
+
+    def _second_moment(self, v: np.ndarray, d2: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def _v0(self, shape: Tuple[int, ...]) -> np.ndarray:
+        return np.zeros(shape, dtype=np.float64)
+
+    def aggregate(self, round: int, updates: Sequence[ClientUpdate], current: Weights) -> Optional[Weights]:
+        avg = super().aggregate(round, updates, current)
+        if avg is None:
+            return None
+        floats = [np.issubdtype(np.asarray(c).dtype, np.floating) for c in current]
+        delta = [np.asarray(a, np.float64) - np.asarray(c, np.float64) for a, c in zip(avg, current)]
+        if self.m is None or len(self.m) != len(delta) or any(m.shape != d.shape for m, d in zip(self.m, delta)):
+            self.m = [np.zeros(d.shape) for d in delta]
+            self.v = [self._v0(d.shape) for d in delta]
+            self.steps = 0
+        assert self.v is not None
+        self.steps += 1
+        eta = self.eta
+        if self.bias_correction:
+            eta *= math.sqrt(1.0 - self.beta_2 ** self.steps) / (1.0 - self.beta_1 ** self.steps)
+        out: Weights = []
+        for t, (c, d) in enumerate(zip(current, delta)):
+            if not floats[t]:
+                out.append(avg[t])
+                continue
+            self.m[t] = self.beta_1 * self.m[t] + (1.0 - self.beta_1) * d
+            self.v[t] = self._second_moment(self.v[t], d * d)
+            w = np.asarray(c, np.float64) + eta * self.m[t] / (np.sqrt(self.v[t]) + self.tau)
+            out.append(w.astype(_out_dtype(c)))
+        return out
+
+
+class FedAdagrad(FedOpt):
+    """FedOpt with Adagrad's second moment: ``v <- v + Δ²``."""
+
+    name = "fedadagrad"
+
+    def __init__(self, *, eta: float = 0.1, tau: float = 1e-3, beta_1: float = 0.0, **kw: Any) -> None:
+        super().__init__(eta=eta, tau=tau, beta_1=beta_1, **kw)
+
+    def _second_moment(self, v: np.ndarray, d2: np.ndarray) -> np.ndarray:
+        return v + d2
+
+
+class FedYogi(FedOpt):
+    """FedOpt with Yogi's second moment: ``v <- v - (1 - β2) Δ² sign(v - Δ²)`` (v starts at τ²)."""
+
+    name = "fedyogi"
+
+    def _v0(self, shape: Tuple[int, ...]) -> np.ndarray:
+        return np.full(shape, self.tau ** 2, dtype=np.float64)
+
+    def _second_moment(self, v: np.ndarray, d2: np.ndarray) -> np.ndarray:
+        return v - (1.0 - self.beta_2) * d2 * np.sign(v - d2)
+
+
+class FedAdam(FedOpt):
+    """FedOpt with Adam's second moment: ``v <- β2 v + (1 - β2) Δ²``."""
+
+    name = "fedadam"
+
+    def _second_moment(self, v: np.ndarray, d2: np.ndarray) -> np.ndarray:
+        return self.beta_2 * v + (1.0 - self.beta_2) * d2
+
+
+# --------------------------------------------------------------------------------------------
+# robust aggregation
+# --------------------------------------------------------------------------------------------
+def _flat(weights: Sequence[np.ndarray]) -> np.ndarray:
+    return np.concatenate([np.asarray(w, np.float64).reshape(-1) for w in weights]) if len(weights) else np.zeros(0)
+
+
+class TrimmedMean(FedAvg):
+    """Coordinate-wise trimmed mean (Yin et al., ICML 2018): for every coordinate drop the
+    ``k = floor(beta * n)`` largest and ``k`` smallest of the ``n`` valid client values and
+    average the rest (unweighted: a client cannot buy influence with a large sample count).
+    Tolerates up to ``k`` Byzantine clients per coordinate. ``n - 2k`` must be at least 1;
+    with ``beta=0`` it is the plain (unweighted) mean."""
+
+    name = "trimmedmean"
+
+    def __init__(self, *, beta: float = 0.2, **kw: Any) -> None:
+        super().__init__(**kw)
+        if not 0.0 <= beta < 0.5:
+            raise ValueError("beta must be in [0, 0.5)")
+        self.beta = float(beta)
+        self.last_trimmed = 0  # clients trimmed from each side per coordinate, last round
+
+    def aggregate(self, round: int, updates: Sequence[ClientUpdate], current: Weights) -> Optional[Weights]:
+        report = AggregationReport(round=int(round))
+        self.last_report = report
+        valid = self._split_valid(round, updates, current, report)
+        if report.rejected and not self.accept_failures:
+            report.reason = f"{len(report.rejected)} update(s) rejected and accept_failures=False"
+            return None
+        if len(valid) < self.min_clients:
+            report.reason = f"only {len(valid)} valid update(s), need min_clients={self.min_clients}"
+            return None
+        n = len(valid)
+        k = int(math.floor(self.beta * n))
+        if n - 2 * k < 1:  # (cannot happen for beta < 0.5; kept as a guard)
+            report.reason = f"trimming {k} from each side of {n} leaves nothing"
+            return None
+        out: Weights = []
+        for t, ref in enumerate(current):
+            stack = np.sort(np.stack([np.asarray(u.weights[t], np.float64) for u in valid]), axis=0)
+            out.append(stack[k : n - k].mean(axis=0).astype(_out_dtype(ref)))
+        report.accepted = [u.client_id for u in valid]
+        report.num_samples = int(sum(int(u.num_samples) for u in valid))
+        report.aggregated = True
+        self.last_trimmed = k
+        return out
+
+
+class Krum(FedAvg):
+    """Krum and multi-Krum (Blanchard et al., NeurIPS 2017).
+
+    With ``n`` valid updates of which at most ``f`` (``num_byzantine``) are Byzantine, each
+    update's score is the sum of squared distances to its ``n - f - 2`` nearest other updates;
+    Krum keeps the update with the lowest score, multi-Krum (``num_selected = m > 1``) the ``m``
+    lowest and averages them by sample count. Needs ``n >= 2f + 3``; below that the round has no
+    new model (reason in the report). Updates not kept are reported as rejected ("not selected
+    by Krum") so the round record names them. ``num_selected=None``: ``n - f`` (multi-Krum).
+    """
+
+    name = "krum"
+
+    def __init__(self, *, num_byzantine: int = 1, num_selected: Optional[int] = 1, **kw: Any) -> None:
+        super().__init__(**kw)
+        if num_byzantine < 0:
+            raise ValueError("num_byzantine must be >= 0")
+        if num_selected is not None and num_selected < 1:
+            raise ValueError("num_selected must be >= 1 (or None for n - f)")
+        self.num_byzantine = int(num_byzantine)
+        self.num_selected = None if num_selected is None else int(num_selected)
+        self.last_scores: Dict[str, float] = {}
+
+    def aggregate(self, round: int, updates: Sequence[ClientUpdate], current: Weights) -> Optional[Weights]:
+        report = AggregationReport(round=int(round))
+        self.last_report = report
+        valid = self._split_valid(round, updates, current, report)
+        if report.rejected and not self.accept_failures:
+            report.reason = f"{len(report.rejected)} update(s) rejected and accept_failures=False"
+            return None
+        n, f = len(valid), self.num_byzantine
+        need = max(self.min_clients, 2 * f + 3)
+        if n < need:
+            report.reason = f"only {len(valid)} valid update(s), Krum with num_byzantine={f} needs {need}"
+            return None
+        X = np.stack([_flat(u.weights) for u in valid])
+        sq = np.sum(X * X, axis=1)
+        d2 = np.maximum(sq[:, None] + sq[None, :] - 2.0 * (X @ X.T), 0.0)
+        np.fill_diagonal(d2, np.inf)
+        closest = n - f - 2
+        scores = np.sort(d2, axis=1)[:, :closest].sum(axis=1)
+        m = min(n, self.num_selected if self.num_selected is not None else n - f)
+        order = np.argsort(scores, kind="stable")
+        keep = sorted(order[:m].tolist())
+        self.last_scores = {u.client_id: float(s) for u, s in zip(valid, scores)}
+        chosen = [valid[i] for i in keep]
+        for i in order[m:].tolist():
+            why = f"not selected by Krum (score {scores[i]:.4g}, kept {m} of {n})"
+            report.rejected.append((valid[i].client_id, why))
+            self.rejections.append((round, valid[i].client_id, why))
+        report.accepted = [u.client_id for u in chosen]
+        report.num_samples = int(sum(int(u.num_samples) for u in chosen))
+        report.aggregated = True
+        return weighted_average([u.weights for u in chosen], [u.num_samples for u in chosen], current)
 
 
 class Hierarchical(Strategy):

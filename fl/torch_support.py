@@ -60,13 +60,19 @@ def set_weights(model: nn.Module, weights: Sequence[np.ndarray]) -> None:
 
 
 def architecture_blob(model: nn.Module) -> bytes:
-    """The model without its weights: a copy on the ``meta`` device, pickled (about 1 KB for an
-    MLP). Weights travel separately, compressed (``fl.wire``)."""
-    return pickle.dumps(copy.deepcopy(model).to("meta"), protocol=5)
+    """The model without its weights: a copy on the ``meta`` device, serialized by the mesh's
+    facade (about 1 KB for an MLP), so a model class defined in the driver script or in a module
+    next to it travels by value. Weights travel separately, compressed (``fl.wire``)."""
+    from mesh_agent.protocol.serialize import serialize
+
+    return serialize(copy.deepcopy(model).to("meta"))
 
 
 def model_from_blob(blob: bytes, weights: Optional[Sequence[np.ndarray]], device: torch.device) -> nn.Module:
-    model: nn.Module = pickle.loads(blob)
+    from mesh_agent.protocol.serialize import deserialize
+
+    # (a bare pickle is an architecture blob from before the facade was used here)
+    model: nn.Module = pickle.loads(blob) if blob[:1] == b"\x80" else deserialize(blob)
     model = model.to_empty(device=device)
     if weights is not None:
         set_weights(model, weights)

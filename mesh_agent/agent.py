@@ -17,18 +17,15 @@ import contextlib
 import json
 import logging
 import os
-import random
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Callable
-
-import psutil
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from mesh_agent import __version__
+from mesh_agent.backoff import reconnect_delay
 from mesh_agent.clock import HubClock
-from mesh_agent.config import AgentConfig, Credentials
-from mesh_agent.datasets import export_worker_env
 from mesh_agent.engine import EngineResult, EngineTask, LocalEngine, error_result
+from mesh_agent.profile import PROVISIONAL_KEEPALIVE_S, LAN_KEEPALIVE_S, resolve
 from mesh_agent.protocol import (
     DOWN_KINDS,
     MAX_FRAME_BYTES,
@@ -45,7 +42,12 @@ from mesh_agent.protocol import (
 from mesh_agent.store import AgentStore, StoredResult, StoreError
 from mesh_agent.transport import AgentLink, LinkError
 
+from mesh_agent.settings import plain
+
 if TYPE_CHECKING:
+    # Annotations only: the running agent gets light views of these (mesh_agent.settings), and never
+    # imports pydantic (mesh_agent.run).
+    from mesh_agent.config import AgentConfig, Credentials
     from mesh_agent.engine.parsl_engine import ParslEngine
 
 __all__ = ["Agent", "make_link"]
@@ -59,6 +61,45 @@ _FRAME_BUDGET = 8 * 2**20
 _MAX_RESULT_BYTES = MAX_FRAME_BYTES // 2
 #: After a failed queue write (full disk) the agent takes no new tasks for this long, then tries again.
 _STORE_RETRY_S = 5.0
+#: A function body handed over by a site gateway: this prefix, the function id (64 hex), the body.
+SITE_BODY_MAGIC = b"CMFN"
+_SITE_BODIES_MAX = 16 * 2**20
+#: Validity of results and acks sent through a site gateway, which may hold them through an outage.
+_RELAYED_TTL_S = 7 * 86400.0
+
+
+def _mqtt_tls(cfg: AgentConfig) -> dict[str, Any]:
+    """TLS context and WebSocket transport for the MQTT link, from ``mqtt.tls`` / ``mqtt.transport``."""
+    ctx = None
+    if cfg.mqtt.tls is not None:
+        from mesh_agent.tls import TlsError, client_context
+
+        t = cfg.mqtt.tls
+        try:
+            ctx = client_context(t.ca_file, cert_file=t.cert_file, key_file=t.key_file, server_name=t.server_name, pin_sha256=t.pin_sha256)
+        except TlsError as exc:
+            raise LinkError(f"mqtt.tls: {exc}") from None
+    return {"tls_context": ctx, "transport": cfg.mqtt.transport, "websocket_path": cfg.mqtt.websocket_path}
+
+
+def link_address(cfg: AgentConfig) -> str:
+    """Where the agent's link goes, as a URL for log lines: mqtt(s)://host:port, ws(s)://..., tcp://..."""
+    if cfg.transport != "mqtt":
+        return cfg.zmq.address
+    secure = getattr(cfg.mqtt, "tls", None) is not None
+    if getattr(cfg.mqtt, "transport", "tcp") == "websockets":
+        return f"{'wss' if secure else 'ws'}://{cfg.mqtt.host}:{cfg.mqtt.port}{getattr(cfg.mqtt, 'websocket_path', '') or ''}"
+    return f"{'mqtts' if secure else 'mqtt'}://{cfg.mqtt.host}:{cfg.mqtt.port}"
+
+
+def _node_address(where: str, link: object) -> str:
+    """``where`` with the host:port of the broker node this link uses (mqtt.hosts: a cluster's node)."""
+    node = getattr(link, "address", None)
+    if not isinstance(node, str) or "//" not in where:
+        return where
+    scheme, rest = where.split("//", 1)
+    path = rest[rest.find("/"):] if "/" in rest else ""
+    return f"{scheme}//{node}{path}"
 
 
 def make_link(cfg: AgentConfig, creds: Credentials) -> AgentLink:
@@ -71,8 +112,10 @@ def make_link(cfg: AgentConfig, creds: Credentials) -> AgentLink:
             cfg.mqtt.port,
             username=creds.mqtt_username,
             password=creds.mqtt_password,
-            keepalive=cfg.mqtt.keepalive,
+            keepalive=cfg.mqtt.keepalive or LAN_KEEPALIVE_S,  # the agent sets the one in force (configure)
             prefix=cfg.mqtt.topic_prefix,
+            brokers=cfg.mqtt.broker_list(),  # mqtt.hosts: the nodes of a cluster, failed over in order
+            **_mqtt_tls(cfg),
         )
     from mesh_agent.transport.zmq import ZmqAgentLink
 
@@ -85,21 +128,39 @@ class _HelloRequired(Exception):
     """The hub lost our session (it restarted): say hello again on the same link."""
 
 
+class _Reconnect(LinkError):
+    """End this connection and open a new one at once (a new MQTT keepalive takes a new CONNECT)."""
+
+
+def _psutil() -> Any:
+    """psutil, imported on first use: only the hello and heartbeats need it."""
+    import psutil
+
+    return psutil
+
+
 class Agent:
     def __init__(
         self,
         cfg: AgentConfig,
         creds: Credentials,
         link_factory: Callable[[AgentConfig, Credentials], AgentLink] = make_link,
+        worker_env: Mapping[str, str] | None = None,
     ) -> None:
+        """``cfg``/``creds``: the pydantic models, or their light views (mesh_agent.settings).
+        ``worker_env``: what workers must inherit (endpoint identity, datasets), computed where the
+        dataset models are at hand (``mesh-agent start``, before it execs the light runner);
+        None: computed here, from ``cfg.datasets``."""
         self.cfg = cfg
+        self._worker_env = worker_env
+        self.footprint = resolve(cfg)  # metered or lan: beats, keepalive, compression, workers on demand
         self.endpoint_id = cfg.endpoint_id
         self._key = creds.key_bytes
         self._creds = creds
         self._link_factory = link_factory
         self.store = AgentStore(cfg.queue_path, cfg.durable_sync, cfg.queue_max_mb)
         if cfg.globus is not None:  # workers (spawned later, they inherit it) stage Globus files
-            os.environ["MESH_STAGING"] = json.dumps({**json.loads(cfg.globus.model_dump_json()), "credentials_file": str(cfg.credentials_file)})
+            os.environ["MESH_STAGING"] = json.dumps({**plain(cfg.globus), "credentials_file": str(cfg.credentials_file)})
         self.engine: LocalEngine | ParslEngine
         if cfg.engine == "parsl":  # HPC: same interface and result semantics, work on batch-job workers
             from mesh_agent.engine.parsl_engine import ParslEngine
@@ -113,6 +174,7 @@ class Agent:
                 task_timeout=cfg.task_timeout,
                 memory_limit_mb=cfg.memory_limit_mb,
                 max_batch=cfg.max_batch,
+                idle_s=self.footprint.worker_idle_s,
             )
         self._replay = ReplayGuard()
         self._heartbeat_s = cfg.heartbeat_s
@@ -130,13 +192,36 @@ class Agent:
         self._local_allow = None if cfg.allowed_functions is None else frozenset(cfg.allowed_functions)
         self._hub_allow: frozenset[str] | None = None  # the hub's allow-list for us, kept in the queue's meta
         self._store_blocked_until = 0.0  # monotonic; set when the queue could not be written (disk full)
+        self._relayed = bool(getattr(cfg, "gateway_id", None))  # behind a site gateway (docs/sites.md)
+        self.hello_extra: dict[str, Any] = {}
+        # Behind a gateway: function bodies it handed us (checked by hash), until the signed tasks
+        # frame right after names them in ``at_site``; bounded (16 MiB), oldest dropped first (docs/sites.md).
+        self._site_bodies: dict[str, bytes] = {}
+        self.on_site: Callable[[dict[str, Any]], Any] | None = None  # a gateway: the welcome's ``site``
+        # Liveness (docs/protocol.md, "Liveness and idle cost"): what the hub's welcome asked for.
+        self._conn: str | None = None  # this connection's id, in our hello and our will
+        self._keepalive: int | None = None  # MQTT keepalive of the current connection
+        self._beat_max: float | None = None  # adaptive heartbeats: the longest the hub lets us stay silent
+        self._hub_reads_z = False  # the hub reads compressed bodies (it said so in its welcome)
+        self._last_frame = 0.0  # monotonic, last frame we sent: any frame is proof of life to the hub
+        self._last_beat: dict[str, Any] = {}  # body of the last heartbeat sent (adaptive: only changes go)
+        self._beat_state: tuple[Any, ...] | None = None
+        self._confirm_beat = False  # send one more beat if nothing arrives (the hub's credit re-sync needs two)
+        self._gpus: list[dict[str, Any]] = []  # this machine's GPUs, found at start (run())
         self.stats = {"tasks_received": 0, "results_sent": 0, "rejected_frames": 0, "reconnects": 0, "store_failures": 0, "refused_tasks": 0}
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self, stop: asyncio.Event) -> None:
         """Run until ``stop`` is set; survives any number of link losses."""
         await self.store.open()
-        export_worker_env(self.cfg.endpoint_id, self.cfg.name, self.cfg.datasets, self.cfg.data_dir)  # before workers spawn
+        if self._worker_env is None:
+            from mesh_agent.datasets import worker_env  # pydantic's dataset models: not on the runner's path
+
+            self._worker_env = worker_env(self.cfg.endpoint_id, self.cfg.name, self.cfg.datasets, self.cfg.data_dir)
+        os.environ.update(self._worker_env)  # before workers spawn: they inherit it
+        from mesh_agent.gpu import detect_gpus  # (nvidia-smi, never torch)
+
+        self._gpus = await asyncio.to_thread(detect_gpus)
         allow = await self.store.get_meta("hub_allow")
         self._hub_allow = None if allow is None else frozenset(json.loads(allow))
         await self.engine.start()
@@ -163,26 +248,76 @@ class Agent:
 
     async def _connect_forever(self, stop: asyncio.Event) -> None:
         attempt = 0
+        where = link_address(self.cfg)
+        lost_at: float | None = None  # when the last session ended: "reconnected after 42 s"
         while not stop.is_set():
+            connected = quick = False
             try:
-                async with self._link_factory(self.cfg, self._creds) as link:
+                async with await self._new_link() as link:
                     self._link = link
-                    attempt = 0
+                    connected, self._announced = True, False
+                    where = _node_address(where, link)
+                    if lost_at is None:
+                        log.info("connected to %s", where)
+                    else:
+                        log.info("reconnected to %s after %.0fs offline (%d attempts)", where, time.monotonic() - lost_at, attempt)
+                    attempt, lost_at = 0, None
                     await self._session(link, stop)
             except LinkError as exc:
-                log.warning("link to hub lost: %s", exc)
+                reason, quick = str(exc), isinstance(exc, _Reconnect)
+            else:
+                reason = "stopping" if stop.is_set() else "session ended"
             finally:
                 self._link = None
                 self._welcomed.clear()
             if stop.is_set():
+                if connected:
+                    log.info("disconnected from %s: agent stopping", where)
                 break
             attempt += 1
             self.stats["reconnects"] += 1
             # Exponential backoff with jitter: a fleet coming back after a regional outage
             # must not reconnect in lockstep.
-            delay = min(30.0, 0.2 * 2 ** min(attempt, 8)) * random.uniform(0.5, 1.5)
+            delay = 0.0 if quick else reconnect_delay(attempt)
+            if connected:
+                lost_at = time.monotonic()
+                log.warning("disconnected from %s: %s; reconnecting in %.1fs", where, reason, delay)
+            else:  # repeated every attempt while the hub is unreachable: rate-limited by mesh_agent._logs
+                lost_at = lost_at or time.monotonic()
+                log.warning("cannot reach %s: %s; retrying in %.1fs", where, reason, delay)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), delay)
+
+    async def _new_link(self) -> AgentLink:
+        """A link for one connection. Over MQTT it carries a will: a signed ``gone`` frame naming this
+        connection, which the broker publishes if the connection dies without a goodbye (keepalive
+        lapsed on a black-holed link, process killed), so the hub learns of it within its bound
+        without the agent beating every few seconds. The keepalive is what the hub's last welcome
+        asked for (kept in the queue's meta across restarts)."""
+        link = self._link_factory(self.cfg, self._creds)
+        self._conn = None
+        configure = getattr(link, "configure", None)
+        if configure is not None:
+            self._conn = os.urandom(8).hex()
+            self._keepalive = await self._keepalive_to_use()
+            configure(will=self._gone_frame(), keepalive=self._keepalive)
+        return link
+
+    async def _keepalive_to_use(self) -> int:
+        if self.footprint.keepalive is not None:  # set by the user
+            return self.footprint.keepalive
+        if not self.footprint.adaptive:  # lan: heartbeats every heartbeat_s prove we are alive
+            return LAN_KEEPALIVE_S
+        hub = await self.store.get_meta("hub_keepalive_s")
+        return int(hub) if hub and hub.isdigit() else PROVISIONAL_KEEPALIVE_S
+
+    def _gone_frame(self, *, bye: bool = False) -> bytes:
+        """Long-lived on purpose (the will may wait months in the broker): the hub does not check its
+        freshness, only its MAC, and acts on it only for the session whose hello named this ``conn``.
+        ``bye``: a clean stop, which the hub logs as such rather than as a lost device."""
+        ts = self._now()
+        body: dict[str, Any] = {"conn": self._conn, **({"bye": 1} if bye else {})}
+        return encode(Envelope(Kind.GONE, self.endpoint_id, body, ts=ts, exp=ts + 86400.0), self._key)
 
     async def _session(self, link: AgentLink, stop: asyncio.Event) -> None:
         await self._send_hello()
@@ -194,6 +329,11 @@ class Agent:
             for t in done:
                 if t is not stopper and t.exception() is not None:
                     raise t.exception()  # type: ignore[misc]
+            if stopper in done and self._conn is not None and self._welcomed.is_set():
+                # A clean stop sends no will (the client says DISCONNECT): say goodbye, so the hub
+                # marks us offline now rather than after its bound.
+                with contextlib.suppress(LinkError, asyncio.TimeoutError):
+                    await asyncio.wait_for(link.send(self._gone_frame(bye=True)), 2.0)
         finally:
             for t in (reader, beat, stopper):
                 t.cancel()
@@ -207,7 +347,13 @@ class Agent:
         link = self._link
         if link is None:
             raise LinkError("not connected")
-        await link.send(encode(Envelope(kind, self.endpoint_id, body, ts=self._now()), self._key))
+        ts = self._now()
+        # Behind a site gateway (docs/sites.md) results and acks may wait at the gateway through a long
+        # uplink outage: they stay valid for a week (both are idempotent by task id at the hub).
+        exp = ts + _RELAYED_TTL_S if self._relayed and kind in (Kind.RESULTS, Kind.ACK) else 0.0
+        await link.send(encode(Envelope(kind, self.endpoint_id, body, ts=ts, exp=exp), self._key,
+                               compress=self._hub_reads_z and self.footprint.compress))
+        self._last_frame = time.monotonic()
 
     async def _send_hello(self) -> None:
         nonce = os.urandom(8).hex()
@@ -218,7 +364,7 @@ class Agent:
             Kind.HELLO,
             {
                 "nonce": nonce,
-                "capacity": self.engine.workers,
+                "capacity": self._capacity,
                 "prefetch": self.cfg.prefetch,
                 "have": await self.store.held_ids(),
                 "engine": self.cfg.engine,
@@ -228,22 +374,34 @@ class Agent:
                 # for placement: selectors, constraints, pooled profiles
                 "tags": list(self.cfg.tags),
                 "hardware": self.cfg.hardware,
-                "gpu": self.cfg.gpu,
-                "memory_mb": psutil.virtual_memory().total // 2**20,
+                "gpu": self.cfg.gpu,  # placement's flag: as configured (mesh-agent init --gpu)
+                "gpus": self._gpus,  # what nvidia-smi found: [{"index", "name", "memory_mb", "uuid", "driver"}] (mesh_agent/gpu.py)
+                "memory_mb": _psutil().virtual_memory().total // 2**20,
+                # liveness and footprint: our will names this connection; we read compressed
+                # bodies; we beat on change (the hub then bounds our silence by its MQTT setting)
+                **({"conn": self._conn} if self._conn is not None else {}),
+                **({"z": 1} if self.footprint.compress else {}),
+                **({"beats": "adaptive"} if self.footprint.adaptive else {}),
+                **self.hello_extra,  # a site gateway announces its site (mesh_agent/gateway.py)
             },
         )
+
+    @property
+    def _capacity(self) -> int:
+        """Tasks we run at once: the configured pool, even while on-demand workers are not up."""
+        return int(getattr(self.engine, "capacity", self.engine.workers))
 
     def _want(self) -> int:
         if time.monotonic() < self._store_blocked_until:
             return 0  # the queue cannot take more right now (disk full): let the hub keep them
-        return max(0, self.engine.workers + self.cfg.prefetch - self.engine.queued - self.engine.running)
+        return max(0, self._capacity + self.cfg.prefetch - self.engine.queued - self.engine.running)
 
     async def _maybe_fetch(self, force: bool = False) -> None:
         """Tell the hub how many more tasks we can take, when that changed enough to matter."""
         if not self._welcomed.is_set():
             return
         want = self._want()
-        full = self.engine.workers + self.cfg.prefetch
+        full = self._capacity + self.cfg.prefetch
         # What the hub still believes it may send us: our last grant minus what arrived since.
         hub_credit = max(0, self._granted - self._received_since_fetch)
         gap = want - hub_credit
@@ -253,7 +411,11 @@ class Agent:
             await self._send(Kind.FETCH, {"want": want})
 
     async def _heartbeats(self) -> None:
-        psutil.cpu_percent(None)
+        """Beat every ``heartbeat_s`` (lan, or a hub that predates adaptive beats), or adaptively:
+        look at our state every ``heartbeat_min_s`` (no bytes) and beat only when it changed, when
+        ``beat_max_s`` would otherwise pass without any frame from us, or once more after going
+        idle with ``want > 0`` (the hub re-syncs lost credit after two such beats in a row)."""
+        _psutil().cpu_percent(None)
         last_prune = 0.0
         while True:
             if time.monotonic() - last_prune > 3600:
@@ -262,26 +424,49 @@ class Agent:
                     await self.store.prune()
                 except Exception as exc:  # housekeeping only; never worth the session
                     log.warning("pruning old task ids failed: %s", exc)
-            await asyncio.sleep(self._heartbeat_s)
-            counts = await self.store.counts()
-            mem = psutil.virtual_memory()
-            await self._send(
-                Kind.HEARTBEAT,
-                {
-                    "capacity": self.engine.workers,
-                    "running": self.engine.running,
-                    "queued": self.engine.queued,
-                    "stored": counts["queued"],
-                    "outbox": counts["done"],
-                    "want": self._want(),
-                    "warm": self.engine.warm_functions()[:100],
-                    "cpu": psutil.cpu_percent(None),
-                    "mem_used": mem.percent,
-                    "mem_avail_mb": mem.available // 2**20,
-                },
-            )
+            beat_max = self._beat_max
+            tick = self._heartbeat_s if beat_max is None else min(self.footprint.beat_min_s, beat_max)
+            await asyncio.sleep(tick)
+            if beat_max is not None:
+                state = (self._capacity, self.engine.running, self.engine.queued, self._want())
+                changed = state != self._beat_state
+                due = time.monotonic() - self._last_frame + tick > beat_max
+                if not (changed or due or self._confirm_beat):
+                    if self._sent_at:
+                        await self._resend_stale_results()
+                    await self._maybe_fetch()  # safety net should a fetch have been lost
+                    continue
+                self._confirm_beat = changed and state[3] > 0 and state[1] == 0 and state[2] == 0
+                self._beat_state = state
+            body = await self._beat_body(compact=beat_max is not None)
+            if beat_max is not None:  # only what changed since the last beat; want always (credit re-sync)
+                sent = {k: v for k, v in body.items() if k == "want" or self._last_beat.get(k) != v}
+            else:
+                sent = body
+            self._last_beat = body
+            await self._send(Kind.HEARTBEAT, sent)
             await self._resend_stale_results()
             await self._maybe_fetch()  # safety net should a fetch have been lost
+
+    async def _beat_body(self, compact: bool) -> dict[str, Any]:
+        """The full heartbeat body. Compact (adaptive) rounds resource figures so that noise alone
+        does not count as a change worth bytes."""
+        counts = await self.store.counts()
+        ps = _psutil()
+        mem = ps.virtual_memory()
+        cpu = ps.cpu_percent(None)
+        return {
+            "capacity": self._capacity,
+            "running": self.engine.running,
+            "queued": self.engine.queued,
+            "stored": counts["queued"],
+            "outbox": counts["done"],
+            "want": self._want(),
+            "warm": self.engine.warm_functions()[:100],
+            "cpu": round(cpu) if compact else cpu,
+            "mem_used": round(mem.percent) if compact else mem.percent,
+            "mem_avail_mb": (mem.available // 2**24) * 16 if compact else mem.available // 2**20,
+        }
 
     # ------------------------------------------------------------------ receiving
     async def _read(self, link: AgentLink) -> None:
@@ -298,10 +483,30 @@ class Agent:
                 if time.time() - recent > 1.0:
                     await self._send_hello()
 
+    def _site_body(self, blob: bytes) -> None:
+        """A function body from our site gateway: ``CMFN`` + function id (64 hex) + body. Kept (in
+        memory, bounded) only if its SHA-256 is that id; it is used only for a task of a signed
+        frame that names the id, so a gateway cannot make us run anything else."""
+        import hashlib
+
+        fid, body = blob[4:68].decode("ascii", "replace"), bytes(blob[68:])
+        if len(blob) < 68 or hashlib.sha256(body).hexdigest() != fid:
+            self.stats["rejected_frames"] += 1
+            log.warning("rejected function body from the gateway: its hash is not %s", fid)
+            return
+        self._site_bodies.pop(fid, None)
+        self._site_bodies[fid] = body
+        total = sum(len(b) for b in self._site_bodies.values())
+        while total > _SITE_BODIES_MAX and len(self._site_bodies) > 1:
+            total -= len(self._site_bodies.pop(next(iter(self._site_bodies))))
+
     async def _handle(self, frame: bytes) -> None:
         """Trust before parsing (invariant 3): header and MAC, direction, freshness (for a welcome:
         the nonce of one of our hellos) and replay are all checked on the fixed binary header; the
         body is handed to msgpack only after every check passed."""
+        if self._relayed and frame[:4] == SITE_BODY_MAGIC:
+            self._site_body(frame)
+            return
         try:
             sealed = open_frame(frame, self._key)
             if sealed.endpoint != self.endpoint_id:
@@ -330,7 +535,14 @@ class Agent:
             return
         handler = _HANDLERS.get(env.kind)
         if handler is not None:
-            await handler(self, env.body)
+            try:
+                done = await handler(self, env.body)
+            except BaseException:
+                if env.kind is Kind.TASKS:  # not stored (cancelled with the link, ...): it may come again
+                    self._replay.forget(sealed)
+                raise
+            if done is False and env.kind is Kind.TASKS:
+                self._replay.forget(sealed)
 
     async def _on_welcome(self, body: dict[str, Any]) -> None:
         now = time.time()
@@ -340,14 +552,44 @@ class Agent:
         hub_beat = body.get("heartbeat_s")
         if isinstance(hub_beat, (int, float)) and 0 < hub_beat < self.cfg.heartbeat_s:
             self._heartbeat_s = float(hub_beat)  # the hub declares us lost on its own period
+        await self._adopt_liveness(body)
         await self._set_hub_allow(body)
+        if self.on_site is not None and isinstance(body.get("site"), dict):
+            await self.on_site(body["site"])
         self._welcomed.set()
+        if not getattr(self, "_announced", True):  # once per connection: the operator's "it works" line
+            self._announced = True
+            log.info("online: %s via %s to %s (hub %s)", self.endpoint_id, self.cfg.transport, link_address(self.cfg), self.cfg.hub_url)
         await self._resume_stored_tasks()  # anything stored but not running (a session cut mid-batch)
         await self._maybe_fetch(force=True)
         await self._resend_stale_results(all_of_them=True)
         if again:  # that welcome waited somewhere (a broker queue, an outage): measure again
             log.warning("welcome came %.0fs after its hello; measuring the hub's clock again", now - sent)
             await self._send_hello()
+
+    async def _adopt_liveness(self, body: dict[str, Any]) -> None:
+        """What the welcome says about liveness: ``beat_max_s`` (adaptive beats allowed, this long
+        at most), ``keepalive_s`` (the MQTT keepalive that keeps the hub's offline bound: the broker
+        publishes our will 1.5 keepalives after the link went silent) and ``z`` (reads compressed
+        bodies). A keepalive other than the one in force is kept and, when it matters, applied by
+        reconnecting at once (MQTT fixes it at CONNECT)."""
+        self._hub_reads_z = bool(body.get("z"))
+        self._last_beat, self._beat_state, self._confirm_beat = {}, None, False  # a new session gets a full beat
+        bm = body.get("beat_max_s")
+        ok = isinstance(bm, (int, float)) and not isinstance(bm, bool) and bm > 0
+        self._beat_max = float(bm) if ok and self.footprint.adaptive else None
+        ka = body.get("keepalive_s")
+        if self._conn is None or self.footprint.keepalive is not None or not isinstance(ka, int) or isinstance(ka, bool) or ka < 1:
+            return
+        if await self.store.get_meta("hub_keepalive_s") != str(ka):
+            try:
+                await self.store.set_meta("hub_keepalive_s", str(ka))
+            except StoreError as exc:
+                log.error("could not save the hub's keepalive: %s", exc)
+        wanted = await self._keepalive_to_use()
+        now = self._keepalive
+        if now is not None and (now > wanted or (self.footprint.adaptive and now < wanted / 2)):
+            raise _Reconnect(f"reconnecting with the hub's MQTT keepalive of {wanted}s (this connection has {now}s)")
 
     async def _set_hub_allow(self, body: dict[str, Any]) -> None:
         if "allow" not in body:
@@ -361,9 +603,13 @@ class Agent:
             except StoreError as exc:
                 log.error("could not save the hub's allow-list: %s", exc)
 
-    async def _on_tasks(self, body: dict[str, Any]) -> None:
+    async def _on_tasks(self, body: dict[str, Any]) -> bool:
+        """False: the batch was not stored (and not acked)."""
         tasks: list[dict[str, Any]] = body.get("tasks", [])
         functions: dict[str, bytes] = body.get("functions") or {}
+        for fid in body.get("at_site") or []:  # bodies our gateway handed us, checked by hash, stored with these tasks
+            if isinstance(fid, str) and fid not in functions and fid in self._site_bodies:
+                functions[fid] = self._site_bodies.pop(fid)  # stored with these tasks: no longer held in memory
         self._received_since_fetch += len(tasks)
         by_id = {t["id"]: t for t in tasks}
         missing: list[tuple[str, str, bytes, float | None, float | None]] = []
@@ -392,12 +638,13 @@ class Agent:
             with contextlib.suppress(LinkError):
                 self._granted, self._received_since_fetch = 0, 0
                 await self._send(Kind.FETCH, {"want": 0})
-            return
+            return False
         if missing:
             bodies = await self.store.function_bodies({fid for _, fid, *_ in missing})
             self._submit(missing, bodies)  # before the ack: a link that fails now must not strand them
         # Ack everything, duplicates included: the hub may have missed our earlier ack.
         await self._send(Kind.ACK, {"ids": [t["id"] for t in tasks]})
+        return True
 
     async def _on_result_ack(self, body: dict[str, Any]) -> None:
         ids = body.get("ids", [])
@@ -478,8 +725,8 @@ class Agent:
                 await asyncio.sleep(_STORE_RETRY_S)
                 self._pending_event.set()
                 continue
-            if not stored or not self._welcomed.is_set():
-                continue
+            if not stored or not (self._welcomed.is_set() or (self._relayed and self._link is not None)):
+                continue  # (behind a gateway: sent at once, the gateway keeps them until the hub acks)
             try:
                 await self._send_results(stored)
                 await self._maybe_fetch()

@@ -47,6 +47,7 @@ ENV_VARS: dict[str, str] = {
     "MESH_MQTT_PORT": "mqtt_port",
     "MESH_ZMQ_ADDRESS": "zmq_address",
     "MESH_ENROLL_WAIT_S": "wait_s",
+    "MESH_CA_HASH": "ca_hash",
 }
 
 
@@ -71,6 +72,7 @@ class EnvEnrollment(BaseModel):
     mqtt_port: int | None = Field(None, ge=1, le=65535)
     zmq_address: str | None = None
     wait_s: float = Field(600.0, ge=0, description="how long to keep retrying an unreachable hub")
+    ca_hash: str | None = Field(None, description="sha256:... of the hub's CA (from the enrollment token's output), pinned as by `init --ca-hash`")
 
 
 def _default_name(env: Mapping[str, str]) -> str:
@@ -131,7 +133,7 @@ def ensure_enrolled(
                 settings.hub_url, settings.enroll_token, settings.name, config_path,
                 transport=settings.transport, data_dir=settings.data_dir, workers=settings.workers,
                 prefetch=settings.prefetch, task_timeout=settings.task_timeout, mqtt_host=settings.mqtt_host,
-                mqtt_port=settings.mqtt_port, zmq_address=settings.zmq_address,
+                mqtt_port=settings.mqtt_port, zmq_address=settings.zmq_address, ca_hash=settings.ca_hash,
             )
             log.info("enrolled as %s (%s) with %s", cfg.endpoint_id, settings.name, settings.hub_url)
             return "enrolled"

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -15,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from mesh_agent.config import AgentConfig, ConfigError, Credentials, MqttSettings, ZmqSettings, load_config
+from mesh_agent.config import AgentConfig, ConfigError, Credentials, ZmqSettings, check_plaintext, load_config
 
 app = typer.Typer(help="Continuum Mesh agent: runs functions from the hub, durably.", no_args_is_help=True)
 queue_app = typer.Typer(help="Inspect the local durable queue.")
@@ -51,6 +49,9 @@ def enroll(
     tags: list[str] | None = None,
     hardware: str | None = None,
     gpu: bool = False,
+    ca_hash: str | None = None,
+    insecure_plaintext: bool = False,
+    gateway_id: str | None = None,
 ) -> AgentConfig:
     """Register this device with the hub and write its config and credentials (both mode 0600).
 
@@ -58,13 +59,18 @@ def enroll(
     leaves the device. The hub answers with its own CURVE public key (and, for MQTT, a broker login)."""
     _check_placement(tags, hardware)  # before the hub spends an enrollment token on us
     request: dict[str, object] = {"token": token, "name": name, "transport": transport}
+    if gateway_id is not None:  # behind a site gateway (docs/sites.md): the hub answers with its broker
+        request["gateway_id"] = gateway_id
     curve_public = curve_secret = None
     if transport == "zmq":
         from mesh_agent.transport.zmq import curve_keypair
 
         curve_public, curve_secret = curve_keypair()
         request["curve_public"] = curve_public
-    r = httpx.post(f"{hub_url.rstrip('/')}/v1/endpoints/enroll", json=request, timeout=30)
+    from mesh_agent.enroll_tls import HubTrust
+
+    trust = HubTrust.establish(hub_url, ca_hash, insecure_plaintext=insecure_plaintext)  # before the token is sent anywhere
+    r = trust.post(f"{hub_url.rstrip('/')}/v1/endpoints/enroll", json=request)
     if r.status_code >= 400:
         try:
             detail = r.json().get("detail", r.text)
@@ -74,12 +80,14 @@ def enroll(
     info = r.json()
     data_dir = (data_dir or config_path.parent / name).expanduser().resolve()
     mqtt = info.get("mqtt") or {}
+    ca_file = trust.save_ca(info.get("ca_pem"), data_dir)
     cfg = AgentConfig(
         endpoint_id=info["endpoint_id"],
         name=name,
         hub_url=hub_url,
         transport=transport,  # type: ignore[arg-type]
-        mqtt=MqttSettings(host=mqtt_host or mqtt.get("host", "127.0.0.1"), port=mqtt_port or mqtt.get("port", 1883), topic_prefix=mqtt.get("topic_prefix", "mesh")),
+        mqtt=trust.mqtt_settings(mqtt, ca_file, host=mqtt_host, port=mqtt_port),
+        insecure_plaintext=insecure_plaintext,
         zmq=ZmqSettings(address=zmq_address or info.get("zmq_address") or "tcp://127.0.0.1:8701"),
         data_dir=data_dir,
         credentials_file=config_path.with_name(config_path.stem + ".credentials.json").resolve(),
@@ -90,13 +98,36 @@ def enroll(
         tags=tags or [],
         hardware=hardware,
         gpu=gpu,
+        gateway_id=gateway_id,
     )
+    check_plaintext(cfg, config_path)  # a plaintext broker on another machine: refuse before writing anything
     Credentials(
         endpoint_id=cfg.endpoint_id, key=info["key"], mqtt_username=mqtt.get("username"), mqtt_password=mqtt.get("password"),
         curve_public=curve_public, curve_secret=curve_secret, hub_curve_key=info.get("zmq_server_key") if transport == "zmq" else None,
     ).save(cfg.credentials_file)
     cfg.save(config_path)
     return cfg
+
+
+def existing_enrollment(config_path: Path) -> str | None:
+    """Describe the enrollment already at ``config_path`` (its config or credentials file), or None.
+
+    Why: a second ``mesh-agent init`` with the defaults used to overwrite the first device's config
+    and credentials silently and leave its endpoint orphaned at the hub."""
+    creds = config_path.with_name(config_path.stem + ".credentials.json")
+    found = [p for p in (config_path, creds) if p.exists()]
+    if not found:
+        return None
+    who = ""
+    try:
+        import yaml
+
+        raw = yaml.safe_load(config_path.read_text()) if config_path.exists() else None
+        if isinstance(raw, dict) and raw.get("endpoint_id"):
+            who = f" of endpoint {raw['endpoint_id']}" + (f" ({raw['name']})" if raw.get("name") else "")
+    except (OSError, ValueError, yaml.YAMLError):
+        pass
+    return f"an enrollment{who} already exists: {' and '.join(str(p) for p in found)}"
 
 
 def _check_placement(tags: list[str] | None, hardware: str | None) -> None:
@@ -130,13 +161,25 @@ def init(
     tag: Optional[list[str]] = typer.Option(None, "--tag", help="placement label (repeatable), for {\"tags\": [...]} selectors"),
     hardware: Optional[str] = typer.Option(None, "--hardware", help="hardware class shared by identical devices, e.g. pi4"),
     gpu: bool = typer.Option(False, "--gpu", help="functions may use a GPU here"),
+    ca_hash: Optional[str] = typer.Option(None, "--ca-hash", help="sha256:... of the hub's CA, printed with the enrollment token; "
+                                          "the CA the hub sends (and its HTTPS certificate) must match it"),
+    insecure_plaintext: bool = typer.Option(False, "--insecure-plaintext", help="allow http:// and plaintext MQTT to another machine"),
+    force: bool = typer.Option(False, "--force", help="replace an existing enrollment at --config (the old endpoint stays enrolled at the hub)"),
+    gateway: Optional[str] = typer.Option(None, "--gateway", help="endpoint id of the site gateway this device dials on its LAN "
+                                          "(docs/sites.md); the hub answers with the gateway's broker address"),
     config: Path = ConfigOpt,
 ) -> None:
     """Enroll this device with the hub and write its config."""
+    existing = existing_enrollment(config)
+    if existing and not force:  # checked before the hub spends a token on us
+        console.print(f"[red]error:[/red] {existing}. Pass --force to replace it, or give a second agent on this machine "
+                      "its own files: -c/--config other.yaml (and --data-dir for its queue)", highlight=False)
+        raise typer.Exit(2)
     try:
         cfg = enroll(hub, token, name, config, transport=transport, data_dir=data_dir, workers=workers,
-                     tags=tag, hardware=hardware, gpu=gpu)
-    except (ConfigError, httpx.HTTPError) as exc:
+                     tags=tag, hardware=hardware, gpu=gpu, ca_hash=ca_hash, insecure_plaintext=insecure_plaintext,
+                     gateway_id=gateway)
+    except (ConfigError, httpx.HTTPError, ConnectionError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
     console.print(f"enrolled as [bold]{cfg.endpoint_id}[/bold]; config written to {config}")
@@ -149,7 +192,9 @@ def start(config: Path = ConfigOpt, log_level: str = typer.Option("INFO", "--log
     On first boot (no config file) with ``MESH_HUB_URL`` and ``MESH_ENROLL_TOKEN`` set, the
     device enrolls itself first (see :mod:`mesh_agent.bootstrap`).
     """
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from mesh_agent._logs import setup_logging
+
+    setup_logging(log_level, stream=sys.stderr)  # connect/disconnect/online lines; repeats rate-limited
     from mesh_agent.bootstrap import HubUnreachable, ensure_enrolled
 
     try:
@@ -159,21 +204,41 @@ def start(config: Path = ConfigOpt, log_level: str = typer.Option("INFO", "--log
         # 4: try again later (systemd/balena restart us); 2: a human must fix the settings.
         raise typer.Exit(4 if isinstance(exc, HubUnreachable) else 2) from None
     cfg, creds = _load(config)
-    from mesh_agent.agent import Agent
-    from mesh_agent.store import StoreError
+    from mesh_agent.config import runner_payload
+    from mesh_agent.datasets import worker_env
+    from mesh_agent.run import hand_over
 
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await Agent(cfg, creds).run(stop)
+    # Validated here, with clear errors; then this process becomes the light runner (same pid, so
+    # SIGTERM from systemd still reaches the agent), which never loads pydantic, typer, rich or httpx.
+    try:
+        fd = hand_over(runner_payload(cfg, creds, worker_env=worker_env(cfg.endpoint_id, cfg.name, cfg.datasets, cfg.data_dir)))
+    except ValueError as exc:  # ConfigError included
+        console.print(f"[red]error:[/red] {config}: {exc}")
+        raise typer.Exit(2) from None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "mesh_agent.run", "--settings-fd", str(fd), "--log-level", log_level])
+
+
+@app.command()
+def gateway(config: Path = ConfigOpt, log_level: str = typer.Option("INFO", "--log-level")) -> None:
+    """Run this endpoint as its site's gateway (the config's ``site:`` section; docs/sites.md): the
+    site's devices dial its own Mosquitto, it relays their frames over its one uplink and keeps
+    work moving while the uplink is down."""
+    from mesh_agent._logs import setup_logging
+
+    setup_logging(log_level, stream=sys.stderr)
+    cfg, creds = _load(config)
+    if cfg.site is None:
+        console.print(f"[red]error:[/red] {config}: no site: section (site.listen_port, site.hold); see docs/sites.md")
+        raise typer.Exit(2)
+    from mesh_agent.gateway import run_gateway
 
     try:
-        asyncio.run(main())
-    except StoreError as exc:
+        run_gateway(cfg, creds)
+    except (ValueError, RuntimeError) as exc:
         console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(3) from None
+        raise typer.Exit(2) from None
 
 
 def _store_view(cfg: AgentConfig) -> tuple[dict[str, int], list[dict[str, object]]]:

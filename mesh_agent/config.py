@@ -9,30 +9,78 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, ValidationError, field_validator, model_validator
 
 from mesh_agent.datasets import DatasetDecl, DatasetName
+from mesh_agent.settings import PATH, ConfigError
 
-__all__ = ["AgentConfig", "Credentials", "ConfigError", "GlobusStaging", "ParslSettings", "load_config", "write_private"]
-
-
-class ConfigError(ValueError):
-    """The agent's config or credentials file is missing or wrong; the message names the problem."""
+__all__ = ["AgentConfig", "Credentials", "ConfigError", "MqttTls", "check_plaintext", "GlobusStaging", "ParslSettings", "load_config",
+           "write_private", "shape_of", "runner_payload"]
 
 
 #: A placement label (``tags:`` in the config, ``{"tags": [...]}`` selectors at the hub).
 Tag = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
 
 
+class MqttTls(BaseModel):
+    """``mqtt.tls``: MQTT over TLS (mqtts, or wss with ``transport: websockets``).
+
+    ``ca_file`` is the CA the broker's certificate must chain to (``mesh-agent init`` writes the
+    hub's, pinned by ``--ca-hash``); without it the system trust store is used (Let's Encrypt).
+    ``cert_file``/``key_file``: a client certificate for brokers that require one (mutual TLS).
+    ``server_name``: the name to verify when ``host`` is an IP address or another alias.
+    ``pin_sha256``: also require the server certificate to have this fingerprint."""
+
+    model_config = ConfigDict(extra="forbid")
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    server_name: str | None = None
+    pin_sha256: str | None = Field(None, pattern=r"^sha256:[0-9a-f]{64}$")
+
+    @model_validator(mode="after")
+    def _pair(self) -> "MqttTls":
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("mutual TLS needs both cert_file and key_file")
+        return self
+
+
 class MqttSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     host: str = "127.0.0.1"
     port: int = Field(1883, ge=1, le=65535)
-    keepalive: int = Field(30, ge=5)
+    keepalive: int | None = Field(None, ge=1, description="MQTT keepalive, s; default: lan 30, metered what the hub's welcome asks (never above its offline bound)")
     topic_prefix: str = "mesh"
+    tls: MqttTls | None = Field(None, description="MQTT over TLS; required for a broker that is not on this machine")
+    transport: Literal["tcp", "websockets"] = Field("tcp", description="websockets: MQTT over (secure) WebSockets, e.g. port 443")
+    websocket_path: str = Field("/mqtt", pattern=r"^/\S*$")
+    hosts: list[str] = Field(default_factory=list, description="several brokers of one cluster, 'host:port' each, tried in order: on a lost "
+                             "connection the agent moves to the next (docs/operations.md, Clustered broker); when set, host/port are not used")
+    _brokers: Any = PrivateAttr(None)
+
+    @field_validator("hosts")
+    @classmethod
+    def _hostports(cls, v: list[str]) -> list[str]:
+        """Each entry parses as host[:port] now, so a typo is a one-line config error, not a link that never connects."""
+        from mesh_agent.transport.brokers import parse_hostport
+
+        for entry in v:
+            parse_hostport(entry, 1883)
+        return v
+
+    def broker_list(self) -> Any:
+        """The agent's :class:`~mesh_agent.transport.brokers.BrokerList`: ``hosts`` (a port left out is ``port``),
+        else the single ``host:port``. One object per settings object, so the position in the list
+        survives reconnects (make_link builds a new link for each)."""
+        if self._brokers is None:
+            from mesh_agent.transport.brokers import BrokerList, parse_hostport
+
+            self._brokers = BrokerList([parse_hostport(h, self.port) for h in self.hosts] or [(self.host, self.port)])
+        return self._brokers
 
 
 class ZmqSettings(BaseModel):
@@ -99,6 +147,20 @@ class GlobusStaging(BaseModel):
     poll_s: float = Field(2.0, gt=0, description="longest wait between transfer status checks")
 
 
+class SiteSettings(BaseModel):
+    """``site:`` of a gateway's config: the broker its devices dial on the LAN, and how much work it
+    holds for them ahead of time (docs/sites.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    listen_host: str = Field("127.0.0.1", description="where the site's Mosquitto listens")
+    listen_port: int = Field(1884, ge=1, le=65535)
+    public_host: str | None = Field(None, description="the address devices dial, if not listen_host")
+    hold: int = Field(64, ge=0, le=100_000, description="tasks for the site's devices the hub may lease to this gateway ahead of time")
+    cache_bodies: bool = Field(True, description="function bodies cross the uplink once per site: the hub sends each to the "
+                               "gateway once, the gateway hands it to its devices, which check it by its hash (the function id)")
+    mosquitto: str = Field("mosquitto", description="the Mosquitto binary")
+
+
 class AgentConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -115,8 +177,18 @@ class AgentConfig(BaseModel):
     task_timeout: float | None = Field(None, gt=0)
     memory_limit_mb: int | None = Field(None, ge=16)
     heartbeat_s: float = Field(5.0, gt=0)
+    # Footprint on metered links and small devices (mesh_agent/profile.py, docs/protocol.md "Liveness").
+    profile: Literal["metered", "lan"] | None = Field(
+        None, description="metered: keepalive + will, heartbeats only on change, compression, workers on demand; "
+        "lan: beats every heartbeat_s, warm workers. Default: metered for MQTT to a broker not on this machine, else lan")
+    worker_idle_s: float | None = Field(None, ge=0, description="end workers idle this long, start them on the next task; default: metered 60, lan never")
+    compress: bool | None = Field(None, description="zlib for frame bodies over 1 KiB; default: metered yes, lan no")
+    heartbeat_min_s: float | None = Field(None, gt=0, description="metered: state changes are reported at most this often; default 30")
     max_batch: int = Field(32, ge=1, description="tasks per chunk handed to one worker")
     durable_sync: Literal["full", "normal"] = "full"
+    gateway_id: str | None = Field(None, pattern=r"^ep-[0-9a-f]+$", description="this device dials the site gateway with this "
+                                   "endpoint id on its LAN (docs/sites.md): its results and acks are signed to stay valid while the uplink is down")
+    site: "SiteSettings | None" = Field(None, description="run as a site gateway (`mesh-agent gateway`, docs/sites.md)")
     engine: Literal["local", "parsl"] = Field("local", description="local: warm worker pool; parsl: HPC batch jobs")
     parsl: ParslSettings = ParslSettings()
     globus: GlobusStaging | None = None
@@ -131,6 +203,9 @@ class AgentConfig(BaseModel):
     )
     queue_max_mb: int | None = Field(
         None, ge=1, description="cap on the queue database (SQLite max_page_count); when reached, new tasks are refused as on a full disk"
+    )
+    insecure_plaintext: bool = Field(
+        False, description="allow plaintext MQTT and http:// to a host that is not this machine (traffic crosses the network in clear)"
     )
 
     @property
@@ -162,6 +237,33 @@ class Credentials(BaseModel):
         write_private(path, self.model_dump_json(indent=2))
 
 
+def shape_of(model: type[BaseModel]) -> dict[str, Any]:
+    """Which fields of ``model`` are paths (``"path"``) or nested models (their own shape), read off
+    the model's annotations: what :mod:`mesh_agent.settings` needs to rebuild attribute access from
+    dumped JSON without pydantic, and without a hand-kept copy of this schema."""
+    shape: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        kinds = [a for a in (get_args(field.annotation) or (field.annotation,)) if a is not type(None)]
+        if get_origin(field.annotation) not in (None, Union, UnionType):
+            continue  # containers (lists, the datasets mapping) hold data, not sections
+        for kind in kinds:
+            if kind is Path:
+                shape[name] = PATH
+            elif isinstance(kind, type) and issubclass(kind, BaseModel):
+                shape[name] = shape_of(kind)
+    return shape
+
+
+def runner_payload(cfg: AgentConfig, creds: Credentials, **extra: Any) -> dict[str, Any]:
+    """Validated settings, dumped for the light runner (:mod:`mesh_agent.run`) with their shapes."""
+    return {
+        "config": cfg.model_dump(mode="json"),
+        "credentials": creds.model_dump(mode="json"),
+        "shapes": {"config": shape_of(AgentConfig), "credentials": shape_of(Credentials)},
+        **extra,
+    }
+
+
 def write_private(path: Path, text: str) -> None:
     """Write a file only its owner can read, atomically (no window where it is world-readable)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -177,6 +279,24 @@ def write_private(path: Path, text: str) -> None:
 
 def _errors(exc: ValidationError) -> str:
     return "; ".join(f"{'.'.join(map(str, e['loc'])) or '(file)'}: {e['msg']}" for e in exc.errors())
+
+
+def check_plaintext(cfg: AgentConfig, path: Path | str = "config") -> None:
+    """Refuse links that would cross the network in clear, unless ``insecure_plaintext: true``.
+
+    Loopback stays allowed (the demo, tests, a broker on the device itself): nothing leaves the machine."""
+    if cfg.insecure_plaintext:
+        return
+    from urllib.parse import urlsplit
+
+    from mesh_agent.tls import is_loopback
+
+    if cfg.transport == "mqtt" and cfg.mqtt.tls is None and not is_loopback(cfg.mqtt.host):
+        raise ConfigError(f"{path}: plaintext MQTT to {cfg.mqtt.host}:{cfg.mqtt.port} refused: that host is not this machine; "
+                          "configure mqtt.tls (mesh-agent init --ca-hash does) or set insecure_plaintext: true")
+    url = urlsplit(cfg.hub_url)
+    if url.scheme == "http" and not is_loopback(url.hostname or ""):
+        raise ConfigError(f"{path}: plaintext hub_url {cfg.hub_url} refused: use https:// or set insecure_plaintext: true")
 
 
 def load_config(path: Path) -> tuple[AgentConfig, Credentials]:
@@ -196,6 +316,15 @@ def load_config(path: Path) -> tuple[AgentConfig, Credentials]:
         cfg = AgentConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(f"{path}: {_errors(exc)}") from None
+    check_plaintext(cfg, path)
+    if cfg.transport == "mqtt" and cfg.mqtt.tls is not None:
+        from mesh_agent.tls import TlsError, client_context
+
+        t = cfg.mqtt.tls
+        try:  # a missing or damaged CA/client certificate fails here, not at every reconnect
+            client_context(t.ca_file, cert_file=t.cert_file, key_file=t.key_file, server_name=t.server_name, pin_sha256=t.pin_sha256)
+        except TlsError as exc:
+            raise ConfigError(f"{path}: mqtt.tls: {exc}") from None
     try:
         creds = Credentials.model_validate_json(cfg.credentials_file.read_text())
     except FileNotFoundError:

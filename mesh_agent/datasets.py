@@ -35,14 +35,18 @@ __all__ = [
     "ENV_DATASETS",
     "ENV_ENDPOINT_ID",
     "ENV_ENDPOINT_NAME",
+    "ENV_DATA_DIR",
     "normalize",
     "export_worker_env",
+    "worker_env",
     "check_name",
 ]
 
 ENV_DATASETS = "MESH_DATASETS"
 ENV_ENDPOINT_ID = "MESH_ENDPOINT_ID"
 ENV_ENDPOINT_NAME = "MESH_ENDPOINT_NAME"
+#: the agent's data_dir, where device-side state of FL runs lives (secure-aggregation keys)
+ENV_DATA_DIR = "MESH_ENDPOINT_DATA_DIR"
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _LOADER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
@@ -103,6 +107,12 @@ def export_worker_env(endpoint_id: str, name: str, datasets: Dict[str, DatasetDe
     Call before the worker pool starts. Relative paths are resolved against ``data_dir`` here,
     so a worker's own working directory does not matter.
     """
+    os.environ.update(worker_env(endpoint_id, name, datasets, data_dir))
+
+
+def worker_env(endpoint_id: str, name: str, datasets: Dict[str, DatasetDecl], data_dir: Path) -> Dict[str, str]:
+    """The environment variables of :func:`export_worker_env`, without setting them: ``mesh-agent
+    start`` computes them with the dataset models at hand and hands them to the light runner."""
     out: Dict[str, Dict[str, Any]] = {}
     for key, decl in datasets.items():
         spec = normalize(decl)
@@ -110,6 +120,5 @@ def export_worker_env(endpoint_id: str, name: str, datasets: Dict[str, DatasetDe
             p = Path(spec.path).expanduser()
             spec = spec.model_copy(update={"path": str(p if p.is_absolute() else (Path(data_dir) / p).resolve())})
         out[check_name(key)] = spec.model_dump(exclude_none=True)
-    os.environ[ENV_ENDPOINT_ID] = endpoint_id
-    os.environ[ENV_ENDPOINT_NAME] = name
-    os.environ[ENV_DATASETS] = json.dumps(out, separators=(",", ":"))
+    return {ENV_ENDPOINT_ID: endpoint_id, ENV_ENDPOINT_NAME: name, ENV_DATASETS: json.dumps(out, separators=(",", ":")),
+            ENV_DATA_DIR: str(Path(data_dir).expanduser().resolve())}

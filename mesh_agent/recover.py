@@ -104,6 +104,9 @@ def recover_queue(path: Path) -> RecoveryReport:
                 old.close()
         except sqlite3.DatabaseError as exc:
             report.notes.append(f"nothing readable: {exc}")
+    from mesh_agent._private import prepare_private_sqlite
+
+    prepare_private_sqlite(path)  # the fresh queue is as private as the one it replaces
     new = sqlite3.connect(path, isolation_level=None)
     try:
         new.execute("PRAGMA journal_mode=WAL")

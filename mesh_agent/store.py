@@ -41,6 +41,24 @@ CREATE TABLE IF NOT EXISTS tasks (
     worker_pid INTEGER
 );
 CREATE INDEX IF NOT EXISTS tasks_state ON tasks (state, received);
+-- A site gateway's store-and-forward queues (mesh_agent/gateway.py, docs/sites.md): whole signed
+-- frames it relays and cannot alter, 'down' (hub -> a device: tasks held until the device acks
+-- them) and 'up' (a device -> hub: results held until the hub acks them, acks until sent).
+CREATE TABLE IF NOT EXISTS relay (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    dir TEXT NOT NULL CHECK (dir IN ('up', 'down')),
+    endpoint TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    msg_id TEXT NOT NULL,
+    frame BLOB NOT NULL,
+    exp REAL NOT NULL,
+    sent REAL NOT NULL DEFAULT 0,
+    UNIQUE (dir, endpoint, msg_id)
+);
+CREATE TABLE IF NOT EXISTS relay_ids (
+    seq INTEGER NOT NULL, task_id TEXT NOT NULL, PRIMARY KEY (seq, task_id)
+);
+CREATE INDEX IF NOT EXISTS relay_ids_task ON relay_ids (task_id);
 """
 
 
@@ -89,7 +107,9 @@ class AgentStore:
         self._tx_lock = asyncio.Lock()
 
     async def open(self) -> "AgentStore":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        from mesh_agent._private import prepare_private_sqlite
+
+        prepare_private_sqlite(self.path)  # 0600 before SQLite creates it: task data is private
         try:
             db = await aiosqlite.connect(self.path, isolation_level=None)
         except sqlite3.Error as exc:
@@ -278,6 +298,82 @@ class AgentStore:
         )
         cols = ["id", "function_id", "state", "received", "finished", "ok"]
         return [dict(zip(cols, r)) for r in await cur.fetchall()]
+
+    # ------------------------------------------------------------------ relay (site gateway)
+    async def relay_put(self, direction: str, endpoint: str, kind: str, msg_id: str, frame: bytes, exp: float,
+                        task_ids: Sequence[str] = ()) -> bool:
+        """Keep a frame to forward, durably, before anyone is told it arrived; False: a duplicate."""
+        db = self.db
+        async with self._tx_lock:
+            try:
+                await db.execute("BEGIN IMMEDIATE")
+                cur = await db.execute(
+                    "INSERT OR IGNORE INTO relay (dir, endpoint, kind, msg_id, frame, exp) VALUES (?, ?, ?, ?, ?, ?)",
+                    (direction, endpoint, kind, msg_id, frame, exp))
+                new = cur.rowcount == 1
+                if new and task_ids:
+                    seq = cur.lastrowid
+                    await db.executemany("INSERT OR IGNORE INTO relay_ids (seq, task_id) VALUES (?, ?)", [(seq, t) for t in task_ids])
+                await db.execute("COMMIT")
+                return new
+            except sqlite3.Error as exc:
+                await self._rollback(db)
+                raise _write_error(self.path, exc) from None
+            except BaseException:
+                await self._rollback(db)
+                raise
+
+    async def relay_pending(self, direction: str, *, endpoint: str | None = None, sent_before: float = float("inf"),
+                            limit: int = 500) -> list[tuple[int, str, str, bytes]]:
+        """(seq, endpoint, kind, frame) of frames to (re)send, oldest first."""
+        where, args = "dir=? AND sent < ?", [direction, sent_before]
+        if endpoint is not None:
+            where += " AND endpoint=?"
+            args.append(endpoint)
+        cur = await self.db.execute(f"SELECT seq, endpoint, kind, frame FROM relay WHERE {where} ORDER BY seq LIMIT ?", (*args, limit))
+        return [(r[0], r[1], r[2], r[3]) for r in await cur.fetchall()]
+
+    async def relay_sent(self, seqs: Sequence[int], now: float, *, drop: bool = False) -> None:
+        """Mark frames sent (kept until released), or drop them (nothing more to wait for)."""
+        if seqs:
+            sql = "DELETE FROM relay WHERE seq=?" if drop else f"UPDATE relay SET sent={float(now)!r} WHERE seq=?"
+            await self._many(sql, [(q,) for q in seqs])
+
+    async def relay_release(self, direction: str, endpoint: str, task_ids: Sequence[str]) -> int:
+        """These tasks were acknowledged (a device's ack, the hub's result_ack): frames of theirs
+        with no other task still waiting are dropped. Returns how many frames were dropped."""
+        if not task_ids:
+            return 0
+        db = self.db
+        async with self._tx_lock:
+            try:
+                await db.execute("BEGIN IMMEDIATE")
+                for i in range(0, len(task_ids), 500):
+                    chunk = list(task_ids[i : i + 500])
+                    await db.execute(
+                        f"DELETE FROM relay_ids WHERE task_id IN ({','.join('?' * len(chunk))}) AND seq IN "
+                        "(SELECT seq FROM relay WHERE dir=? AND endpoint=?)", (*chunk, direction, endpoint))
+                cur = await db.execute(
+                    "DELETE FROM relay WHERE dir=? AND endpoint=? AND kind IN ('tasks', 'results') "
+                    "AND seq NOT IN (SELECT seq FROM relay_ids)", (direction, endpoint))
+                await db.execute("COMMIT")
+                return cur.rowcount
+            except sqlite3.Error as exc:
+                await self._rollback(db)
+                raise _write_error(self.path, exc) from None
+            except BaseException:
+                await self._rollback(db)
+                raise
+
+    async def relay_expire(self, now: float) -> int:
+        """Drop frames past their expiry: the receiver would refuse them as stale anyway."""
+        cur = await self.db.execute("DELETE FROM relay WHERE exp < ?", (now,))
+        await self.db.execute("DELETE FROM relay_ids WHERE seq NOT IN (SELECT seq FROM relay)")
+        return cur.rowcount
+
+    async def relay_counts(self) -> dict[str, int]:
+        cur = await self.db.execute("SELECT dir || ':' || kind, COUNT(*) FROM relay GROUP BY dir, kind")
+        return {r[0]: r[1] for r in await cur.fetchall()}
 
     async def get_meta(self, key: str) -> str | None:
         row = await (await self.db.execute("SELECT value FROM meta WHERE key=?", (key,))).fetchone()

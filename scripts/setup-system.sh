@@ -8,6 +8,10 @@ if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then root=1; fi
 need=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
 command -v pg_ctlcluster >/dev/null 2>&1 || need+=(postgresql)
+# The clustered-broker test (tests/integration/test_broker_cluster.py) starts 3 NATS nodes on free ports.
+command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || need+=(nats-server)
+# cloud_hub.client.multiprocessing keeps shared state in Redis; its tests start their own redis-server on free ports.
+command -v redis-server >/dev/null 2>&1 || [ -x /usr/bin/redis-server ] || need+=(redis-server)
 # The console tests drive Debian's Chromium headless (never a browser downloaded by playwright).
 [ -x /usr/bin/chromium ] || need+=(chromium)
 if [ ${#need[@]} -gt 0 ]; then
@@ -15,11 +19,20 @@ if [ ${#need[@]} -gt 0 ]; then
     echo "setup: installing ${need[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
-    # The Debian mosquitto package starts a system broker on :1883; ours start their own on free ports.
+    # The Debian mosquitto package starts a system broker on :1883 (nats-server one on :4222); ours start their own on free ports.
   else
     echo "setup: missing ${need[*]}; install them (e.g. sudo apt-get install ${need[*]})." >&2
-    echo "setup: without mosquitto the hub falls back to its embedded broker; without chromium the console tests fail." >&2
+    echo "setup: without mosquitto the hub falls back to its embedded broker; without chromium the console tests fail;" >&2
+    echo "setup: without nats-server the clustered-broker test skips." >&2
   fi
+fi
+
+# A Redis for `from cloud_hub.client import multiprocessing` programs (MESH_REDIS_URL defaults to
+# redis://127.0.0.1:6379/0): started here where none answers and the package's service did not start one.
+if [ "$root" = 1 ] && command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 \
+   && ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
+  echo "setup: starting redis-server on 127.0.0.1:6379"
+  redis-server --bind 127.0.0.1 --port 6379 --save '' --appendonly no --daemonize yes >/dev/null || true
 fi
 
 pg_up() { command -v pg_isready >/dev/null 2>&1 && pg_isready -q -h 127.0.0.1 -p 5432; }

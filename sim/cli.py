@@ -64,6 +64,9 @@ def run(
     except (ScenarioError, FileNotFoundError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
+    if report.get("skipped"):  # a device profile this machine cannot emulate (no cgroups, no compiler)
+        console.print(f"[yellow]skipped:[/yellow] {report['skipped']}")
+        raise typer.Exit(0)
     inv, ex, f = report["invariants"], report["executions"], report["faults"]
     t = Table(title=f"{report['scenario']}{' (reduced)' if report['reduced'] else ''}: seed {report['seed']}, "
                     f"{report['agents']['count']} agents, {report['wall_s']:.0f} s", show_header=False)
@@ -77,6 +80,11 @@ def run(
         ("delay after reconnect p50 / p99 s", f"{report['delay_after_reconnect_s']['p50']} / {report['delay_after_reconnect_s']['p99']} "
                                                f"({report['delay_after_reconnect_s']['count']} tasks)"),
         ("completion p50 / p99 s", f"{report['completion_s']['p50']} / {report['completion_s']['p99']}"),
+        *([("device memory peak / limit MB (OOM kills)", ", ".join(
+            f"{n}: {d['peak_mb']}/{d['limit_bytes'] // 2**20} ({d['oom_kills']})" for n, d in report["devices"].items()))]
+          if report.get("devices") else []),
+        *([("FL run", f"{report['fl'].get('status', report['fl'].get('error'))}, {report['fl'].get('rounds_done', 0)}/"
+                      f"{report['fl']['rounds_planned']} rounds, accuracy {report['fl'].get('accuracy')}")] if report.get("fl") else []),
         ("expectations", ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in report["expectations"].items())),
         ("report / timeline", f"{report['files']['report']} / {report['files'].get('timeline', report.get('timeline_missing'))}"),
     ]
@@ -88,6 +96,38 @@ def run(
     console.print("[green]OK[/green]: every accepted task has exactly one delivered result" if report["ok"]
                   else "[red]FAILED[/red]: see the report")
     raise typer.Exit(0 if report["ok"] else 1)
+
+
+
+@app.command()
+def swarm(
+    endpoints: Optional[List[int]] = typer.Option(None, "--endpoints", "-n", help="endpoints in the swarm (repeatable: one run each)"),
+    transport: str = typer.Option("mqtt", "--transport", help="mqtt or zmq"),
+    sweep: bool = typer.Option(False, "--sweep", help="run N = 100, 1000, 5000, 10000 in turn"),
+    load_s: float = typer.Option(60.0, "--load-s", help="seconds of task load per run"),
+    idle_s: float = typer.Option(15.0, "--idle-s", help="seconds of idle measurement per run"),
+    heartbeat_s: float = typer.Option(5.0, "--heartbeat-s", help="hub heartbeat period (every endpoint beats this often)"),
+    batch: int = typer.Option(1000, "--batch", help="tasks per SDK batch submit"),
+    per_endpoint: int = typer.Option(10, "--per-endpoint", help="consecutive tasks of a batch that go to one endpoint (round robin)"),
+    procs: Optional[int] = typer.Option(None, "--procs", help="swarm processes (default: one per 2,500 endpoints, at most 4)"),
+    no_restart: bool = typer.Option(False, "--no-restart", help="skip the broker restart (mqtt)"),
+    out: Path = typer.Option(Path("bench/results"), "--out", help="directory for swarm-<transport>-<N>.json"),
+    workdir: Optional[Path] = typer.Option(None, "--workdir", help="keep databases and logs here (default: a temporary directory)"),
+) -> None:
+    """N light endpoints speaking the real protocol against a real hub process and Mosquitto:
+    hub CPU and RSS per endpoint, heartbeat and hello load, dispatch throughput and latency, broker
+    memory, reconnect time after a broker restart. Prints JSON, writes one file per run."""
+    from sim.swarm.report import run_and_save
+
+    sizes = [100, 1000, 5000, 10000] if sweep else (endpoints or [100])
+    try:
+        reports = run_and_save(sizes, transport, out_dir=out, workdir=workdir, echo=console.print, load_s=load_s, idle_s=idle_s,
+                               heartbeat_s=heartbeat_s, batch=batch, per_endpoint=per_endpoint, procs=procs, restart_broker=not no_restart)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    print(json.dumps(reports, indent=2, default=str))
+    raise typer.Exit(0 if all(not r.get("error") for r in reports) else 1)
 
 
 if __name__ == "__main__":

@@ -8,18 +8,21 @@ not manage is a 403 that says so.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from cloud_hub.api.app import Hub, HubDep, UserDep
+from cloud_hub.api.deps import HubDep, UserDep
+from cloud_hub.api.hub import Hub
 from mesh_agent.protocol import serialize
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/endpoints", tags=["access"])
+log = logging.getLogger("cloud_hub")
 EndpointId = Annotated[str, Path(min_length=1, max_length=100)]
 UserName = Annotated[str, Path(min_length=1, max_length=200)]
 FunctionId = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -115,6 +118,36 @@ async def set_allow_list(endpoint_id: EndpointId, body: AllowIn, h: HubDep, user
     return AllowOut(endpoint_id=endpoint_id, function_ids=None if allowed is None else sorted(allowed), failed_tasks=len(failed))
 
 
+class GatewayIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    gateway_id: str | None = Field(description="the site gateway that serves this device from now on (docs/sites.md); null: none, "
+                                   "it dials the hub's broker", pattern=r"^ep-[0-9a-f]+$", max_length=40)
+
+
+class GatewayOut(BaseModel):
+    endpoint_id: str
+    gateway_id: str | None
+    previous: str | None
+    requeued_tasks: int = Field(0, description="tasks leased ahead to the previous gateway, back in the queue")
+
+
+@router.put("/{endpoint_id}/gateway", response_model=GatewayOut)
+async def set_gateway(endpoint_id: EndpointId, body: GatewayIn, h: HubDep, user: UserDep) -> GatewayOut:
+    """Move a device to another site gateway, or off gateways (owner only). The device's own config
+    must then name the new broker (``mqtt.host``/``mqtt.port``); its login is the same everywhere."""
+    await _require(h, user, endpoint_id, owner=True, action="move it to another gateway")
+    if body.gateway_id is not None:
+        await _require(h, user, body.gateway_id, owner=True, action="put devices behind it")
+    try:
+        old, n = await h.store.set_gateway(endpoint_id, body.gateway_id)
+    except ValueError as exc:
+        raise HTTPException(422, str(exc)) from None
+    await h.refresh_broker_auth()  # the new gateway's login may relay it, the old one no longer
+    await h.dispatcher.move_site_device(endpoint_id, old, body.gateway_id)
+    log.info("endpoint %s moved from gateway %s to %s (%d tasks re-queued)", endpoint_id, old, body.gateway_id, n)
+    return GatewayOut(endpoint_id=endpoint_id, gateway_id=body.gateway_id, previous=old, requeued_tasks=n)
+
+
 @router.delete("/{endpoint_id}", response_model=RevokeOut)
 async def revoke(endpoint_id: EndpointId, h: HubDep, user: UserDep) -> Any:
     """Revoke a lost or retired device: its key, broker login and CURVE key stop working at once,
@@ -124,6 +157,7 @@ async def revoke(endpoint_id: EndpointId, h: HubDep, user: UserDep) -> Any:
         endpoint_id, lambda tid: _error_blob("cloud_hub.EndpointRevoked", f"endpoint {endpoint_id} was revoked before task {tid} finished")
     )
     h.dispatcher.revoke(endpoint_id)
+    log.info("revoked endpoint %s (by user %s; %d unfinished tasks failed)", endpoint_id, user, len(failed))
     h.placement.remove(endpoint_id)
     if failed:
         h.placement.tasks_ended([t for t, _ in failed], time.time())

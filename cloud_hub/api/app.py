@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
+import json
 import logging
 import sqlite3
 import time
@@ -16,19 +18,28 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, AsyncIterator
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.responses import JSONResponse
 
 from cloud_hub import __version__
+from cloud_hub.api import access as access_api
+from cloud_hub.api import fl as fl_api
+from cloud_hub.api import scheduler as scheduler_api
+from cloud_hub.api import task_groups as task_groups_api
+from cloud_hub.api.task_groups import CODE_METHODS, checked_functions, function_writer
+from cloud_hub.api.deps import ERRORS, HubDep, UserDep
+from cloud_hub.api.hub import Hub, endpoint_out
 from cloud_hub.api.schemas import (
     BatchIn,
     BatchOut,
+    CaOut,
     EndpointOut,
+    EnrollBatchIn,
+    EnrollBatchOut,
     EnrollIn,
     EnrollOut,
     EnrollTokenIn,
     EnrollTokenOut,
-    ErrorOut,
     FunctionIn,
     FunctionOut,
     MqttInfo,
@@ -40,159 +51,32 @@ from cloud_hub.api.schemas import (
     WaitIn,
 )
 from cloud_hub.config import HubConfig
-from cloud_hub.globus_auth import GlobusUnavailable
 from cloud_hub.console import router as console_router
-from cloud_hub.dispatcher import Dispatcher, ResultBus
-from cloud_hub.placement import PlacementError, PlacementService
-from cloud_hub.store import hash_token, make_store
-from cloud_hub.store.access import AccessStore
+from cloud_hub.placement import PlacementError
+from cloud_hub.store import StoreFull
 from mesh_agent.protocol import SerializationError, function_id, method_of, new_key
-from mesh_agent.transport import HubLink
 
-__all__ = ["create_app", "Hub"]
+__all__ = ["create_app", "Hub"]  # Hub: re-exported for callers of the older path
 
 log = logging.getLogger("cloud_hub")
-_bearer = HTTPBearer(auto_error=False)
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"model": ErrorOut},
-    403: {"model": ErrorOut},
-    404: {"model": ErrorOut},
-    409: {"model": ErrorOut},
-    413: {"model": ErrorOut},
-    422: {"model": ErrorOut},
-}
 
 
-class Hub:
-    """What the routes share: config, store, dispatcher, result bus, token cache."""
-
-    def __init__(self, cfg: HubConfig) -> None:
-        self.cfg = cfg
-        self.store = make_store(cfg)
-        self.bus = ResultBus()
-        self.dispatcher = Dispatcher(cfg, self.store, self.bus)
-        self.placement = PlacementService(cfg, self.store, self.dispatcher.kick, self.dispatcher.allow_list)
-        self.dispatcher.observer = self.placement
-        self._token_cache: dict[str, str] = {}
-        self.bootstrap_token: str | None = None
-        self.globus = _globus_auth(cfg, self.store)
-        self.access = AccessStore(self.store)
-        self._broker_lock = asyncio.Lock()
-
-    async def refresh_broker_auth(self) -> None:
-        """Rewrite the broker's password and ACL files from the database and make it reload them."""
-        if self.cfg.mqtt_auth_dir is None:
-            return
-        from cloud_hub.broker_auth import reload_broker, write_broker_files
-
-        if not (self.cfg.mqtt_username and self.cfg.mqtt_password):
-            raise ValueError("mqtt_auth_dir is set but the hub has no broker login: set mqtt_username and mqtt_password")
-        async with self._broker_lock:
-            accounts = await self.access.broker_accounts()
-            peers: list[tuple[str, str]] = []
-            if self.dispatcher.replicated:  # other replicas' broker users stay in the files
-                from cloud_hub.replicas import broker_peers
-
-                peers = await broker_peers(self.store, self.cfg.mqtt_username, self.cfg.mqtt_password)
-            await asyncio.to_thread(
-                write_broker_files, self.cfg.mqtt_auth_dir, self.cfg.mqtt_username, self.cfg.mqtt_password, self.cfg.mqtt_prefix, accounts,
-                peers,
-            )
-            if self.cfg.mqtt_broker_pid_file is not None and not reload_broker(self.cfg.mqtt_broker_pid_file):
-                log.warning("broker pid file %s names no running process; the broker reads the new files when it starts", self.cfg.mqtt_broker_pid_file)
-
-    @property
-    def zmq_link(self) -> Any:
-        return next((link for link in self.dispatcher.links if link.name == "zmq"), None)
-
-    async def start(self) -> None:
-        await self.store.open()
-        if hasattr(self.store, "listen"):  # PostgreSQL: hear about other replicas' tasks and results
-            await self.store.listen({"mesh_tasks": self.dispatcher.kick, "mesh_results": lambda user: self.bus.notify({user})})
-        await self.placement.start()
-        await self.refresh_broker_auth()  # before our own MQTT link logs in
-        links: list[HubLink] = []
-        if self.cfg.mqtt_host:
-            from mesh_agent.transport.mqtt import MqttHubLink
-
-            links.append(
-                MqttHubLink(
-                    self.cfg.mqtt_host,
-                    self.cfg.mqtt_port,
-                    username=self.cfg.mqtt_username,
-                    password=self.cfg.mqtt_password,
-                    prefix=self.cfg.mqtt_prefix,
-                    identifier=self.cfg.mqtt_client_id,
-                )
-            )
-        if self.cfg.zmq_bind:
-            from mesh_agent.transport.zmq import ZmqHubLink, curve_keypair
-
-            secret = await self.access.secret("zmq_curve_secret", lambda: curve_keypair()[1])
-            links.append(ZmqHubLink(self.cfg.zmq_bind, secret_key=secret, clients=await self.access.curve_clients()))
-        await self.dispatcher.start(links)
-
-    async def stop(self) -> None:
-        await self.dispatcher.stop()
-        await self.placement.stop()
-        await self.store.close()
-
-    @property
-    def zmq_address(self) -> str | None:
-        if self.cfg.zmq_public:
-            return self.cfg.zmq_public
-        for link in self.dispatcher.links:
-            if link.name == "zmq":
-                return link.bind  # type: ignore[attr-defined, no-any-return]
+def _ca_pem(cfg: HubConfig) -> str | None:
+    """The CA agents are given at enrollment (read each time: an operator may renew it)."""
+    if cfg.tls_ca_file is None:
         return None
-
-    async def user_for(self, token: str) -> str | None:
-        h = hash_token(token)
-        uid = self._token_cache.get(h)
-        if uid is None:
-            uid = await self.store.user_for_token(token)
-            if uid is not None:
-                self._token_cache[h] = uid
-        return uid
-
-    async def auth(self, token: str) -> tuple[str | None, str]:
-        """(user id or None, why refused): hub API tokens first, then Globus Auth if configured."""
-        uid = await self.user_for(token)
-        if uid is not None or self.globus is None or token.startswith("cm_"):
-            return uid, "invalid API token"
-        verdict = await self.globus.user_for(token)
-        return verdict.user_id, verdict.reason
-
-
-def _globus_auth(cfg: HubConfig, store: Any) -> Any:
-    if not cfg.globus_client_id:
-        return None
-    from cloud_hub.globus_auth import GlobusAuth  # imports globus-sdk only when configured
-
-    return GlobusAuth(cfg.globus_client_id, cfg.globus_client_secret or "", store.create_user, required_scope=cfg.globus_scope,
-                      allowed_domains=cfg.globus_allowed_domains, users=cfg.globus_users, cache_s=cfg.globus_cache_s)
-
-
-def _hub(request: Request) -> Hub:
-    return request.app.state.hub  # type: ignore[no-any-return]
-
-
-async def _user(
-    request: Request, cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-) -> str:
-    if cred is None or cred.scheme.lower() != "bearer":
-        raise HTTPException(401, "missing API token (Authorization: Bearer ...)", headers={"WWW-Authenticate": "Bearer"})
     try:
-        uid, why = await _hub(request).auth(cred.credentials)
-    except GlobusUnavailable as exc:  # the token is neither good nor bad yet: the client may retry
-        raise HTTPException(503, str(exc), headers={"Retry-After": "5"}) from None
-    if uid is None:
-        raise HTTPException(401, why, headers={"WWW-Authenticate": "Bearer"})
-    return uid
+        return cfg.tls_ca_file.read_text()
+    except OSError as exc:
+        raise HTTPException(500, f"the hub's CA file {cfg.tls_ca_file} cannot be read: {exc.strerror}") from None
 
 
-HubDep = Annotated[Hub, Depends(_hub)]
-UserDep = Annotated[str, Depends(_user)]
+def _broker_url(cfg: HubConfig) -> str | None:
+    if cfg.mqtt_public_url:
+        return cfg.mqtt_public_url
+    if not cfg.mqtt_host:
+        return None
+    return f"mqtt://{cfg.mqtt_public_host or cfg.mqtt_host}:{cfg.mqtt_port}"
 
 
 def create_app(cfg: HubConfig) -> FastAPI:
@@ -200,21 +84,47 @@ def create_app(cfg: HubConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await hub.start()
+        try:
+            await hub.start()
+        except Exception as exc:  # `mesh-hub serve` reports it in one line and exits non-zero
+            hub.startup_error = exc
+            raise
         if cfg.bootstrap_user:
             uid = await hub.store.create_user(cfg.bootstrap_user)
             hub.bootstrap_token = await hub.store.create_api_token(uid, "bootstrap")
         try:
             yield
         finally:
+            log.info("hub shutting down")
             await hub.stop()
+            log.info("hub stopped")
 
-    app = FastAPI(title="Continuum Mesh hub", version=__version__, lifespan=lifespan, responses=_ERRORS)
+    app = FastAPI(title="Continuum Mesh hub", version=__version__, lifespan=lifespan, responses=ERRORS)
     app.state.hub = hub
-    from cloud_hub.api import scheduler as scheduler_api  # here: it imports this module's dependencies
+
+    @app.exception_handler(StoreFull)
+    async def _disk_full(request: Request, exc: StoreFull) -> JSONResponse:
+        """507 Insufficient Storage: the request changed nothing (its transaction rolled back
+        whole) and may be retried, with the same idempotency key, once space is freed."""
+        log.error("refused %s %s: %s", request.method, request.url.path, exc)
+        return JSONResponse(status_code=507, content={"detail": str(exc)})
 
     app.include_router(scheduler_api.router)
     app.include_router(console_router)  # web console at /console (docs/console.md)
+
+    # Health for load balancers and systemd; no token needed (they reveal no user data).
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        """200 while the process lives and serves HTTP."""
+        return {"ok": True, "version": __version__}
+
+    @app.get("/readyz")
+    async def readyz(h: HubDep) -> Any:
+        """200 when the database answers, migrations ran and the broker is connected; else 503 with why."""
+        from fastapi.responses import JSONResponse
+
+        ok, checks = await h.readiness()
+        return JSONResponse({"ready": ok, **checks}, status_code=200 if ok else 503)
 
     @app.get("/v1/health")
     async def health(h: HubDep) -> dict[str, Any]:
@@ -225,8 +135,8 @@ def create_app(cfg: HubConfig) -> FastAPI:
     async def register_function(body: FunctionIn, h: HubDep, user: UserDep) -> FunctionOut:
         _check_size(h, "function body", body.body)
         try:
-            if method_of(body.body) not in ("dill", "source", "pickle"):
-                raise SerializationError("function body must be serialized code (dill, source or pickle)")
+            if method_of(body.body) not in CODE_METHODS:
+                raise SerializationError(f"function body must be serialized code ({', '.join(CODE_METHODS)})")
         except SerializationError as exc:
             raise HTTPException(422, str(exc)) from None
         fid = function_id(body.body)
@@ -240,8 +150,25 @@ def create_app(cfg: HubConfig) -> FastAPI:
     # -------------------------------------------------------------- endpoints
     @app.post("/v1/enrollment-tokens", response_model=EnrollTokenOut, status_code=201)
     async def create_enrollment_token(body: EnrollTokenIn, h: HubDep, user: UserDep) -> EnrollTokenOut:
+        pem = _ca_pem(cfg)
         token = await h.store.create_enroll_token(user, body.ttl_s, body.uses)
-        return EnrollTokenOut(token=token, expires_in_s=body.ttl_s, uses=body.uses)
+        # The CA's hash travels with the token (like kubeadm's --discovery-token-ca-cert-hash), so a
+        # device can check the CA it is sent at enrollment without anyone copying CA files around.
+        from mesh_agent.tls import ca_hash_of_pem
+
+        return EnrollTokenOut(token=token, expires_in_s=body.ttl_s, uses=body.uses, ca_hash=ca_hash_of_pem(pem) if pem else None,
+                              broker_url=_broker_url(cfg))
+
+    @app.get("/v1/tls/ca", response_model=CaOut, responses=ERRORS)
+    async def tls_ca() -> CaOut:
+        """The hub's CA (public, no token): a device fetches it, checks it against the hash it was
+        given with its enrollment token, and only then talks to the hub with it."""
+        pem = _ca_pem(cfg)
+        if pem is None:
+            raise HTTPException(404, "this hub has no CA configured (MESH_HUB_TLS_CA_FILE); it uses publicly trusted certificates or none")
+        from mesh_agent.tls import ca_hash_of_pem
+
+        return CaOut(ca_pem=pem, ca_hash=ca_hash_of_pem(pem))
 
     @app.post("/v1/endpoints/enroll", response_model=EnrollOut, status_code=201)
     async def enroll(body: EnrollIn, h: HubDep) -> EnrollOut:
@@ -252,61 +179,122 @@ def create_app(cfg: HubConfig) -> FastAPI:
         zlink = h.zmq_link
         if body.transport == "zmq" and not _valid_curve_key(body.curve_public):
             raise HTTPException(422, "a ZeroMQ endpoint must send its CURVE public key (curve_public, 40 z85 characters); upgrade mesh-agent")
+        if body.gateway_id is not None and body.transport != "mqtt":
+            raise HTTPException(422, "a device behind a site gateway enrolls with transport 'mqtt' (it dials the gateway's broker)")
         key = new_key()
         # Per-endpoint broker login: the password is shown once, the hub keeps a Mosquitto $7$ hash.
-        from cloud_hub.broker_auth import mosquitto_hash, new_broker_password
+        from cloud_hub.broker_auth import broker_hash, new_broker_password
 
         password = new_broker_password() if body.transport == "mqtt" else None
         try:
             ep = await h.store.enroll_endpoint(
                 body.token, body.name, body.transport, key,
-                mqtt_hash=mosquitto_hash(password) if password else None,
+                mqtt_hash=broker_hash(password) if password else None,  # $7$ (Mosquitto) and bcrypt (NATS)
                 curve_key=body.curve_public if body.transport == "zmq" else None,
+                gateway_id=body.gateway_id,
             )
         except sqlite3.IntegrityError:  # the unique CURVE key index; the token use was rolled back with it
             raise HTTPException(409, "this CURVE public key is already enrolled: make a new keypair for each endpoint") from None
+        except ValueError as exc:  # a gateway that is not the user's: the transaction (token use included) rolled back
+            raise HTTPException(422, str(exc)) from None
         if ep is None:
             raise HTTPException(401, "enrollment token is invalid, expired or used up")
         h.dispatcher.add_endpoint_key(ep["id"], key)
+        log.info("enrolled endpoint %s (name %r, transport %s)", ep["id"], body.name, body.transport)
         if body.transport == "zmq" and zlink is not None and body.curve_public:
             zlink.allow_client(body.curve_public, ep["id"])
         if password:
             await h.refresh_broker_auth()
+        if body.gateway_id is not None:  # after the broker's ACL lets the gateway relay this device
+            await h.dispatcher.add_site_device(ep["id"], body.gateway_id)
         mqtt = None
         if cfg.mqtt_host:
             mqtt = MqttInfo(host=cfg.mqtt_public_host or cfg.mqtt_host, port=cfg.mqtt_port, topic_prefix=cfg.mqtt_prefix,
-                            username=ep["id"] if password else None, password=password)
+                            username=ep["id"] if password else None, password=password, url=_broker_url(cfg))
+            site = h.dispatcher.site_broker(body.gateway_id) if body.gateway_id else None
+            if site is not None:  # the device dials its gateway's broker on the LAN, with the same login
+                mqtt = MqttInfo(host=site[0], port=site[1], topic_prefix=cfg.mqtt_prefix, username=ep["id"], password=password,
+                                url=f"mqtt://{site[0]}:{site[1]}")
         return EnrollOut(
-            endpoint_id=ep["id"], key=key.hex(), transport=body.transport, heartbeat_s=cfg.heartbeat_s,
+            endpoint_id=ep["id"], key=key.hex(), transport=body.transport, heartbeat_s=cfg.heartbeat_s, ca_pem=_ca_pem(cfg),
             mqtt=mqtt, zmq_address=h.zmq_address, zmq_server_key=zlink.public_key if zlink is not None else None,
         )
 
+    @app.post("/v1/endpoints/enroll-batch", response_model=EnrollBatchOut, status_code=201)
+    async def enroll_batch(body: EnrollBatchIn, h: HubDep) -> EnrollBatchOut:
+        """Enroll many endpoints with one multi-use token: one transaction (all or none), one
+        rewrite of the broker's password and ACL files and one reload, instead of N of each (a
+        fleet or a load harness enrolling thousands would otherwise rewrite the files N times)."""
+        if body.transport == "mqtt" and not cfg.mqtt_host:
+            raise HTTPException(422, "this hub has no MQTT broker configured; enroll with transport 'zmq'")
+        if body.transport == "zmq" and not h.zmq_address:
+            raise HTTPException(422, "this hub has no ZeroMQ listener configured; enroll with transport 'mqtt'")
+        zlink = h.zmq_link
+        if body.transport == "zmq":
+            for i, e in enumerate(body.endpoints):
+                if not _valid_curve_key(e.curve_public):
+                    raise HTTPException(422, f"endpoints[{i}]: a ZeroMQ endpoint must send its CURVE public key (curve_public, 40 z85 characters)")
+            if len({e.curve_public for e in body.endpoints}) != len(body.endpoints):
+                raise HTTPException(422, "the same CURVE public key appears twice: make a new keypair for each endpoint")
+        from cloud_hub.broker_auth import broker_hash, new_broker_password
+
+        keys = [new_key() for _ in body.endpoints]
+        passwords = [new_broker_password() for _ in body.endpoints] if body.transport == "mqtt" else []
+        hashes = await asyncio.to_thread(lambda: [broker_hash(pw) for pw in passwords])  # ~1 ms each: off the event loop
+        items = [{"name": e.name, "transport": body.transport, "key": keys[i], "mqtt_hash": hashes[i] if hashes else None,
+                  "curve_key": e.curve_public if body.transport == "zmq" else None} for i, e in enumerate(body.endpoints)]
+        try:
+            eps = await h.store.enroll_endpoints(body.token, items)
+        except sqlite3.IntegrityError:  # the unique CURVE key index; nothing was written
+            raise HTTPException(409, "a CURVE public key in this batch is already enrolled: make a new keypair for each endpoint") from None
+        if eps is None:
+            raise HTTPException(401, f"enrollment token is invalid, expired or has fewer than {len(items)} uses left")
+        for i, ep in enumerate(eps):
+            h.dispatcher.add_endpoint_key(ep["id"], keys[i])
+            if body.transport == "zmq" and zlink is not None:
+                zlink.allow_client(body.endpoints[i].curve_public, ep["id"])
+        if passwords:
+            await h.refresh_broker_auth()
+        log.info("enrolled %d endpoints in one batch (transport %s)", len(eps), body.transport)
+        pem = _ca_pem(cfg)
+        out = []
+        for i, ep in enumerate(eps):
+            mqtt = None
+            if cfg.mqtt_host:
+                mqtt = MqttInfo(host=cfg.mqtt_public_host or cfg.mqtt_host, port=cfg.mqtt_port, topic_prefix=cfg.mqtt_prefix,
+                                username=ep["id"] if passwords else None, password=passwords[i] if passwords else None, url=_broker_url(cfg))
+            out.append(EnrollOut(endpoint_id=ep["id"], key=keys[i].hex(), transport=body.transport, heartbeat_s=cfg.heartbeat_s, ca_pem=pem,
+                                 mqtt=mqtt, zmq_address=h.zmq_address, zmq_server_key=zlink.public_key if zlink is not None else None))
+        return EnrollBatchOut(endpoints=out)
+
     @app.get("/v1/endpoints", response_model=list[EndpointOut])
     async def list_endpoints(h: HubDep, user: UserDep) -> list[EndpointOut]:
-        return [_endpoint_out(h, e) for e in await h.store.list_endpoints(user_id=user)]
+        return [endpoint_out(h, e) for e in await h.store.list_endpoints(user_id=user)]
 
     @app.get("/v1/endpoints/{endpoint_id}", response_model=EndpointOut)
     async def get_endpoint(endpoint_id: str, h: HubDep, user: UserDep) -> EndpointOut:
         rows = await h.store.list_endpoints(user_id=user, endpoint_id=endpoint_id)
         if not rows:
             raise HTTPException(404, f"unknown endpoint {endpoint_id}")
-        return _endpoint_out(h, rows[0])
+        return endpoint_out(h, rows[0])
 
     # -------------------------------------------------------------- tasks
-    from cloud_hub.api.access import router as access_router  # imports UserDep/HubDep from here
-
-    app.include_router(access_router)
+    app.include_router(access_api.router)
+    app.include_router(task_groups_api.router)
 
     @app.post("/v1/tasks", response_model=TaskOut, status_code=201)
     async def submit(body: TaskIn, h: HubDep, user: UserDep) -> TaskOut:
-        ids, eps = await _accept(h, user, [body])
+        ids, eps = await _accept(h, user, [body], body.idempotency_key)
         return TaskOut(task_id=ids[0], endpoint_id=eps[0])
 
     @app.post("/v1/tasks/batch", response_model=BatchOut, status_code=201)
     async def submit_batch(body: BatchIn, h: HubDep, user: UserDep) -> BatchOut:
         if len(body.tasks) > cfg.max_batch:
             raise HTTPException(413, f"batch of {len(body.tasks)} tasks exceeds the limit of {cfg.max_batch}")
-        ids, eps = await _accept(h, user, body.tasks)
+        if any(t.idempotency_key is not None for t in body.tasks):
+            raise HTTPException(422, "idempotency_key belongs on the batch, not on its tasks")
+        functions = checked_functions(h, body.functions)  # bodies riding with the batch (cloud_hub/api/task_groups.py)
+        ids, eps = await _accept(h, user, body.tasks, body.idempotency_key, functions=functions, group=body.task_group_id)
         return BatchOut(task_ids=ids, endpoint_ids=eps)
 
     @app.get("/v1/tasks/{task_id}", response_model=TaskStatus)
@@ -354,11 +342,9 @@ def create_app(cfg: HubConfig) -> FastAPI:
     @app.get("/v1/results/cursor")
     async def result_cursor(h: HubDep, user: UserDep) -> dict[str, int]:
         """Where a new stream reader should start: results stored after this belong to later tasks."""
-        return {"cursor": await h.store.last_result_seq()}
+        return {"cursor": await h.store.last_result_seq(user)}
 
-    from cloud_hub.api.fl import router as fl_router  # here: it imports this module's auth dependencies
-
-    app.include_router(fl_router)
+    app.include_router(fl_api.router)
     return app
 
 
@@ -371,9 +357,29 @@ def _check_size(h: Hub, what: str, blob: bytes) -> None:
         )
 
 
-async def _accept(h: Hub, user: str, tasks: list[TaskIn]) -> tuple[list[str], list[str]]:
+def _request_hash(tasks: list[TaskIn]) -> str:
+    body = json.dumps([t.model_dump(mode="json", exclude={"idempotency_key"}) for t in tasks], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+async def _replayed(h: Hub, user: str, key: str, request_hash: str) -> tuple[list[str], list[str]] | None:
+    """The tasks an earlier submit with this key made, or None; 409 if the key came with another request."""
+    seen = await h.store.submit_key(user, key)
+    if seen is None:
+        return None
+    if seen[0] != request_hash:
+        raise HTTPException(409, f"idempotency key {key} was used for a different request; use a new key per submit")
+    return seen[1], seen[2]  # type: ignore[return-value]
+
+
+async def _accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None = None, *, functions: dict[str, tuple[str, bytes]] | None = None,
+                  group: str | None = None) -> tuple[list[str], list[str]]:
     """Validate every task, place those with a selector ("auto", a list, tags), then insert all
-    (with the placement decisions) in one transaction, then wake the dispatcher."""
+    (with the placement decisions and the idempotency key) in one transaction, then wake the
+    dispatcher. With a key seen before, answer what that submit made and insert nothing."""
+    request_hash = _request_hash(tasks) if key is not None else ""
+    if key is not None and (done := await _replayed(h, user, key, request_hash)) is not None:
+        return done
     for i, t in enumerate(tasks):
         _check_size(h, f"task {i} arguments", t.args)
         try:
@@ -390,8 +396,8 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn]) -> tuple[list[str], li
     found_eps, found_fids = await h.store.owned_refs(user, eps, fids)
     if eps - found_eps:
         raise HTTPException(404, f"unknown endpoint {sorted(eps - found_eps)[0]}")
-    if fids - found_fids:
-        raise HTTPException(404, f"unknown function {sorted(fids - found_fids)[0]} (register it first)")
+    if fids - found_fids - set(functions or ()):
+        raise HTTPException(404, f"unknown function {sorted(fids - found_fids - set(functions or ()))[0]} (register it first)")
     now = time.time()
     rows = [
         {
@@ -403,6 +409,7 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn]) -> tuple[list[str], li
             "created": now,
             "expires": now + (t.ttl_s or h.cfg.task_ttl_s),
             "timeout": t.timeout_s,
+            "task_group_id": group,
         }
         for t in tasks
     ]
@@ -415,10 +422,22 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn]) -> tuple[list[str], li
         if allowed is not None and r["function_id"] not in allowed:
             h.placement.retract(r["id"] for r in rows)
             raise HTTPException(403, f"task {i}: function {r['function_id']} is not on endpoint {r['endpoint_id']}'s allow-list")
+    write_decisions = h.placement.writer(decisions)
+
+    def also(db: Any) -> None:
+        if write_decisions is not None:
+            write_decisions(db)
+        if key is not None:
+            h.store.put_submit_key(db, user, key, request_hash, [r["id"] for r in rows], [r["endpoint_id"] for r in rows], now)
+
     try:
-        await h.store.insert_tasks(rows, also=h.placement.writer(decisions))
+        await h.store.insert_tasks(rows, also=also, before=function_writer(user, functions) if functions else None)
     except BaseException:
         h.placement.retract(r["id"] for r in rows)
+        # The same key, submitted concurrently (a client retrying before its first attempt
+        # answered), won the race: answer what it made.
+        if key is not None and (done := await _replayed(h, user, key, request_hash)) is not None:
+            return done
         raise
     for ep in {r["endpoint_id"] for r in rows}:
         h.dispatcher.kick(ep)
@@ -436,18 +455,6 @@ def _valid_curve_key(key: str | None) -> bool:
         return False
 
 
-def _endpoint_out(h: Hub, e: dict[str, Any]) -> EndpointOut:
-    live = h.dispatcher.session_info(e["id"])
-    info = dict(e["info"])
-    if live:
-        info.update(live)
-    # With replicas, another one may hold the session: trust the shared row while it is fresh.
-    online = live is not None or (h.dispatcher.replicated and bool(e["online"]) and time.time() - (e["last_seen"] or 0) < h.cfg.lost_after_s)
-    return EndpointOut(
-        id=e["id"], name=e["name"], transport=e["transport"], online=online, last_seen=(live or {}).get("last_seen", e["last_seen"]),
-        created=e["created"], queued=e["queued"], in_flight=e["in_flight"], info=info,
-    )
-
-
 def _result_out(r: dict[str, Any]) -> ResultOut:
-    return ResultOut(task_id=r["task_id"], ok=r["ok"], data=base64.b64encode(r["data"] or b"").decode(), started=r["started"], finished=r["finished"])
+    return ResultOut(task_id=r["task_id"], ok=r["ok"], data=base64.b64encode(r["data"] or b"").decode(), started=r["started"], finished=r["finished"],
+                     endpoint_id=r.get("endpoint_id"), own_endpoint=r.get("own_endpoint", False))

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, HTTPException, Query
 from pydantic import Base64Bytes, BaseModel, ConfigDict, Field
 
-from cloud_hub.api.app import HubDep, UserDep
+from cloud_hub.api.deps import HubDep, UserDep
 from cloud_hub.store.fl import FLConflict, FLNotFound, FLStore
 
 __all__ = ["router"]
@@ -32,7 +32,9 @@ class RunIn(BaseModel):
     model_config = _strict
     name: str = Field(min_length=1, max_length=200)
     strategy: str = Field(min_length=1, max_length=100)
-    mode: Literal["sync", "async", "hierarchical"] = "sync"
+    # the built-in modes are sync, async and hierarchical; a driver registered with
+    # fl.drivers.register_driver brings its own mode name (docs/fl.md, "Writing a round driver")
+    mode: str = Field("sync", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     rounds_planned: int = Field(ge=1, le=1_000_000)
     clients: list[_Id] = Field(default_factory=list, max_length=10_000)
     client_names: dict[str, Annotated[str, Field(max_length=200)]] = Field(default_factory=dict)

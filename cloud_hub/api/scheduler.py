@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
-from pydantic import BaseModel
+import time
 
-from cloud_hub.api.app import HubDep, UserDep
+from fastapi import APIRouter, HTTPException, Query
+from pydantic import BaseModel, ConfigDict, Field
+
+from cloud_hub.api.deps import HubDep, UserDep
 
 __all__ = ["router"]
 
@@ -92,3 +94,44 @@ async def decisions(
 ) -> Any:
     """Recent placement decisions for the caller's tasks, newest first, with predicted vs actual."""
     return await h.placement.decisions(user, limit, before, task_id, endpoint_id, function_id)
+
+
+class PredictIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    function_id: str = Field(min_length=1, max_length=64)
+    endpoint_ids: list[str] = Field(min_length=1, max_length=1000)
+    payload_bytes: int = Field(0, ge=0, le=1 << 30)
+    horizon_s: float | None = Field(None, gt=0, le=7 * 86400, description="P(online) over this window (default: the predicted time)")
+
+
+class EndpointPrediction(BaseModel):
+    endpoint_id: str
+    known: bool
+    online: bool
+    predicted_s: float | None
+    run_s: float | None
+    source: str
+    exploration: bool
+    p_online: float | None
+    share_online: float | None
+
+
+class PredictOut(BaseModel):
+    function_id: str
+    predictions: list[EndpointPrediction]
+
+
+@router.post("/predict", response_model=PredictOut)
+async def predict(body: PredictIn, h: HubDep, user: UserDep) -> Any:
+    """Predicted seconds to run ``function_id`` on each endpoint and P(it stays online that long),
+    placing nothing (FL client selection asks this). Only the caller's own (or shared) endpoints
+    and functions: another user's is a 404, as everywhere in the API."""
+    mine = {e["id"] for e in await h.store.list_endpoints(user_id=user)}
+    unknown = [e for e in dict.fromkeys(body.endpoint_ids) if e not in mine]
+    if unknown:
+        raise HTTPException(404, f"endpoint(s) not found: {', '.join(unknown[:5])}")
+    if body.function_id not in {f["id"] for f in await h.store.list_functions(user)}:
+        raise HTTPException(404, f"function {body.function_id} not found")
+    preds = h.placement.predict(body.function_id, list(dict.fromkeys(body.endpoint_ids)), body.payload_bytes,
+                                body.horizon_s, time.time())
+    return {"function_id": body.function_id, "predictions": preds}

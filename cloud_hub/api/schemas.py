@@ -46,6 +46,12 @@ class TaskConstraints(BaseModel):
     min_memory_mb: int = Field(0, ge=0, le=2**31)
 
 
+#: Client-generated (a uuid4 is ideal): a retry with the same key returns the tasks the first attempt
+#: made instead of making new ones; the same key with a different request is refused (409).
+IdempotencyKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{8,128}$"),
+                           Field(description="client-generated key that makes a retried submit return the original tasks")]
+
+
 class TaskIn(BaseModel):
     model_config = _strict
     endpoint_id: Union[EndpointRef, Annotated[list[EndpointRef], Field(min_length=1, max_length=1000)], TagSelector] = Field(
@@ -55,6 +61,7 @@ class TaskIn(BaseModel):
     args: Base64Bytes = Field(description="serialize((args, kwargs)), base64")
     timeout_s: float | None = Field(None, gt=0, description="per-run limit on the endpoint")
     ttl_s: float | None = Field(None, gt=0, description="give up if not run within this time")
+    idempotency_key: IdempotencyKey | None = None
 
 
 class TaskOut(BaseModel):
@@ -62,14 +69,43 @@ class TaskOut(BaseModel):
     endpoint_id: str | None = None  # where it was placed
 
 
+class BatchFunction(BaseModel):
+    """A function body that rides with the batch that first uses it (no separate registration)."""
+
+    model_config = _strict
+    name: str = Field(min_length=1, max_length=200)
+    body: Base64Bytes = Field(description="serialize_function(fn), base64; its SHA-256 must be the key")
+
+
+TaskGroupId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+
+
 class BatchIn(BaseModel):
     model_config = _strict
     tasks: list[TaskIn] = Field(min_length=1)
+    functions: dict[str, BatchFunction] | None = Field(
+        None, max_length=1000, description="function id -> body, for bodies the hub may not have yet (registered with the tasks)")
+    task_group_id: TaskGroupId | None = Field(None, description="a group to list these tasks by later (GET /v1/task-groups/{id}/tasks)")
+    idempotency_key: IdempotencyKey | None = None
 
 
 class BatchOut(BaseModel):
     task_ids: list[str]
     endpoint_ids: list[str] | None = None  # where each was placed, same order
+
+
+class GroupTask(BaseModel):
+    task_id: str
+    endpoint_id: str
+    function_id: str
+    state: Literal["queued", "leased", "acked", "done"]
+    created: float
+    ok: bool | None
+
+
+class GroupTasksOut(BaseModel):
+    task_group_id: str
+    tasks: list[GroupTask]
 
 
 class TaskStatus(BaseModel):
@@ -93,6 +129,9 @@ class ResultOut(BaseModel):
     data: str = Field(description="serialize(value) or serialize(error dict), base64")
     started: float | None
     finished: float | None
+    endpoint_id: str | None = Field(None, description="where it ran (none: the hub made it, e.g. the task expired)")
+    own_endpoint: bool = Field(False, description="it ran on the caller's own endpoint (or the hub made it): the SDK "
+                               "unpickles only such results, unless the caller trusts the endpoint")
 
 
 class WaitIn(BaseModel):
@@ -128,6 +167,13 @@ class EnrollTokenOut(BaseModel):
     token: str
     expires_in_s: float
     uses: int
+    ca_hash: str | None = Field(None, description="sha256:<hex> of the hub's CA; give it to `mesh-agent init --ca-hash`")
+    broker_url: str | None = Field(None, description="the broker agents will be told to use (mqtts://..., wss://...)")
+
+
+class CaOut(BaseModel):
+    ca_pem: str
+    ca_hash: str
 
 
 class EnrollIn(BaseModel):
@@ -136,6 +182,8 @@ class EnrollIn(BaseModel):
     name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.\-]+$")
     transport: Literal["mqtt", "zmq"] = "mqtt"
     curve_public: str | None = Field(None, min_length=40, max_length=40, description="the agent's ZeroMQ CURVE public key (z85); required for zmq")
+    gateway_id: str | None = Field(None, min_length=4, max_length=40, pattern=r"^ep-[0-9a-f]+$",
+                                   description="the site gateway that serves this device on its LAN (docs/sites.md); mqtt only")
 
 
 class MqttInfo(BaseModel):
@@ -144,6 +192,7 @@ class MqttInfo(BaseModel):
     topic_prefix: str
     username: str | None = None
     password: str | None = None
+    url: str | None = Field(None, description="mqtt://, mqtts:// (TLS) or wss://host:port/path (MQTT over secure WebSockets)")
 
 
 class EnrollOut(BaseModel):
@@ -154,6 +203,31 @@ class EnrollOut(BaseModel):
     mqtt: MqttInfo | None
     zmq_address: str | None
     zmq_server_key: str | None = Field(None, description="the hub's CURVE public key (z85), for zmq endpoints")
+    ca_pem: str | None = Field(None, description="the hub's CA (PEM), which the agent checks against its --ca-hash")
+
+
+class EnrollBatchItem(BaseModel):
+    model_config = _strict
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.\-]+$")
+    curve_public: str | None = Field(None, min_length=40, max_length=40, description="the endpoint's ZeroMQ CURVE public key (z85); required for zmq")
+
+
+#: Endpoints per bulk enrollment: one transaction and one broker reload each; 10,000 keeps a request
+#: (its Mosquitto hashes, 1 ms each) to seconds.
+MAX_ENROLL_BATCH = 10_000
+
+
+class EnrollBatchIn(BaseModel):
+    """Many endpoints under one multi-use enrollment token (a fleet, a load harness), all or none."""
+
+    model_config = _strict
+    token: str = Field(min_length=8)
+    transport: Literal["mqtt", "zmq"] = "mqtt"
+    endpoints: list[EnrollBatchItem] = Field(min_length=1, max_length=MAX_ENROLL_BATCH)
+
+
+class EnrollBatchOut(BaseModel):
+    endpoints: list[EnrollOut]
 
 
 class ErrorOut(BaseModel):

@@ -1,46 +1,73 @@
 """``Executor``: the standard ``concurrent.futures`` interface over the mesh.
 
-Two background threads do the batching users should not have to think about: one gathers
-``submit`` calls for a couple of milliseconds and posts them as one batch; the other reads the
-hub's result stream (one long poll for all outstanding tasks, never one poll per task) and
-completes futures. Each result completes its future once, however often it is delivered.
+``submit()`` never waits on the network: it serializes the call (the function body is cached by
+content hash) and queues it. Two background threads do the rest. The submitter gathers calls for
+a couple of milliseconds and posts them as one batch; a function body the hub has not seen rides
+with the first batch that uses it (no registration round trip). Each batch carries a fresh
+idempotency key, so when the hub restarts or a link drops the submitter retries the same batch
+with backoff and jitter for up to ``submit_timeout_s`` and the hub never makes a task twice. The
+reader follows the hub's result stream (one long poll for all outstanding tasks) and completes
+futures; each result completes its future once, however often it is delivered.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
 import queue
+import random
 import threading
 import time
+import uuid
 from concurrent.futures import Executor as _Executor
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from cloud_hub.client._client import Client, EndpointSelector, HubError, constraints_spec, selector
-from cloud_hub.client._results import decode_result
+from cloud_hub.client._client import Client, EndpointSelector, HubError, HubUnreachable, constraints_spec, selector
+from cloud_hub.client._results import decode_row
 
-__all__ = ["Executor"]
+__all__ = ["Executor", "SubmitTimeout"]
 
 log = logging.getLogger("cloud_hub.client")
 
 _ORPHAN_TTL_S = 300.0
+#: Answers worth retrying with the same idempotency key: the hub is (re)starting, overloaded or out of disk.
+_RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504, 507})
+
+
+class SubmitTimeout(TimeoutError):
+    """The hub could not be reached (or kept refusing with a retryable answer) for the whole
+    ``submit_timeout_s``; the task was not accepted."""
+
+
+@dataclass
+class _Item:
+    future: "Future[Any]"
+    spec: dict[str, Any]
+    fid: str
+    name: str
+    body: bytes | None  # None: a function registered earlier (submit_to_registered_function)
 
 
 class Executor(_Executor):
     """Runs calls on the mesh.
 
+    ``Executor(endpoint_id="ep-...")`` is enough once ``mesh-hub login`` has saved a hub and token
+    (or ``MESH_HUB_URL`` / ``MESH_TOKEN`` are set); pass ``client=`` to use another.
     ``endpoint`` says where: an endpoint id, ``"auto"`` (the default: the hub's scheduler places
     each batch on your endpoints by predicted completion time), a list of ids, or
-    ``{"tags": [...]}``. ``endpoint_id=`` is the older spelling and still works.
+    ``{"tags": [...]}``. ``endpoint_id=`` is the same thing under Globus Compute's name.
     ``constraints`` (``{"tags": [...], "gpu": True, "min_memory_mb": 2048}``) are what every
-    function submitted here needs; the scheduler never places it elsewhere. Each future gets
-    ``task_id`` and ``endpoint_id`` (where it was placed) once it is submitted.
+    function submitted here needs. ``submit_timeout_s``: how long a batch is retried through hub
+    restarts and dropped links before its futures fail with :class:`SubmitTimeout`.
+    ``task_group_id``: every task submitted here is filed under it (a new uuid4 by default), so a
+    later process can :meth:`reload_tasks`. Each future gets ``task_id`` and ``endpoint_id``
+    (where it was placed) once it is submitted.
     """
 
     def __init__(
         self,
-        client: Client,
+        client: Client | None = None,
         endpoint_id: EndpointSelector | None = None,
         *,
         endpoint: EndpointSelector | None = None,
@@ -49,38 +76,66 @@ class Executor(_Executor):
         batch_interval_s: float = 0.002,
         task_timeout_s: float | None = None,
         task_ttl_s: float | None = None,
+        submit_timeout_s: float = 300.0,
+        task_group_id: str | None = None,
     ) -> None:
         if endpoint is not None and endpoint_id is not None and endpoint != endpoint_id:
             raise ValueError("pass either endpoint= or endpoint_id=, not both")
         where = endpoint if endpoint is not None else endpoint_id
-        self.client = client
+        self.client = client if client is not None else Client()
         self.endpoint = selector("auto" if where is None else where)
-        self.endpoint_id = self.endpoint  # older name
         self.constraints = constraints_spec(constraints)
         self.batch_size = batch_size
         self.batch_interval_s = batch_interval_s
         self.task_timeout_s = task_timeout_s
         self.task_ttl_s = task_ttl_s
-        self._queue: "queue.Queue[tuple[Future[Any], dict[str, Any]] | None]" = queue.Queue()
+        self.submit_timeout_s = float(submit_timeout_s)
+        self.task_group_id = task_group_id or str(uuid.uuid4())
+        self.task_count_submitted = 0  # tasks the hub has accepted
+        self._queue: "queue.Queue[_Item | None]" = queue.Queue()
         self._pending: dict[str, Future[Any]] = {}
         self._orphans: dict[str, tuple[float, dict[str, Any]]] = {}  # results seen before their submit returned
         self._lock = threading.Lock()
         self._work = threading.Event()
         self._shutdown = False
-        self._cursor = client.result_cursor()
+        self._cursor = self.client.result_cursor()  # also: a wrong URL or token fails here, in one line
         self._submitter = threading.Thread(target=self._submit_loop, name="mesh-submit", daemon=True)
         self._reader = threading.Thread(target=self._result_loop, name="mesh-results", daemon=True)
         self._submitter.start()
         self._reader.start()
 
+    @property
+    def endpoint_id(self) -> EndpointSelector:  # Globus Compute's name for ``endpoint``
+        return self.endpoint
+
+    @endpoint_id.setter
+    def endpoint_id(self, value: EndpointSelector) -> None:
+        self.endpoint = selector(value)
+
     # ---------------------------------------------------------------- public API
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> "Future[Any]":
+        """Queue ``fn(*args, **kwargs)``; returns at once (no request is made here)."""
         if self._shutdown:
             raise RuntimeError("cannot submit after shutdown")
-        fid = self.client.register_function(fn)
+        fid, body = self.client.function_body(fn)
+        return self._enqueue(fid, getattr(fn, "__name__", None) or type(fn).__name__, body, args, kwargs)
+
+    def register_function(self, fn: Callable[..., Any], name: str | None = None) -> str:
+        """Register ``fn`` now (one request per distinct body) and return its id, for
+        :meth:`submit_to_registered_function` here or in another process."""
+        return self.client.register_function(fn, name)
+
+    def submit_to_registered_function(self, function_id: str, args: Sequence[Any] | None = None,
+                                      kwargs: dict[str, Any] | None = None) -> "Future[Any]":
+        """Run a function registered earlier (by any process of yours) by its id."""
+        if self._shutdown:
+            raise RuntimeError("cannot submit after shutdown")
+        return self._enqueue(function_id, "function", None, tuple(args or ()), dict(kwargs or {}))
+
+    def _enqueue(self, fid: str, name: str, body: bytes | None, args: Sequence[Any], kwargs: dict[str, Any]) -> "Future[Any]":
         spec = Client.task_spec(self.endpoint, fid, args, kwargs, self.task_timeout_s, self.task_ttl_s, self.constraints)
         fut: Future[Any] = Future()
-        self._queue.put((fut, spec))
+        self._queue.put(_Item(fut, spec, fid, name, body))
         return fut
 
     def map(  # type: ignore[override]
@@ -107,6 +162,36 @@ class Executor(_Executor):
 
         return results()
 
+    def reload_tasks(self, task_group_id: str | None = None) -> list["Future[Any]"]:
+        """Futures for every task filed under ``task_group_id`` (default: this executor's), by
+        any process: finished ones complete at once, the others when their results arrive. For a
+        laptop that slept, or a script that died, while its tasks ran."""
+        group = task_group_id or self.task_group_id
+        rows = self.client.task_group(group)
+        futures: list[Future[Any]] = []
+        ids = [r["task_id"] for r in rows]
+        with self._lock:
+            for r in rows:
+                f: Future[Any] | None = self._pending.get(r["task_id"])
+                if f is None:
+                    f = Future()
+                    f.set_running_or_notify_cancel()
+                f.task_id, f.endpoint_id = r["task_id"], r["endpoint_id"]  # type: ignore[attr-defined]
+                orphan = self._orphans.pop(r["task_id"], None)
+                if orphan is not None:
+                    self._complete(f, orphan[1])
+                elif not f.done():
+                    self._pending[r["task_id"]] = f
+                futures.append(f)
+        for i in range(0, len(ids), 5000):  # results stored before this executor's stream began
+            for row in self.client.wait_results(ids[i : i + 5000], timeout_s=0):
+                with self._lock:
+                    f2 = self._pending.pop(row["task_id"], None)
+                    if f2 is not None:
+                        self._complete(f2, row)
+        self._work.set()
+        return futures
+
     def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
         # Leaving on an error must not block forever on remote tasks that may never finish.
         self.shutdown(wait=exc_type is None, cancel_futures=exc_type is not None)
@@ -121,7 +206,7 @@ class Executor(_Executor):
                 except queue.Empty:
                     break
                 if item is not None:
-                    item[0].cancel()
+                    item.future.cancel()
         self._queue.put(None)
         if wait:
             self._submitter.join()
@@ -169,19 +254,51 @@ class Executor(_Executor):
                     closing = True
                     break
                 batch.append(nxt)
-            live = [(f, s) for f, s in batch if f.set_running_or_notify_cancel()]
+            live = [it for it in batch if it.future.set_running_or_notify_cancel()]
             if live:
                 self._post(live)
 
-    def _post(self, batch: list[tuple["Future[Any]", dict[str, Any]]]) -> None:
-        try:
-            ids, eps = self.client.submit_batch_placed(s for _, s in batch)
-        except (HubError, OSError, Exception) as exc:  # the hub refused or is unreachable
-            for f, _ in batch:
-                f.set_exception(exc)
-            return
+    def _post(self, batch: list[_Item]) -> None:
+        """One batch, retried with the same idempotency key until accepted, refused for good, or
+        out of ``submit_timeout_s``. Full-jitter exponential backoff (0.1 s doubling to 5 s)."""
+        key = uuid.uuid4().hex
+        started = time.monotonic()
+        attempt = 0
+        resent_bodies = False
+        while True:
+            functions = {it.fid: (it.name, it.body) for it in batch if it.body is not None and not self.client.knows(it.fid)}
+            try:
+                ids, eps = self.client.submit_batch_placed([it.spec for it in batch], key, functions=functions or None,  # type: ignore[arg-type]
+                                                           task_group_id=self.task_group_id)
+                break
+            except (HubUnreachable, HubError) as exc:
+                status = getattr(exc, "status", None)
+                if status == 404 and "unknown function" in str(exc) and not resent_bodies:
+                    # the hub lost what we registered (a new database): send the bodies once more
+                    self.client.forget(it.fid for it in batch)
+                    resent_bodies = True
+                    continue
+                if isinstance(exc, HubError) and status not in _RETRY_STATUS:
+                    self._fail(batch, exc)
+                    return
+                attempt += 1
+                delay = random.uniform(0, min(5.0, 0.1 * 2 ** min(attempt, 8)))
+                spent = time.monotonic() - started
+                if spent + delay > self.submit_timeout_s:
+                    self._fail(batch, SubmitTimeout(f"the hub did not accept {len(batch)} task(s) within submit_timeout_s="
+                                                    f"{self.submit_timeout_s:g} ({attempt} attempts); last error: {exc}"))
+                    return
+                if attempt == 1 or attempt % 10 == 0:
+                    log.warning("submit of %d task(s) not accepted yet (%s); retrying for up to %.0f s more",
+                                len(batch), exc, self.submit_timeout_s - spent)
+                time.sleep(delay)
+            except Exception as exc:  # anything else (a bug, a TLS error) fails the batch with its reason
+                self._fail(batch, exc)
+                return
         with self._lock:
-            for (f, _), tid, ep in zip(batch, ids, eps):
+            self.task_count_submitted += len(batch)
+            for it, tid, ep in zip(batch, ids, eps):
+                f = it.future
                 f.task_id = tid  # type: ignore[attr-defined]
                 f.endpoint_id = ep  # type: ignore[attr-defined]
                 orphan = self._orphans.pop(tid, None)
@@ -192,12 +309,17 @@ class Executor(_Executor):
         self._work.set()
 
     @staticmethod
-    def _complete(f: "Future[Any]", row: dict[str, Any]) -> None:
+    def _fail(batch: list[_Item], exc: BaseException) -> None:
+        for it in batch:
+            if not it.future.done():
+                it.future.set_exception(exc)
+
+    def _complete(self, f: "Future[Any]", row: dict[str, Any]) -> None:
         if f.done():
             return
         f.started, f.finished = row.get("started"), row.get("finished")  # type: ignore[attr-defined]
         try:
-            ok, value = decode_result(row["ok"], base64.b64decode(row["data"]))
+            ok, value = decode_row(row, self.client.trusted_endpoints)
         except Exception as exc:  # a result that does not deserialize here (missing module, ...)
             f.set_exception(exc)
             return
@@ -222,7 +344,7 @@ class Executor(_Executor):
                 backoff = 0.2
             except Exception as exc:  # hub restarting or link down: keep waiting, results are durable
                 log.warning("result stream interrupted (%s); retrying", exc)
-                time.sleep(backoff)
+                time.sleep(backoff * random.uniform(0.5, 1.5))
                 backoff = min(backoff * 2, 5.0)
                 continue
             now = time.monotonic()

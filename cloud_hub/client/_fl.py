@@ -46,3 +46,13 @@ class FLRunsMixin:
 
     def fl_set_status(self, run_id: str, status: str, error: str | None = None) -> dict[str, Any]:
         return dict(self.request("PATCH", f"/v1/fl/runs/{run_id}", json={"status": status, "error": error}))
+
+    def scheduler_predict(self, function_id: str, endpoint_ids: list[str], *, payload_bytes: int = 0,
+                          horizon_s: float | None = None) -> dict[str, dict[str, Any]]:
+        """The scheduler's prediction per endpoint for ``function_id`` (nothing is placed):
+        ``{endpoint_id: {"predicted_s", "run_s", "p_online", "online", "known", "source", ...}}``."""
+        body: dict[str, Any] = {"function_id": function_id, "endpoint_ids": list(endpoint_ids), "payload_bytes": int(payload_bytes)}
+        if horizon_s is not None:
+            body["horizon_s"] = float(horizon_s)
+        out = self.request("POST", "/v1/scheduler/predict", json=body)
+        return {p["endpoint_id"]: p for p in out["predictions"]}

@@ -27,7 +27,7 @@ from cloud_hub.console.views import HERE, fmt_duration, render, secure
 from cloud_hub.store.availability import events_between
 
 if TYPE_CHECKING:
-    from cloud_hub.api.app import Hub
+    from cloud_hub.api.hub import Hub
 
 __all__ = ["router"]
 
@@ -257,9 +257,34 @@ async def endpoint_detail(request: Request, viewer: ViewerDep, endpoint_id: str,
     _, fns = await hub.store.read_parallel(queries.names, viewer.user_id)
     fn_names = dict(fns)
     warm = [(f, fn_names.get(f, f)) for f in (e["info"].get("warm") or [])]
+    site = await _site_view(request, viewer, e)
     ctx = await _ctx(request, viewer, "endpoints", e["name"])
     return render("endpoint.html", **ctx, e=e, transitions=transitions, recent=recent, warm=warm, window=window,
-                  windows=list(_WINDOWS), windows_s=_WINDOWS, start=start, end=end)
+                  windows=list(_WINDOWS), windows_s=_WINDOWS, start=start, end=end, site=site)
+
+
+async def _site_view(request: Request, viewer: Viewer, e: dict[str, Any]) -> dict[str, Any] | None:
+    """A site gateway's page (docs/sites.md): its devices and their state, the uplink's state (the
+    gateway's own session) and the frame bytes per day that cross it (the gateway's and all its
+    devices'); a device's page: the gateway that serves it."""
+    hub = _hub(request)
+    disp = hub.dispatcher
+    gw = disp.gateway_of(e["id"])
+    if gw is not None:
+        return {"gateway": gw}
+    devices = set(disp.site_devices(e["id"]))
+    if not devices and not (e.get("info") or {}).get("site"):
+        return None
+    rows = [r for r in await hub.store.list_endpoints(user_id=viewer.user_id) if r["id"] in devices]
+    for r in rows:
+        r["online"], r["info"], r["last_seen"] = endpoint_view(hub, r)
+    up = down = 0.0
+    for ep in [e["id"], *devices]:
+        b = disp.bytes_per_day(ep)
+        if b is not None:
+            up, down = up + b["in"], down + b["out"]
+    return {"devices": rows, "uplink_online": e["online"], "bytes_per_day": {"up": round(up), "down": round(down)},
+            "hold": ((e.get("info") or {}).get("site") or {}).get("hold")}
 
 
 @router.get("/tasks")

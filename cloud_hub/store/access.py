@@ -138,7 +138,10 @@ class AccessStore:
     async def broker_accounts(self) -> list[BrokerAccount]:
         def q(db: sqlite3.Connection) -> list[BrokerAccount]:
             rows = db.execute("SELECT mqtt_user, mqtt_hash, id FROM endpoints WHERE mqtt_hash IS NOT NULL AND revoked IS NULL ORDER BY created").fetchall()
-            return [BrokerAccount(*r) for r in rows]
+            sites: dict[str, list[str]] = {}  # a gateway's login also relays its devices' topics
+            for dev, gw in db.execute("SELECT id, gateway_id FROM endpoints WHERE gateway_id IS NOT NULL AND revoked IS NULL ORDER BY created"):
+                sites.setdefault(gw, []).append(dev)
+            return [BrokerAccount(*r, relays=tuple(sites.get(r[2], ()))) for r in rows]
 
         return await self.store.read(q)
 

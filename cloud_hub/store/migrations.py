@@ -1,6 +1,7 @@
 """Schema migrations, applied in order at start-up; each runs in its own transaction.
 
-Add a new ``(version, sql)`` pair at the end; never edit one that has shipped.
+Add a new ``(version, sql)`` pair at the end; never edit one that has shipped. Statements are split
+on ``;``, so a comment must not contain one.
 """
 
 MIGRATIONS: list[tuple[int, str]] = [
@@ -130,6 +131,39 @@ MIGRATIONS: list[tuple[int, str]] = [
             created REAL NOT NULL, expires REAL NOT NULL, last_used REAL NOT NULL
         );
         CREATE INDEX console_sessions_expires ON console_sessions (expires);
+        """,
+    ),
+    (
+        7,
+        """
+        -- Idempotent submission: a client-generated key per task or batch. A retry with the same key
+        -- (after a timeout, a dropped link, a hub crash mid-request) gets the tasks made the first
+        -- time instead of new ones. request_hash tells a retry from a different request reusing a key.
+        CREATE TABLE submit_keys (
+            user_id TEXT NOT NULL, key TEXT NOT NULL, request_hash TEXT NOT NULL,
+            task_ids TEXT NOT NULL, endpoint_ids TEXT NOT NULL, created REAL NOT NULL,
+            PRIMARY KEY (user_id, key)
+        );
+        CREATE INDEX submit_keys_created ON submit_keys (created);
+        """,
+    ),
+    (
+        8,
+        """
+        -- Task groups (SDK Executor.task_group_id / reload_tasks): a new process lists the tasks an
+        -- earlier one filed under a group and re-attaches futures to them.
+        ALTER TABLE tasks ADD COLUMN task_group_id TEXT;
+        CREATE INDEX tasks_group ON tasks (user_id, task_group_id) WHERE task_group_id IS NOT NULL;
+        """,
+    ),
+    (
+        9,
+        """
+        -- Site gateways (docs/sites.md): the gateway endpoint that serves a device on its LAN, and
+        -- for a task leased ahead of time to a site, the gateway holding it (its lease then lasts
+        -- site_hold_s and survives the device's and the gateway's sessions ending).
+        ALTER TABLE endpoints ADD COLUMN gateway_id TEXT;
+        ALTER TABLE tasks ADD COLUMN site TEXT;
         """,
     ),
 ]

@@ -20,7 +20,8 @@ What changes with several writers, and how it is handled:
   sequence numbers are handed out and committed in the same order.
 * Replicas learn about each other's work through ``LISTEN``/``NOTIFY``: new tasks for an
   endpoint (``mesh_tasks``: the replica that owns the endpoint's session leases them) and new
-  results for a user (``mesh_results``: long-polls on any replica wake up).
+  results for a user (``mesh_results``: long-polls on any replica wake up) and endpoints a
+  replica let go of (``mesh_released``: another replica claims them at once).
 * Durability: ``synchronous_commit`` stays on (a 2xx means on disk, WAL-fsynced) except for
   the transactions the SQLite store also runs without fsync (leases, acks).
 """
@@ -38,7 +39,7 @@ from functools import lru_cache
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 from cloud_hub.store.migrations import MIGRATIONS
-from cloud_hub.store.sqlite import SqliteStore, StoreError, _statements
+from cloud_hub.store.sqlite import SqliteStore, StoreError, StoreFull, _statements
 
 __all__ = ["PostgresStore", "to_pg_sql", "to_pg_ddl"]
 
@@ -176,9 +177,11 @@ class PostgresStore(SqliteStore):
                 self.stats["serialization_retries"] += 1
                 # capped exponential backoff with jitter: replicas that collided must not collide again
                 time.sleep(min(0.25, 0.002 * 2 ** min(attempt, 8)) * random.uniform(0.5, 1.5))
-            except BaseException:
+            except BaseException as exc:
                 if not db.raw.closed and not db.raw.broken:
                     db.raw.execute("ROLLBACK")
+                if isinstance(exc, pe.DiskFull):
+                    raise StoreFull(f"PostgreSQL {_safe(self.url)}: the server's disk is full; nothing was written") from None
                 raise
         raise StoreError(f"transaction still conflicting after {_RETRIES} attempts")
 
@@ -295,7 +298,8 @@ class PostgresStore(SqliteStore):
         self._pool.shutdown(wait=True)
 
     # ------------------------------------------------------------------ replicas: notifications
-    async def insert_tasks(self, rows: Sequence[dict[str, Any]], also: Callable[[Any], None] | None = None) -> None:
+    async def insert_tasks(self, rows: Sequence[dict[str, Any]], also: Callable[[Any], None] | None = None,
+                           before: Callable[[Any], None] | None = None) -> None:
         endpoints = sorted({r["endpoint_id"] for r in rows})
 
         def with_notify(db: Any) -> None:
@@ -304,7 +308,7 @@ class PostgresStore(SqliteStore):
             for ep in endpoints:  # delivered at commit, to every replica (the owner leases them)
                 db.execute("SELECT pg_notify('mesh_tasks', ?)", (ep,))
 
-        await super().insert_tasks(rows, with_notify)
+        await super().insert_tasks(rows, with_notify, before)
 
     async def store_results(self, endpoint_id: str, results: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
         fresh = await super().store_results(endpoint_id, results)
@@ -315,6 +319,12 @@ class PostgresStore(SqliteStore):
         expired = await super().expire_tasks(now, error_blob)
         await self._notify("mesh_results", {u for _, u in expired})
         return expired
+
+    async def release_endpoint(self, endpoint_id: str, replica: str) -> None:
+        """Release, then tell the other replicas (``mesh_released``) so one claims it at once
+        instead of on the agent's next frame."""
+        await super().release_endpoint(endpoint_id, replica)
+        await self._notify("mesh_released", {endpoint_id})
 
     async def _notify(self, channel: str, payloads: set[str]) -> None:
         if payloads:

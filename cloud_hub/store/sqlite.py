@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import secrets
 import sqlite3
 import time
@@ -28,6 +29,34 @@ T = TypeVar("T")
 
 class StoreError(RuntimeError):
     """The hub database cannot be used; the message names the file and the problem."""
+
+
+class StoreFull(StoreError):
+    """The disk under the hub database is full. The transaction was rolled back whole, so nothing
+    is half-written; the API answers 507 and the caller retries once space is freed."""
+
+
+def _unopenable(path: Path) -> str | None:
+    """Why the database file cannot be opened or created, in words, or None if it looks fine."""
+    if path.is_dir():
+        return "that is a folder; give the path of a database file"
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"{parent} is a file, not a folder"
+            if not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
+                return f"no permission to create files in {parent}"
+            break
+    if path.exists() and not os.access(path, os.R_OK | os.W_OK):
+        return "no permission to read and write it"
+    return None
+
+
+def _disk_full(exc: BaseException) -> bool:
+    if not isinstance(exc, sqlite3.OperationalError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)  # Python >= 3.11
+    return code == 13 if code is not None else "database or disk is full" in str(exc)  # 13: SQLITE_FULL
 
 
 def hash_token(token: str) -> str:
@@ -61,8 +90,11 @@ class SqliteStore:
             out = fn(db, *args)
             db.execute("COMMIT")
             return out
-        except BaseException:
-            db.execute("ROLLBACK")
+        except BaseException as exc:
+            if db.in_transaction:  # SQLite may have rolled back already (a full disk does)
+                db.execute("ROLLBACK")
+            if _disk_full(exc):
+                raise StoreFull(f"{self.path}: the disk is full; nothing was written (free space on {self.path.parent})") from None
             raise
         finally:
             if not durable:
@@ -105,7 +137,14 @@ class SqliteStore:
         return self
 
     def _open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        from mesh_agent._private import prepare_private_sqlite
+
+        why = _unopenable(self.path)
+        if why is not None:  # SQLite itself would only say "unable to open database file"
+            raise StoreError(f"{self.path}: cannot open the hub database: {why}")
+        # 0600 before SQLite creates it (its -wal/-shm get the same mode): the database holds
+        # every endpoint's HMAC key and the hub's CURVE secret key.
+        prepare_private_sqlite(self.path)
         try:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
@@ -190,7 +229,8 @@ class SqliteStore:
         return token
 
     async def enroll_endpoint(self, token: str, name: str, transport: str, key: bytes,
-                              mqtt_hash: str | None = None, curve_key: str | None = None) -> dict[str, Any] | None:
+                              mqtt_hash: str | None = None, curve_key: str | None = None,
+                              gateway_id: str | None = None) -> dict[str, Any] | None:
         """Consume one use of an enrollment token and create the endpoint, atomically.
 
         ``mqtt_hash``: Mosquitto hash of the endpoint's broker password (username = endpoint id);
@@ -203,14 +243,45 @@ class SqliteStore:
             ).fetchone()
             if row is None:
                 return None
+            if gateway_id is not None:  # the gateway must be a live MQTT endpoint of the same user
+                gw = db.execute("SELECT user_id, transport FROM endpoints WHERE id=? AND revoked IS NULL", (gateway_id,)).fetchone()
+                if gw is None or gw[0] != row[0] or gw[1] != "mqtt":
+                    raise ValueError(f"gateway {gateway_id} is not an MQTT endpoint of this token's user")
             db.execute("UPDATE enroll_tokens SET uses_left = uses_left - 1 WHERE hash=?", (hash_token(token),))
             eid = "ep-" + uuid.uuid4().hex[:12]
             db.execute(
-                "INSERT INTO endpoints (id, user_id, name, transport, key, created, online, info, mqtt_user, mqtt_hash, curve_key) "
-                "VALUES (?, ?, ?, ?, ?, ?, 0, '{}', ?, ?, ?)",
-                (eid, row[0], name, transport, key, time.time(), eid if mqtt_hash else None, mqtt_hash, curve_key),
+                "INSERT INTO endpoints (id, user_id, name, transport, key, created, online, info, mqtt_user, mqtt_hash, curve_key, gateway_id) "
+                "VALUES (?, ?, ?, ?, ?, ?, 0, '{}', ?, ?, ?, ?)",
+                (eid, row[0], name, transport, key, time.time(), eid if mqtt_hash else None, mqtt_hash, curve_key, gateway_id),
             )
             return {"id": eid, "user_id": row[0]}
+
+        return await self.tx(q)
+
+    async def enroll_endpoints(self, token: str, items: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        """Consume ``len(items)`` uses of one enrollment token and create all those endpoints in one
+        transaction, or none (a fleet enrolled in bulk must not end half-enrolled). Each item:
+        ``name``, ``transport``, ``key``, optional ``mqtt_hash`` and ``curve_key``, as for
+        :meth:`enroll_endpoint`. None when the token is unknown, expired or has too few uses left;
+        ``sqlite3.IntegrityError`` (a CURVE key already enrolled) rolls everything back."""
+
+        def q(db: sqlite3.Connection) -> list[dict[str, Any]] | None:
+            th = hash_token(token)
+            row = db.execute("SELECT user_id FROM enroll_tokens WHERE hash=? AND uses_left >= ? AND expires > ?",
+                             (th, len(items), time.time())).fetchone()
+            if row is None:
+                return None
+            db.execute("UPDATE enroll_tokens SET uses_left = uses_left - ? WHERE hash=?", (len(items), th))
+            now, out, rows = time.time(), [], []
+            for it in items:
+                eid = "ep-" + uuid.uuid4().hex[:12]
+                mh = it.get("mqtt_hash")
+                rows.append((eid, row[0], it["name"], it["transport"], it["key"], now, eid if mh else None, mh, it.get("curve_key")))
+                out.append({"id": eid, "user_id": row[0]})
+            db.executemany(
+                "INSERT INTO endpoints (id, user_id, name, transport, key, created, online, info, mqtt_user, mqtt_hash, curve_key) "
+                "VALUES (?, ?, ?, ?, ?, ?, 0, '{}', ?, ?, ?)", rows)
+            return out
 
         return await self.tx(q)
 
@@ -255,6 +326,20 @@ class SqliteStore:
 
         await self.tx(q)
 
+    async def touch_endpoints(self, rows: Sequence[tuple[float, dict[str, Any], str]]) -> None:
+        """Many endpoints' ``last_seen`` and live info, ``(last_seen, info, endpoint_id)`` each, in one
+        transaction without an fsync. Why: heartbeats arrive at N / heartbeat_s per second (2,000/s
+        for 10,000 endpoints at 5 s); one durable transaction each saturated the hub's one database
+        thread. The row is what replicas and the console read, so seconds-stale is fine, and a
+        crash loses only liveness figures that the next heartbeat brings back."""
+
+        def q(db: sqlite3.Connection) -> None:
+            db.executemany("UPDATE endpoints SET online=1, last_seen=?, info=? WHERE id=?",
+                           [(seen, json.dumps(info), ep) for seen, info, ep in rows])
+
+        if rows:
+            await self.tx(q, durable=False)
+
     async def claim_endpoint(self, endpoint_id: str, replica: str, until: float, now: float) -> bool:
         """Hold (or renew) an endpoint's session for this hub replica unless another holds it."""
 
@@ -272,6 +357,11 @@ class SqliteStore:
 
     async def release_endpoint(self, endpoint_id: str, replica: str) -> None:
         await self.tx(lambda db: db.execute("DELETE FROM endpoint_owners WHERE endpoint_id=? AND replica=?", (endpoint_id, replica)), durable=False)
+
+    async def endpoint_transport(self, endpoint_id: str) -> str | None:
+        """The link an endpoint enrolled for: a replica takes over only endpoints it can reach."""
+        row = await self._run(lambda: self._conn().execute("SELECT transport FROM endpoints WHERE id=? AND revoked IS NULL", (endpoint_id,)).fetchone())
+        return str(row[0]) if row else None
 
     async def endpoint_key(self, endpoint_id: str) -> bytes | None:
         """One endpoint's key: for an endpoint enrolled through another hub replica."""
@@ -317,20 +407,40 @@ class SqliteStore:
         return await self._run(q)
 
     # ------------------------------------------------------------------ tasks
-    async def insert_tasks(self, rows: Sequence[dict[str, Any]], also: Callable[[sqlite3.Connection], None] | None = None) -> None:
+    async def insert_tasks(self, rows: Sequence[dict[str, Any]], also: Callable[[sqlite3.Connection], None] | None = None,
+                           before: Callable[[sqlite3.Connection], None] | None = None) -> None:
         """All or nothing: the caller has validated every row before this transaction.
-        ``also`` runs in the same transaction (the scheduler stores its decisions with the tasks)."""
+        ``also`` runs in the same transaction (the scheduler stores its decisions with the tasks);
+        ``before`` too, ahead of the tasks (function bodies that ride with a batch)."""
 
         def q(db: sqlite3.Connection) -> None:
+            if before is not None:
+                before(db)
+            for r in rows:  # optional: the SDK's task group (Executor.reload_tasks)
+                r.setdefault("task_group_id", None)  # type: ignore[attr-defined]
             db.executemany(
-                "INSERT INTO tasks (id, user_id, endpoint_id, function_id, args, state, created, expires, timeout, attempts) "
-                "VALUES (:id, :user_id, :endpoint_id, :function_id, :args, 'queued', :created, :expires, :timeout, 0)",
+                "INSERT INTO tasks (id, user_id, endpoint_id, function_id, args, state, created, expires, timeout, attempts, task_group_id) "
+                "VALUES (:id, :user_id, :endpoint_id, :function_id, :args, 'queued', :created, :expires, :timeout, 0, :task_group_id)",
                 rows,
             )
             if also is not None:
                 also(db)
 
         await self.tx(q)
+
+    async def submit_key(self, user_id: str, key: str) -> tuple[str, list[str], list[str | None]] | None:
+        """What a submit with this idempotency key made: (request hash, task ids, endpoint ids)."""
+        row = await self._run(lambda: self._conn().execute(
+            "SELECT request_hash, task_ids, endpoint_ids FROM submit_keys WHERE user_id=? AND key=?", (user_id, key)).fetchone())
+        return None if row is None else (str(row[0]), json.loads(row[1]), json.loads(row[2]))
+
+    @staticmethod
+    def put_submit_key(db: Any, user_id: str, key: str, request_hash: str, task_ids: list[str],
+                       endpoint_ids: list[str | None], now: float) -> None:
+        """Record a submit's key in the transaction that inserts its tasks: both or neither. A
+        concurrent submit with the same key makes this insert fail, and with it the whole batch."""
+        db.execute("INSERT INTO submit_keys (user_id, key, request_hash, task_ids, endpoint_ids, created) VALUES (?, ?, ?, ?, ?, ?)",
+                   (user_id, key, request_hash, json.dumps(task_ids), json.dumps(endpoint_ids), now))
 
     async def lease(self, endpoint_id: str, n: int, lease_s: float, max_bytes: int) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
         """Take up to ``n`` queued tasks of an endpoint (oldest first) and the function bodies they need."""
@@ -354,7 +464,7 @@ class SqliteStore:
                     break
                 tasks.append({"id": tid, "fn": fid, "args": args, "timeout": timeout, "exp": exp})
             db.executemany(
-                "UPDATE tasks SET state='leased', leased_until=?, attempts=attempts+1, dispatched=? WHERE id=?",
+                "UPDATE tasks SET state='leased', leased_until=?, attempts=attempts+1, dispatched=?, site=NULL WHERE id=?",
                 [(now + lease_s, now, t["id"]) for t in tasks],
             )
             fids = list({t["fn"] for t in tasks})
@@ -374,6 +484,92 @@ class SqliteStore:
             )
 
         await self.tx(q, durable=False)
+
+    async def site_devices(self) -> dict[str, str]:
+        """device endpoint id -> the gateway endpoint that serves it (docs/sites.md)."""
+        rows = await self._run(lambda: self._conn().execute(
+            "SELECT id, gateway_id FROM endpoints WHERE gateway_id IS NOT NULL AND revoked IS NULL").fetchall())
+        return {r[0]: r[1] for r in rows}
+
+    async def lease_site(self, gateway_id: str, devices: Sequence[str], n: int, hold_s: float, max_bytes: int,
+                         ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, bytes]]:
+        """Lease up to ``n`` queued tasks of a site's devices ahead of time to its gateway: each is
+        leased for ``hold_s`` and marked with the gateway, so the device's lost session does not
+        re-queue it while the gateway holds it (the dispatcher leases for ``lease_s`` and extends
+        to ``site_hold_s`` once the gateway confirms it stored them: :meth:`hold_site`). Returns tasks per device and the
+        function bodies they need (each body once)."""
+
+        def q(db: sqlite3.Connection) -> tuple[dict[str, list[dict[str, Any]]], dict[str, bytes]]:
+            now = time.time()
+            out: dict[str, list[dict[str, Any]]] = {}
+            if not devices or n <= 0:
+                return out, {}
+            marks = ",".join("?" * len(devices))
+            rows = db.execute(
+                f"SELECT id, endpoint_id, function_id, args, timeout, expires FROM tasks WHERE endpoint_id IN ({marks}) "
+                "AND state='queued' ORDER BY created, rowid LIMIT ?", (*devices, n)).fetchall()
+            sizes: dict[str, int] = {}
+            size = taken = 0
+            for tid, ep, fid, args, timeout, exp in rows:
+                if fid not in sizes:
+                    sizes[fid] = db.execute("SELECT LENGTH(body) FROM functions WHERE id=?", (fid,)).fetchone()[0]
+                    size += sizes[fid]
+                size += len(args or b"")
+                if taken and size > max_bytes:
+                    break
+                out.setdefault(ep, []).append({"id": tid, "fn": fid, "args": args, "timeout": timeout, "exp": exp})
+                taken += 1
+            db.executemany(
+                "UPDATE tasks SET state='leased', leased_until=?, attempts=attempts+1, dispatched=?, site=? WHERE id=?",
+                [(now + hold_s, now, gateway_id, t["id"]) for ts in out.values() for t in ts],
+            )
+            bodies: dict[str, bytes] = {}
+            fids = list({t["fn"] for ts in out.values() for t in ts})
+            for chunk in _chunks(fids):
+                bodies.update(db.execute(f"SELECT id, body FROM functions WHERE id IN ({','.join('?' * len(chunk))})", chunk).fetchall())
+            return out, bodies
+
+        return await self.tx(q)
+
+    async def set_gateway(self, device_id: str, gateway_id: str | None) -> tuple[str | None, int]:
+        """Re-home a device to another site gateway (or to none: it dials the hub's broker). The new
+        gateway must be a live MQTT endpoint of the device's user; a ValueError changes nothing.
+        Tasks leased ahead to the old gateway for this device go back to the queue at once (a copy
+        the old gateway still hands over is de-duplicated by task id). Returns (old gateway, re-queued)."""
+
+        def q(db: sqlite3.Connection) -> tuple[str | None, int]:
+            row = db.execute("SELECT user_id, transport, gateway_id FROM endpoints WHERE id=? AND revoked IS NULL", (device_id,)).fetchone()
+            if row is None:
+                raise ValueError(f"unknown endpoint {device_id}")
+            if row[1] != "mqtt":
+                raise ValueError("only an MQTT endpoint can sit behind a site gateway")
+            if gateway_id is not None:
+                if gateway_id == device_id:
+                    raise ValueError("an endpoint cannot be its own gateway")
+                gw = db.execute("SELECT user_id, transport, gateway_id FROM endpoints WHERE id=? AND revoked IS NULL", (gateway_id,)).fetchone()
+                if gw is None or gw[0] != row[0] or gw[1] != "mqtt" or gw[2] is not None:
+                    raise ValueError(f"gateway {gateway_id} is not an MQTT endpoint of the device's user (itself behind no gateway)")
+            db.execute("UPDATE endpoints SET gateway_id=? WHERE id=?", (gateway_id, device_id))
+            n = db.execute("UPDATE tasks SET state='queued', leased_until=NULL, site=NULL WHERE endpoint_id=? AND state='leased' "
+                           "AND site IS NOT NULL", (device_id,)).rowcount
+            return row[2], n
+
+        return await self.tx(q)
+
+    async def hold_site(self, gateway_id: str, ids: Sequence[str], until: float) -> int:
+        """The gateway confirmed it stored these tasks (its own signed ack): their lease at the site
+        now lasts until ``until`` (``site_hold_s``) instead of ``lease_s``."""
+
+        def q(db: sqlite3.Connection) -> int:
+            return sum(db.execute("UPDATE tasks SET leased_until=? WHERE id=? AND site=? AND state='leased'",
+                                  (until, i, gateway_id)).rowcount for i in ids)
+
+        return await self.tx(q, durable=False)
+
+    async def count_site_leased(self, gateway_id: str) -> int:
+        """Tasks leased ahead to this gateway that no device has acknowledged yet."""
+        return int(await self._run(lambda: self._conn().execute(
+            "SELECT COUNT(*) FROM tasks WHERE site=? AND state='leased'", (gateway_id,)).fetchone()[0]))
 
     async def count_leased(self, endpoint_id: str) -> int:
         """Tasks of an endpoint sent but not yet acked: on their way, or lost on the way."""
@@ -401,15 +597,20 @@ class SqliteStore:
 
         def q(db: sqlite3.Connection) -> int:
             n = 0
+            now = time.time()
+            # A task leased ahead to a site gateway (site set) waits there through the device's and
+            # the gateway's lost sessions and a hub restart: only its own (long) lease frees it.
             if expired_before is not None:
                 n += db.execute(
-                    "UPDATE tasks SET state='queued', leased_until=NULL WHERE state='leased' AND leased_until < ?",
-                    (expired_before,),
+                    "UPDATE tasks SET state='queued', leased_until=NULL, site=NULL WHERE state='leased' AND leased_until < ? "
+                    "AND (site IS NULL OR leased_until < ?)",
+                    (expired_before, min(expired_before, now)),
                 ).rowcount
             if endpoint_id is not None and not_in is None:
                 n += db.execute(
-                    "UPDATE tasks SET state='queued', leased_until=NULL WHERE state='leased' AND endpoint_id=?",
-                    (endpoint_id,),
+                    "UPDATE tasks SET state='queued', leased_until=NULL, site=NULL WHERE state='leased' AND endpoint_id=? "
+                    "AND (site IS NULL OR leased_until < ?)",
+                    (endpoint_id, now),
                 ).rowcount
             if endpoint_id is not None and not_in is not None:
                 acked = [r[0] for r in db.execute("SELECT id FROM tasks WHERE endpoint_id=? AND state='acked'", (endpoint_id,))]
@@ -478,7 +679,7 @@ class SqliteStore:
             out: list[dict[str, Any]] = []
             for chunk in _chunks(list(task_ids)):
                 rows = self._conn().execute(
-                    f"SELECT seq, task_id, ok, data, started, finished FROM results WHERE user_id=? AND task_id IN ({','.join('?' * len(chunk))})",
+                    f"{_RESULT_SELECT} WHERE r.user_id=? AND r.task_id IN ({','.join('?' * len(chunk))})",
                     (user_id, *chunk),
                 ).fetchall()
                 out.extend(_result_rows(rows))
@@ -489,15 +690,19 @@ class SqliteStore:
     async def results_after(self, user_id: str, seq: int, limit: int) -> list[dict[str, Any]]:
         def q() -> list[dict[str, Any]]:
             rows = self._conn().execute(
-                "SELECT seq, task_id, ok, data, started, finished FROM results WHERE user_id=? AND seq > ? ORDER BY seq LIMIT ?",
+                f"{_RESULT_SELECT} WHERE r.user_id=? AND r.seq > ? ORDER BY r.seq LIMIT ?",
                 (user_id, seq, limit),
             ).fetchall()
             return _result_rows(rows)
 
         return await self._run(q)
 
-    async def last_result_seq(self) -> int:
-        return await self._run(lambda: self._conn().execute("SELECT COALESCE(MAX(seq), 0) FROM results").fetchone()[0])
+    async def last_result_seq(self, user_id: str | None = None) -> int:
+        """The newest result's cursor: a user's own (what a stream reader starts from; the global
+        one would tell a user how many results everyone else gets), or the whole table's."""
+        if user_id is None:
+            return await self._run(lambda: self._conn().execute("SELECT COALESCE(MAX(seq), 0) FROM results").fetchone()[0])
+        return await self._run(lambda: self._conn().execute("SELECT COALESCE(MAX(seq), 0) FROM results WHERE user_id=?", (user_id,)).fetchone()[0])
 
     async def task_counts(self, user_id: str | None = None) -> dict[str, int]:
         def q() -> dict[str, int]:
@@ -513,14 +718,26 @@ class SqliteStore:
             old = db.execute("SELECT task_id FROM results WHERE received < ?", (older_than,)).fetchall()
             db.executemany("DELETE FROM results WHERE task_id=?", old)
             db.executemany("DELETE FROM tasks WHERE id=?", old)
+            db.execute("DELETE FROM submit_keys WHERE created < ?", (older_than,))  # kept as long as results
             return len(old)
 
         return await self.tx(q)
 
 
+#: A result with the endpoint that produced it and whether that endpoint is the user's own: the SDK
+#: unpickles only results from the user's own (or explicitly trusted) endpoints. No endpoint (a task
+#: that expired before any ran it) means the hub made the result itself.
+_RESULT_SELECT = (
+    "SELECT r.seq, r.task_id, r.ok, r.data, r.started, r.finished, t.endpoint_id, e.user_id = r.user_id "
+    "FROM results r LEFT JOIN tasks t ON t.id = r.task_id LEFT JOIN endpoints e ON e.id = t.endpoint_id"
+)
+
+
 def _result_rows(rows: Iterable[tuple[Any, ...]]) -> list[dict[str, Any]]:
     return [
-        {"seq": r[0], "task_id": r[1], "ok": bool(r[2]), "data": r[3], "started": r[4], "finished": r[5]} for r in rows
+        {"seq": r[0], "task_id": r[1], "ok": bool(r[2]), "data": r[3], "started": r[4], "finished": r[5],
+         "endpoint_id": r[6], "own_endpoint": r[6] is None or bool(r[7])}
+        for r in rows
     ]
 
 

@@ -1,11 +1,13 @@
 """The loop that runs inside each warm worker process.
 
-Why a separate, tiny module: workers are started with ``spawn``, so each one is a fresh
-interpreter that imports this module before it can run anything, and every import here is paid
-again on each restart after a crash or timeout. Only the standard library and the serializer
-facade are imported; the serializer pulls in dill lazily, only when a body needs it.
+Why a separate, tiny module: each worker is a fresh interpreter (``python -c`` started by the
+engine, see :func:`boot`) that imports this module before it can run anything, and every import
+here is paid again on each restart after a crash, a timeout or an idle reap. Only the standard
+library and the serializer facade are imported; the serializer pulls in dill lazily, only when a
+body needs it (``mesh_agent.protocol`` loads its envelope code lazily for the same reason).
 
-Wire format: pickled tuples framed by :class:`multiprocessing.connection.Connection`.
+Wire format: pickled tuples framed as :class:`multiprocessing.connection.Connection` frames them,
+over a socketpair whose end this process inherits.
 
 * parent -> worker: a chunk, ``[(task_id, function_id, body or None, args_blob), ...]``;
   ``body`` is sent only the first time this worker sees ``function_id``.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import struct
 import sys
 import time
 import traceback
@@ -34,12 +37,14 @@ from typing import Any, Callable
 
 from mesh_agent.protocol.serialize import SerializationError, deserialize, deserialize_function, serialize
 
-__all__ = ["SERIALIZATION_ERROR", "make_error", "type_name", "run_task", "main"]
+__all__ = ["SERIALIZATION_ERROR", "make_error", "type_name", "run_task", "main", "boot"]
 
 #: Public name of the serializer's error (the class lives in ``mesh_agent.protocol.serialize``).
 SERIALIZATION_ERROR = "mesh_agent.protocol.SerializationError"
 
 Task = tuple[str, str, "bytes | None", bytes]
+#: the task running now, once a MeshRef was seen in this worker (cloud_hub.client.refs names producers by it)
+CURRENT_TASK_ID: str | None = None
 Result = tuple[str, bool, bytes, float, float]
 
 
@@ -126,6 +131,14 @@ def run_task(cache: dict[str, Any], task: Task) -> Result:
         args, kwargs = _split_call(args_blob)
     except SerializationError as exc:
         return _failure(task_id, exc, started)
+    refs = sys.modules.get("cloud_hub.client.refs")  # loaded only when an argument was a MeshRef (issue 12)
+    if refs is not None:
+        global CURRENT_TASK_ID
+        CURRENT_TASK_ID = task_id  # refs.put names the producing task in its errors
+        try:
+            args, kwargs = refs.resolve(args, kwargs)
+        except BaseException as exc:  # noqa: BLE001 - a missing ref fails this task, not the worker
+            return _failure(task_id, exc, started)
     staging = sys.modules.get("mesh_agent.staging")  # loaded only if an argument or a function uses it
     if staging is not None:
         return _run_staged(staging, task_id, fn, args, kwargs, started)
@@ -197,23 +210,56 @@ def _limit_memory(memory_limit_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
-def _allow_children() -> None:
-    """Let user code start its own processes.
+class FdConnection:
+    """``send_bytes``/``recv_bytes`` on an inherited socket, framed as
+    :class:`multiprocessing.connection.Connection` frames them (4-byte big-endian length, or -1
+    and an 8-byte length). Written out because importing ``multiprocessing.connection`` costs a
+    worker about 3 MB resident, a third of its start-up footprint."""
 
-    The parent starts workers as daemons so they are torn down with it, but multiprocessing
-    forbids daemons from having children; user functions (a process pool inside a task) should
-    not have to know they run in a worker.
-    """
-    import multiprocessing
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
 
-    multiprocessing.current_process().daemon = False
+    def _read(self, n: int) -> bytes:
+        chunks, got = [], 0
+        while got < n:
+            chunk = os.read(self.fd, min(n - got, 1 << 20))
+            if not chunk:
+                raise EOFError
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    def recv_bytes(self) -> bytes:
+        (size,) = struct.unpack("!i", self._read(4))
+        if size == -1:
+            (size,) = struct.unpack("!Q", self._read(8))
+        return self._read(size)
+
+    def send_bytes(self, data: bytes) -> None:
+        n = len(data)
+        header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+        view = memoryview(header + data) if n < 1 << 16 else None
+        if view is None:
+            self._write(memoryview(header))
+            view = memoryview(data)
+        self._write(view)
+
+    def _write(self, view: memoryview) -> None:
+        while view:
+            view = view[os.write(self.fd, view):]
+
+
+def boot(args: dict[str, Any]) -> None:
+    """Entry point of a worker started by ``LocalEngine``: ``args`` carries the inherited socket's
+    fd, the memory limit and the agent's pid. A plain interpreter, not a multiprocessing child,
+    so user code may start its own processes (no daemon flag) and no resource tracker runs."""
+    main(FdConnection(int(args["fd"])), args.get("mem"), int(args["ppid"]))
 
 
 def main(conn: Any, memory_limit_mb: int | None, parent_pid: int) -> None:
-    """Worker entry point: report ready, then run chunks until the pipe closes."""
+    """Worker loop: report ready, then run chunks until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's to handle
     _exit_with_parent(parent_pid)
-    _allow_children()
     if memory_limit_mb:
         _limit_memory(memory_limit_mb)
     send = conn.send_bytes

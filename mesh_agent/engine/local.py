@@ -2,10 +2,16 @@
 
 Design, and why:
 
-* **Warm, spawned workers.** Starting a process per task costs far more than a no-op task, so
-  workers start once and keep deserialized functions cached by id; each body crosses a given
-  worker's pipe once. ``spawn``, never ``fork``: the agent has threads, and forking a threaded
-  process can deadlock the child.
+* **Warm workers, fresh interpreters.** Starting a process per task costs far more than a no-op
+  task, so workers start once and keep deserialized functions cached by id; each body crosses a
+  given worker's pipe once. A worker is a fresh ``python`` started with ``subprocess`` (never
+  ``fork``: the agent has threads, and forking a threaded process can deadlock the child), talking
+  over a socketpair. Not ``multiprocessing``'s ``spawn``: that also starts its resource-tracker
+  process (13 MB resident on its own) and re-imports the agent's ``__main__`` in every worker.
+* **On demand (small devices).** With ``idle_s`` set, no worker exists until the first task, and
+  workers idle that long are ended (``worker_idle_s`` in the agent config). A worker is only
+  reaped with nothing dispatched to it, so a task that arrives meanwhile simply starts a new one:
+  none is lost. ``capacity`` stays the configured pool size, which is what the hub is told.
 * **No thread per worker.** Each worker's pipe is registered with ``loop.add_reader``; the
   parent side is non-blocking with its own output buffer (``add_writer``), so a large argument
   blob never stalls the event loop while a busy worker is not reading.
@@ -29,23 +35,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import math
-import multiprocessing
 import os
 import pickle
 import signal
+import socket
 import struct
+import subprocess
 import sys
 import time
-import types
 from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
-from typing import Callable, Iterator
+from typing import Callable
 
-from mesh_agent.engine import _worker
 from mesh_agent.protocol.serialize import serialize
 
 __all__ = [
@@ -137,28 +141,38 @@ def _describe_exit(pid: int, code: int | None) -> str:
     return f"worker {pid} exited with code {code}"
 
 
-@contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """Stop ``spawn`` from re-importing the agent's ``__main__`` in every worker.
+#: What a worker interpreter runs first: the parent's import path (so functions pickled by reference
+#: to a module the agent can import load there too), then the worker loop. Nothing else is imported.
+_BOOT = "import sys,json;a=json.loads(sys.argv[1]);sys.path[:]=a['path'];from mesh_agent.engine._worker import boot;boot(a)"
 
-    The agent's main module is its CLI (or pytest); importing it costs start-up time and may run
-    side effects, and tasks never need it: code from ``__main__`` reaches workers by value (dill).
-    ``spawn`` reads ``sys.modules["__main__"]`` only while ``Process.start()`` runs.
-    """
-    main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = main
+
+class _Proc:
+    """A worker process started with ``subprocess``, with the few calls the engine makes."""
+
+    __slots__ = ("popen", "pid")
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """Exit code once it exited (negative: killed by that signal), else None. Never blocks."""
+        return self.popen.poll()
+
+    def terminate(self) -> None:
+        self.popen.terminate()
+
+    def kill(self) -> None:
+        self.popen.kill()
 
 
 @dataclass(eq=False, slots=True)
 class _Worker:
     """Parent-side state of one worker process."""
 
-    process: BaseProcess
-    conn: Connection
+    process: _Proc
+    conn: socket.socket
     fd: int
     pid: int
     ready: asyncio.Future[None]  # what start() awaits
@@ -183,18 +197,23 @@ class LocalEngine:
         task_timeout: float | None = None,
         memory_limit_mb: int | None = None,
         max_batch: int = 32,
+        idle_s: float | None = None,
     ) -> None:
+        """``idle_s``: None keeps the whole pool warm from ``start()`` on (LAN, HPC); a number
+        starts workers on demand and ends those idle that long (small devices)."""
         self._on_results = on_results
         self._size = max(1, workers if workers is not None else (os.cpu_count() or 1))
         self._task_timeout = task_timeout
         self._memory_limit_mb = memory_limit_mb
         self._max_batch = max(1, max_batch)
-        self._ctx = multiprocessing.get_context("spawn")
+        self._idle_s = idle_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._workers: list[_Worker] = []
         self._queue: deque[EngineTask] = deque()
-        self._exits: dict[BaseProcess, asyncio.Future[int | None]] = {}
+        self._exits: dict[_Proc, asyncio.Future[int | None]] = {}
         self._timer: asyncio.TimerHandle | None = None
+        self._reaper: asyncio.TimerHandle | None = None
+        self._idle_since: dict[_Worker, float] = {}  # ready workers with nothing dispatched, since (monotonic)
         self._started = False
         self._stopping = False
         #: Counters for tests, benchmarks and the agent's status page.
@@ -206,6 +225,7 @@ class LocalEngine:
             "workers_spawned": 0,
             "timeouts": 0,
             "worker_deaths": 0,
+            "workers_reaped": 0,
         }
 
     # ------------------------------------------------------------------ public interface
@@ -214,6 +234,15 @@ class LocalEngine:
     def workers(self) -> int:
         """Live worker processes, including replacements still starting."""
         return len(self._workers)
+
+    @property
+    def capacity(self) -> int:
+        """Tasks this engine runs at once: the pool size, whether or not its workers are up now."""
+        return self._size
+
+    @property
+    def on_demand(self) -> bool:
+        return self._idle_s is not None
 
     @property
     def worker_pids(self) -> list[int]:
@@ -235,11 +264,15 @@ class LocalEngine:
         return sorted(set().union(*(w.cached for w in self._workers)))
 
     async def start(self) -> None:
-        """Spawn all workers and return once every one has imported and reported ready."""
+        """Spawn all workers and return once every one has imported and reported ready.
+
+        On demand (``idle_s`` set) nothing is spawned here: the first tasks start workers."""
         if self._started:
             raise RuntimeError("engine already started")
         self._started = True
         self._loop = asyncio.get_running_loop()
+        if self.on_demand:
+            return
         spawned = [self._spawn() for _ in range(self._size)]
         try:
             await asyncio.wait_for(asyncio.gather(*(w.ready for w in spawned)), _START_TIMEOUT)
@@ -260,6 +293,9 @@ class LocalEngine:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
         for w in list(self._workers):
             self._detach(w)
             w.inflight.clear()
@@ -293,28 +329,78 @@ class LocalEngine:
 
     def _spawn(self) -> _Worker:
         assert self._loop is not None
-        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(
-            target=_worker.main,
-            args=(child_conn, self._memory_limit_mb, os.getpid()),
-            name="mesh-engine-worker",
-            daemon=True,  # torn down by multiprocessing's atexit hook if the agent exits without stop()
-        )
-        with _main_module_hidden():
-            proc.start()
-        child_conn.close()
-        fd = parent_conn.fileno()
+        parent_sock, child_sock = socket.socketpair()
+        args = {"fd": child_sock.fileno(), "mem": self._memory_limit_mb, "ppid": os.getpid(),
+                "path": [p if p else os.getcwd() for p in sys.path]}
+        try:
+            popen = subprocess.Popen(
+                [sys.executable, "-c", _BOOT, json.dumps(args)],
+                pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL,
+                start_new_session=False,  # same process group: a kill of the agent's group ends workers too
+            )
+        except BaseException:
+            parent_sock.close()
+            raise
+        finally:
+            child_sock.close()
+        proc = _Proc(popen)
+        fd = parent_sock.fileno()
         os.set_blocking(fd, False)
-        assert proc.pid is not None
-        w = _Worker(proc, parent_conn, fd, proc.pid, self._loop.create_future(), self._watch_exit(proc))
+        w = _Worker(proc, parent_sock, fd, proc.pid, self._loop.create_future(), self._watch_exit(proc))
         self._workers.append(w)
         self._loop.add_reader(fd, self._on_readable, w)
         self.stats["workers_spawned"] += 1
         return w
 
+    def _grow(self) -> None:
+        """On demand: start workers for queued tasks, up to the pool size."""
+        if not self.on_demand or self._stopping or not self._started:
+            return
+        idle = sum(1 for w in self._workers if not w.inflight)
+        want = min(self._size, len(self._workers) + max(0, len(self._queue) - idle))
+        for _ in range(want - len(self._workers)):
+            self._spawn()
+
+    def _note_idle(self) -> None:
+        """Track how long each ready worker has had nothing to do; arm the reaper (on demand only)."""
+        if not self.on_demand or self._stopping or self._loop is None:
+            return
+        now = time.monotonic()
+        for w in self._workers:
+            if w.is_ready and not w.inflight:
+                self._idle_since.setdefault(w, now)
+            else:
+                self._idle_since.pop(w, None)
+        if self._idle_since and self._reaper is None:
+            due = min(self._idle_since.values()) + float(self._idle_s or 0.0)
+            self._reaper = self._loop.call_at(self._loop.time() + max(0.0, due - now), self._reap)
+
+    def _reap(self) -> None:
+        """End workers idle for ``idle_s``. Only workers with nothing dispatched are ended, and only
+        from the event loop, so no task can be on its way to one: none is ever lost."""
+        self._reaper = None
+        if self._stopping:
+            return
+        now = time.monotonic()
+        for w, since in list(self._idle_since.items()):
+            if not w.alive or w.inflight or not w.is_ready:
+                self._idle_since.pop(w, None)
+            elif now - since >= float(self._idle_s or 0.0):
+                self._idle_since.pop(w, None)
+                self._detach(w)  # closing our end is EOF for the worker: it exits by itself
+                self.stats["workers_reaped"] += 1
+                log.info("engine worker %d idle for %.0fs: ended", w.pid, now - since)
+        self._note_idle()
+
     def _replace(self, lost: _Worker) -> None:
         """Keep the pool at full size; a worker that never got ready is replaced after a pause."""
         if self._stopping or not self._started or self._loop is None:
+            return
+        if self.on_demand:  # replaced when tasks need one (now, if some wait)
+            if lost.is_ready:
+                self._grow()
+            else:
+                self._loop.call_later(_RESPAWN_DELAY, self._grow)
             return
         if lost.is_ready:
             self._spawn()
@@ -325,34 +411,38 @@ class LocalEngine:
         if not self._stopping and len(self._workers) < self._size:
             self._spawn()
 
-    def _watch_exit(self, proc: BaseProcess) -> asyncio.Future[int | None]:
+    def _watch_exit(self, proc: _Proc) -> asyncio.Future[int | None]:
         """A future for the exit code, set from the event loop once the process has exited.
 
-        A pidfd (Linux) is readable exactly when the process exits; the multiprocessing sentinel
-        is the fallback, but grandchildren a task started can keep that pipe open.
+        A pidfd (Linux >= 5.3) is readable exactly when the process exits; elsewhere the exit
+        code is polled twice a second.
         """
         assert self._loop is not None
         loop = self._loop
         fut: asyncio.Future[int | None] = loop.create_future()
         self._exits[proc] = fut
         try:
-            fd, owned = os.pidfd_open(proc.pid), True  # type: ignore[arg-type]
+            fd: int | None = os.pidfd_open(proc.pid)
         except (AttributeError, OSError):
-            fd, owned = proc.sentinel, False
+            fd = None
 
         def check() -> None:
             code = proc.exitcode  # non-blocking waitpid
             if code is None:
-                return  # the sentinel can close a moment before the process is reapable
-            loop.remove_reader(fd)
-            if owned:
+                if fd is None:
+                    loop.call_later(0.5, check)
+                return
+            if fd is not None:
+                loop.remove_reader(fd)
                 os.close(fd)
             self._exits.pop(proc, None)
-            proc.close()
             if not fut.done():
                 fut.set_result(code)
 
-        loop.add_reader(fd, check)
+        if fd is not None:
+            loop.add_reader(fd, check)
+        else:
+            loop.call_later(0.5, check)
         return fut
 
     def _detach(self, w: _Worker) -> None:
@@ -367,6 +457,7 @@ class LocalEngine:
             w.writing = False
         w.conn.close()
         self._workers.remove(w)
+        self._idle_since.pop(w, None)
 
     def _retire(self, w: _Worker) -> EngineTask | None:
         """Detach and kill a worker; requeue its not-yet-run tasks in front. Returns the running one."""
@@ -441,6 +532,8 @@ class LocalEngine:
             w.head_started = time.monotonic()  # the next task had started by now
             self._pump()  # refill the workers before the callback, which may take a while
             self._deliver(results)
+            if not w.inflight:
+                self._note_idle()
 
     def _handle(self, w: _Worker, msg: tuple, results: list[EngineResult]) -> None:
         kind = msg[0]
@@ -454,6 +547,7 @@ class LocalEngine:
             if not w.ready.done():
                 w.ready.set_result(None)
             self._pump()
+            self._note_idle()
         else:
             log.error("unknown message %r from engine worker %d", kind, w.pid)
 
@@ -495,6 +589,7 @@ class LocalEngine:
         queue = self._queue
         if not queue or self._stopping:
             return
+        self._grow()
         ready = [w for w in self._workers if w.is_ready]
         if not ready:
             return
@@ -509,6 +604,7 @@ class LocalEngine:
         self._arm_timer()
 
     def _dispatch(self, w: _Worker, n: int) -> None:
+        self._idle_since.pop(w, None)
         queue, cached, inflight = self._queue, w.cached, w.inflight
         if not inflight:
             w.head_started = time.monotonic()

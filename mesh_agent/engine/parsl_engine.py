@@ -32,10 +32,13 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from mesh_agent.config import ConfigError, ParslSettings
 from mesh_agent.engine.local import WORKER_DIED, EngineResult, EngineTask, WorkerDied, _pickled, error_result
+from mesh_agent.settings import ConfigError
+
+if TYPE_CHECKING:  # the runner hands a light view of it (mesh_agent.settings), not the pydantic model
+    from mesh_agent.config import ParslSettings
 
 __all__ = ["ParslEngine", "PARSL_ERROR", "build_parsl_config"]
 

@@ -146,6 +146,10 @@ def _error(k: Kind, b: dict[str, Any]) -> None:
     _need(k, b, "message", lambda v: type(v) is str, "a string", optional=True)
 
 
+def _gone(k: Kind, b: dict[str, Any]) -> None:
+    _need(k, b, "conn", lambda v: type(v) is str and 0 < len(v) <= 64 and v.isascii(), "a short ascii string")
+
+
 _RULES: dict[Kind, Callable[[Kind, dict[str, Any]], None]] = {
     Kind.HELLO: _hello,
     Kind.WELCOME: _welcome,
@@ -156,6 +160,7 @@ _RULES: dict[Kind, Callable[[Kind, dict[str, Any]], None]] = {
     Kind.RESULT_ACK: _ids,
     Kind.HEARTBEAT: _heartbeat,
     Kind.ERROR: _error,
+    Kind.GONE: _gone,
 }
 
 

@@ -5,6 +5,12 @@ Frame layout, version 2 (all of it covered by the MAC except the MAC itself)::
     b"CM" | version (1) | n (1) | endpoint id (n, ascii) | kind (1) | m (1) | message id (m, ascii)
           | ts (8, float64 BE) | exp (8, float64 BE) | mac (32) | body (msgpack map)
 
+The kind byte's high bit (0x80) says the body is zlib-compressed msgpack. A sender sets it only for
+bodies over ``COMPRESS_MIN_BYTES`` that shrink, and only to a peer that said it reads them (the
+agent in its hello, the hub in its welcome); a peer that predates it refuses such a frame as an
+unknown kind, cleanly, instead of misreading it. The MAC covers the bytes as sent, so nothing is
+decompressed before the MAC passed, and decompression stops at ``MAX_FRAME_BYTES``.
+
 Everything a receiver needs to decide whether to trust a frame (who it is for, what kind, its
 id, when it was sent and when it expires) sits in a fixed binary header in front of the body.
 So the order is: parse the header by hand, check the MAC (HMAC-SHA256 with the endpoint's own
@@ -22,6 +28,7 @@ import math
 import os
 import struct
 import time
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
@@ -50,6 +57,7 @@ __all__ = [
     "ReplayGuard",
     "new_key",
     "MAX_FRAME_BYTES",
+    "COMPRESS_MIN_BYTES",
 ]
 
 PROTOCOL_VERSION = 2
@@ -58,6 +66,9 @@ _MAC_LEN = 32
 _TIMES = struct.Struct(">dd")
 #: Hard cap on one frame; a batch larger than this is split by the sender.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+#: Bodies up to this size are never compressed: on a small frame zlib's header eats the gain.
+COMPRESS_MIN_BYTES = 1024
+_ZFLAG = 0x80  # in the kind byte: body is zlib-compressed
 
 
 class Kind(str, Enum):
@@ -72,6 +83,7 @@ class Kind(str, Enum):
     RESULT_ACK = "result_ack"  # hub stored these results durably
     HEARTBEAT = "heartbeat"  # liveness, capacity, queue depth, resources
     ERROR = "error"  # hub refuses something (unknown endpoint, disabled, ...)
+    GONE = "gone"  # the agent's connection ended: its MQTT will, or said on a clean stop
 
 
 #: The one-byte kind code in the header. Fixed forever within a protocol version.
@@ -85,11 +97,12 @@ KIND_CODES: dict[Kind, int] = {
     Kind.RESULT_ACK: 7,
     Kind.HEARTBEAT: 8,
     Kind.ERROR: 9,
+    Kind.GONE: 10,
 }
 _KIND_OF = {code: kind for kind, code in KIND_CODES.items()}
 #: Direction of each kind. Both sides share one key per endpoint, so a receiver refuses a kind that
 #: only the other direction sends: a frame cannot be reflected back at its sender.
-UP_KINDS = frozenset({Kind.HELLO, Kind.FETCH, Kind.ACK, Kind.RESULTS, Kind.HEARTBEAT})
+UP_KINDS = frozenset({Kind.HELLO, Kind.FETCH, Kind.ACK, Kind.RESULTS, Kind.HEARTBEAT, Kind.GONE})
 DOWN_KINDS = frozenset({Kind.WELCOME, Kind.TASKS, Kind.RESULT_ACK, Kind.ERROR})
 
 
@@ -152,11 +165,13 @@ class Sealed:
     ts: float
     exp: float
     payload: bytes
+    compressed: bool = False
 
     def open(self, *, validate: bool = True) -> Envelope:
-        """Unpack the body (msgpack) and, by default, check its fields for this kind."""
+        """Unpack the body (msgpack, after zlib if flagged) and, by default, check its fields for this kind."""
+        payload = _inflate(self.payload) if self.compressed else self.payload
         try:
-            body = msgpack.unpackb(self.payload, raw=False, strict_map_key=True)
+            body = msgpack.unpackb(payload, raw=False, strict_map_key=True)
         except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
             raise BadFrame(f"signed body is malformed: {exc}") from None
         if not isinstance(body, dict):
@@ -172,6 +187,20 @@ def new_key() -> bytes:
     return os.urandom(32)
 
 
+def _inflate(data: bytes) -> bytes:
+    """Decompress a flagged body, refusing corrupt or oversized input with a clear BadFrame."""
+    d = zlib.decompressobj()
+    try:
+        out = d.decompress(data, MAX_FRAME_BYTES)
+    except zlib.error as exc:
+        raise BadFrame(f"compressed body is corrupt: {exc}") from None
+    if d.unconsumed_tail:
+        raise BadFrame(f"compressed body inflates past {MAX_FRAME_BYTES} bytes")
+    if not d.eof or d.unused_data:
+        raise BadFrame("compressed body is truncated or has trailing bytes")
+    return out
+
+
 def _ascii_field(what: str, value: str) -> bytes:
     try:
         raw = value.encode("ascii")
@@ -182,24 +211,32 @@ def _ascii_field(what: str, value: str) -> bytes:
     return raw
 
 
-def _header(env: Envelope, exp: float) -> bytes:
+def _header(env: Envelope, exp: float, flags: int = 0) -> bytes:
     ep = _ascii_field("endpoint id", env.endpoint)
     mid = _ascii_field("message id", env.id)
     return (
         _MAGIC
         + bytes((PROTOCOL_VERSION, len(ep)))
         + ep
-        + bytes((KIND_CODES[Kind(env.kind)], len(mid)))
+        + bytes((KIND_CODES[Kind(env.kind)] | flags, len(mid)))
         + mid
         + _TIMES.pack(float(env.ts), float(exp))
     )
 
 
-def encode(env: Envelope, key: bytes, ttl: float = 120.0) -> bytes:
-    """Serialize and sign. ``ttl`` applies when the envelope has no explicit expiry."""
+def encode(env: Envelope, key: bytes, ttl: float = 120.0, *, compress: bool = False) -> bytes:
+    """Serialize and sign. ``ttl`` applies when the envelope has no explicit expiry.
+
+    ``compress``: the receiver reads compressed bodies; a body over ``COMPRESS_MIN_BYTES`` is then
+    sent zlib-compressed when that makes it smaller (never a small frame)."""
     exp = env.exp or env.ts + ttl
-    header = _header(env, exp)
     body = msgpack.packb(env.body, use_bin_type=True)
+    flags = 0
+    if compress and len(body) > COMPRESS_MIN_BYTES:
+        packed = zlib.compress(body, 6)
+        if len(packed) < len(body):
+            body, flags = packed, _ZFLAG
+    header = _header(env, exp, flags)
     mac = hmac.new(key, header + body, hashlib.sha256).digest()
     return header + mac + body
 
@@ -223,15 +260,16 @@ def peek_endpoint(frame: bytes) -> str:
         raise BadFrame("endpoint id is not ascii") from None
 
 
-def _parse_header(frame: bytes) -> tuple[Kind, str, str, float, float, int]:
+def _parse_header(frame: bytes) -> tuple[Kind, str, str, float, float, int, bool]:
     """Fields of the header and its length; raises BadFrame. Reads no byte past the header."""
     endpoint = peek_endpoint(frame)
     pos = 4 + len(endpoint)
     if len(frame) < pos + 2:
         raise BadFrame("truncated frame header")
-    kind = _KIND_OF.get(frame[pos])
+    kind = _KIND_OF.get(frame[pos] & ~_ZFLAG)
     if kind is None:
         raise BadFrame(f"unknown message kind code {frame[pos]}")
+    compressed = bool(frame[pos] & _ZFLAG)
     m = frame[pos + 1]
     pos += 2
     if m == 0 or len(frame) < pos + m + _TIMES.size + _MAC_LEN:
@@ -242,7 +280,7 @@ def _parse_header(frame: bytes) -> tuple[Kind, str, str, float, float, int]:
         raise BadFrame("message id is not ascii") from None
     pos += m
     ts, exp = _TIMES.unpack_from(frame, pos)
-    return kind, endpoint, mid, ts, exp, pos + _TIMES.size
+    return kind, endpoint, mid, ts, exp, pos + _TIMES.size, compressed
 
 
 def open_frame(frame: bytes, key: bytes) -> Sealed:
@@ -250,13 +288,13 @@ def open_frame(frame: bytes, key: bytes) -> Sealed:
     if len(frame) > MAX_FRAME_BYTES:
         raise BadFrame(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
     frame = bytes(frame)
-    kind, endpoint, mid, ts, exp, end = _parse_header(frame)
+    kind, endpoint, mid, ts, exp, end, compressed = _parse_header(frame)
     mac = frame[end : end + _MAC_LEN]
     payload = frame[end + _MAC_LEN :]
     want = hmac.new(key, frame[:end] + payload, hashlib.sha256).digest()
     if not hmac.compare_digest(mac, want):
         raise BadSignature("MAC does not match the endpoint's key")
-    return Sealed(kind, endpoint, mid, ts, exp, payload)
+    return Sealed(kind, endpoint, mid, ts, exp, payload, compressed)
 
 
 def decode(
@@ -312,3 +350,9 @@ class ReplayGuard:
         now = time.time() if now is None else now
         while self._seen and (len(self._seen) > self._max or next(iter(self._seen.values())) < now - 600):
             self._seen.popitem(last=False)
+
+    def forget(self, env: _Stamped) -> None:
+        """The receiver could not act on this message (its link dropped mid-way, its disk was full):
+        let the same message in again. A site gateway re-delivers the very frame it holds, where
+        the hub would have sent a new one (docs/sites.md)."""
+        self._seen.pop(f"{env.endpoint}\0{env.id}", None)

@@ -1,24 +1,28 @@
-"""Serializer facade: data by the fastest method that round-trips, code by dill with a source fallback.
+"""Serializer facade: data by the fastest method that round-trips, code by cloudpickle (dill, then
+source text, as fallbacks).
 
 Every serialized blob starts with a header line naming its method (``b"json\\n"``, ``b"pickle\\n"``,
-``b"dill\\n"``, ``b"source\\n"``), so a reader never guesses and a future method can be added
-without breaking old agents: an unknown header is a clear error, never a crash.
+``b"cloudpickle\\n"``, ``b"dill\\n"``, ``b"source\\n"``), so a reader never guesses and a future method
+can be added without breaking old agents: an unknown header is a clear error, never a crash.
 
 Why JSON first: most arguments are small plain values; JSON is fast, language-neutral and safe
 to inspect in the console. It is used only when it round-trips exactly (no tuples, no non-str
-keys, no numpy), otherwise pickle (protocol 5), and dill only for what pickle refuses (lambdas,
-closures, interactively defined classes).
+keys, no numpy), otherwise pickle (protocol 5), and cloudpickle for what pickle refuses (lambdas,
+closures, local classes) or would send by a reference the endpoint cannot resolve.
+
+What travels by value (docs/sdk.md, "What code travels"): everything defined in ``__main__`` and in
+the user's own modules, i.e. modules that are neither in the standard library nor provided by an
+installed distribution (a script's sibling ``helpers.py``, a notebook's local package, a test file).
+Those modules are registered with cloudpickle's ``register_pickle_by_value``; installed packages
+(numpy, torch, this project) travel by reference, as the endpoint has them.
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import json
 import pickle
+import re
 import sys
-import sysconfig
-import textwrap
 import types
 from typing import Any, Callable
 
@@ -30,13 +34,17 @@ __all__ = [
     "deserialize_function",
     "function_id",
     "method_of",
+    "by_value",
+    "by_value_modules",
+    "missing_code_hint",
 ]
 
 _JSON = b"json\n"
 _PICKLE = b"pickle\n"
+_CLOUDPICKLE = b"cloudpickle\n"
 _DILL = b"dill\n"
 _SOURCE = b"source\n"
-_HEADERS = (_JSON, _PICKLE, _DILL, _SOURCE)
+_HEADERS = (_JSON, _PICKLE, _CLOUDPICKLE, _DILL, _SOURCE)
 
 
 class SerializationError(ValueError):
@@ -72,13 +80,26 @@ def _utf8_ok(s: str) -> bool:
 
 
 def serialize(value: Any) -> bytes:
-    """Serialize data (arguments, results) with the fastest method that round-trips exactly."""
+    """Serialize data (arguments, results) with the fastest method that round-trips exactly.
+
+    A pickle that names ``__main__`` or one of the user's own modules would fail on the endpoint
+    (``Can't get attribute 'Tiny' on <module '__main__'>``): such values go by cloudpickle, which
+    carries those classes by value. The check is a substring search of the pickle, so plain data
+    pays nothing; a false positive only costs the slower method."""
     if _json_exact(value):
         return _JSON + json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
     try:
-        return _PICKLE + pickle.dumps(value, protocol=5)
+        blob = pickle.dumps(value, protocol=5)
     except Exception:  # pickle refuses lambdas, local classes, ...
-        pass
+        blob = None
+    if blob is not None and not _names_by_value_module(blob):
+        return _PICKLE + blob
+    try:
+        cloudpickle = _cloudpickle()
+        return _CLOUDPICKLE + cloudpickle.dumps(value, protocol=5)
+    except Exception:
+        if blob is not None:
+            return _PICKLE + blob
     try:
         import dill
 
@@ -89,23 +110,58 @@ def serialize(value: Any) -> bytes:
 
 def method_of(blob: bytes) -> str:
     """The method named by a blob's header, e.g. ``"json"``."""
-    blob = bytes(blob[:8])
+    blob = bytes(blob[:16])
     for header in _HEADERS:
         if blob.startswith(header):
             return header[:-1].decode()
     raise SerializationError(f"unknown serialization header {bytes(blob[:12])!r}")
 
 
-def deserialize(blob: bytes) -> Any:
-    """Read back what :func:`serialize` or :func:`serialize_function` wrote."""
+def missing_code_hint(exc: BaseException) -> str | None:
+    """One line for code that cannot be loaded here (a module that is not installed, a class or
+    function that is not in the installed version), naming it and saying how to fix it."""
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        return (f"module {exc.name!r} is not installed on this endpoint: ship it by value "
+                f"(by_value('{exc.name.partition('.')[0]}') in the client, automatic for your own modules) "
+                "or install it on the endpoint (an environment with it)")
+    text = str(exc)
+    if isinstance(exc, AttributeError) and text.startswith("Can't get attribute"):
+        # pickle's message: Can't get attribute 'Tiny' on <module '__main__' (built-in)>
+        return (f"{text.rstrip('.')}: the installed version differs from the client's, or the code was sent by "
+                "reference; ship it by value (by_value(module) in the client) or install the same version on the endpoint")
+    return None
+
+
+class _DataOnly(pickle.Unpickler):
+    """Unpickles plain data only (str, bytes, numbers, lists, dicts, tuples, sets, None): any class
+    or function the stream names is refused, so nothing of the sender's choosing runs here."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise SerializationError(f"it holds {module}.{name}, which only a trusted sender may send (unpickling runs code)")
+
+
+def deserialize(blob: bytes, *, trusted: bool = True) -> Any:
+    """Read back what :func:`serialize` or :func:`serialize_function` wrote.
+
+    ``trusted=False`` (a result from an endpoint the caller does not own): JSON and plain-data
+    pickles only; code and arbitrary objects are refused, because unpickling them runs the
+    sender's code on the caller's machine."""
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise SerializationError(f"expected bytes, got {type(blob).__name__}")
     blob = bytes(blob)
+    if not trusted and not blob.startswith(_JSON):
+        if not blob.startswith(_PICKLE):
+            raise SerializationError(f"it is a {method_of(blob)} payload, which only a trusted sender may send (it runs code)")
+        import io
+
+        return _DataOnly(io.BytesIO(blob[len(_PICKLE) :])).load()
     try:
         if blob.startswith(_JSON):
             return json.loads(blob[len(_JSON) :])
         if blob.startswith(_PICKLE):
             return pickle.loads(blob[len(_PICKLE) :])
+        if blob.startswith(_CLOUDPICKLE):  # a plain pickle stream; it imports cloudpickle's helpers itself
+            return pickle.loads(blob[len(_CLOUDPICKLE) :])
         if blob.startswith(_DILL):
             import dill
 
@@ -115,36 +171,195 @@ def deserialize(blob: bytes) -> Any:
     except SerializationError:
         raise
     except Exception as exc:
-        raise SerializationError(f"cannot deserialize {method_of(blob)} payload: {exc}") from exc
+        hint = missing_code_hint(exc)
+        raise SerializationError(hint or f"cannot deserialize {method_of(blob)} payload: {exc}") from exc
     raise SerializationError(f"unknown serialization header {blob[:12]!r}")
 
 
 def serialize_function(fn: Callable[..., Any]) -> bytes:
-    """Serialize code: dill by value first (closures, lambdas), source text when dill fails."""
+    """Serialize code: cloudpickle first (by value for ``__main__`` and the user's own modules, by
+    reference for installed packages), dill when cloudpickle fails, source text when both fail."""
     if not callable(fn):
         raise SerializationError(f"expected a callable, got {type(fn).__name__}")
+    try:
+        cloudpickle = _cloudpickle()
+        return _CLOUDPICKLE + cloudpickle.dumps(fn, protocol=5)
+    except Exception as exc:
+        first = exc
     try:
         import dill
 
         return _DILL + dill.dumps(_by_value(fn), recurse=True)
     except Exception:
         pass
+    # Source text only for what it can rebuild: a named function that captures nothing. A lambda's
+    # "source" is the whole line it sits on, and a closure's source loses the values it captured,
+    # so either would fail on the endpoint with a misleading NameError.
+    code = getattr(fn, "__code__", None)
+    if code is None or fn.__name__ == "<lambda>" or code.co_freevars:
+        raise SerializationError(_unsendable(fn, first)) from first
     try:
+        import inspect  # only for the source fallback: a worker's start-up should not pay for it
+        import textwrap
+
         src = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError) as exc:
         raise SerializationError(f"cannot serialize function {getattr(fn, '__name__', fn)!r}: {exc}") from exc
     return _SOURCE + f"{fn.__name__}\n{src}".encode()
 
 
+def _unsendable(fn: Callable[..., Any], exc: BaseException) -> str:
+    """One line naming what a function drags along that cannot be serialized (a socket, a lock, an
+    open file, a database connection...) and how to fix it."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
+    code = getattr(fn, "__code__", None)
+    suspects: list[tuple[str, Any]] = []
+    if code is not None:
+        cells = getattr(fn, "__closure__", None) or ()
+        for var, cell in zip(code.co_freevars, cells):
+            try:
+                suspects.append((var, cell.cell_contents))
+            except ValueError:  # an empty cell
+                continue
+        glb = getattr(fn, "__globals__", {})
+        suspects += [(n, glb[n]) for n in code.co_names if n in glb and not isinstance(glb[n], types.ModuleType)]
+        suspects += [(f"default of {fn.__name__}()", d) for d in (getattr(fn, "__defaults__", None) or ())]
+    cloudpickle = _cloudpickle()
+    for var, value in suspects:
+        try:
+            cloudpickle.dumps(value, protocol=5)
+        except Exception:
+            kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+            return (f"cannot send function {name}: it uses {var!r} (a {kind}), which cannot be serialized; "
+                    f"create it inside the function, or pass what the function needs as arguments")
+    return f"cannot send function {name}: {type(exc).__name__}: {exc}"
+
+
+# ------------------------------------------------------------------ what travels by value
+_user_modules: set[str] = set()  # top-level names registered with cloudpickle by value
+_by_reference: set[str] = set()  # top-level names the caller said the endpoint has
+_classified: dict[str, bool] = {}
+_modules_seen = -1
+_needle: "re.Pattern[bytes]" = re.compile(rb"\x8c.__main__[.\x94]", re.S)
+
+
 def _installed(path: str) -> bool:
-    roots = {sys.prefix, sys.base_prefix, sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"]}
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    roots = {sys.prefix, sys.base_prefix, paths["purelib"], paths["platlib"], paths["stdlib"]}
     return any(path.startswith(r) for r in roots if r)
 
 
+def _distributions() -> Any:
+    """Top-level import names provided by installed distributions, editable installs included
+    (their files are outside site-packages, but the endpoint installs them too). Read once."""
+    global _dists
+    if _dists is None:
+        import importlib.metadata
+
+        _dists = frozenset(importlib.metadata.packages_distributions())
+    return _dists
+
+
+_dists: frozenset[str] | None = None
+
+
+def _is_users_own(top: str) -> bool:
+    if top in ("__main__", "__mp_main__") or top in sys.builtin_module_names or top in getattr(sys, "stdlib_module_names", ()):
+        return False
+    mod = sys.modules.get(top)
+    path = getattr(mod, "__file__", None)
+    if not path:  # namespace packages, frozen and dynamic modules: nothing to ship from a file
+        return False
+    if _installed(path) or "site-packages" in path or "dist-packages" in path:
+        return False
+    return top not in _distributions()
+
+
+def _refresh_user_modules() -> None:
+    """Register every newly imported module of the user's own with cloudpickle (cheap when no
+    module was imported since the last call: one length comparison)."""
+    global _modules_seen
+    n = len(sys.modules)
+    if n == _modules_seen:
+        return
+    import cloudpickle
+
+    for name in list(sys.modules):
+        top = name.partition(".")[0]
+        if top in _classified:
+            continue
+        own = top not in _by_reference and _is_users_own(top)
+        _classified[top] = own
+        if own and top in sys.modules:
+            cloudpickle.register_pickle_by_value(sys.modules[top])
+            _user_modules.add(top)
+    _set_needle()
+    _modules_seen = len(sys.modules)
+
+
+def _set_needle() -> None:
+    """A protocol-5 pickle names a class's module as a short string (``\\x8c``, length, name)
+    followed by a memo op or a dot of a submodule; text that merely mentions the name (a
+    traceback's file path) does not match."""
+    global _needle
+    names = b"|".join(re.escape(m.encode()) for m in ("__main__", *sorted(_user_modules)))
+    _needle = re.compile(rb"\x8c.(?:" + names + rb")[.\x94]", re.S)
+
+
+def _cloudpickle() -> Any:
+    import cloudpickle
+
+    _refresh_user_modules()
+    return cloudpickle
+
+
+#: Data whose pickle names a user's module goes by value. Looking for the user's modules (beyond
+#: ``__main__``) costs a scan of the installed distributions once, so only the SDK turns it on
+#: (``cloud_hub.client`` does); an agent's results need only ``__main__``.
+detect_user_modules_in_data = False
+
+
+def _names_by_value_module(blob: bytes) -> bool:
+    if detect_user_modules_in_data and _modules_seen != len(sys.modules):
+        _refresh_user_modules()
+    return _needle.search(blob) is not None
+
+
+def by_value(module: "types.ModuleType | str", value: bool = True) -> None:
+    """Say explicitly how a module travels: by value (``True``: the endpoint does not have it) or
+    by reference (``False``: it is installed on every endpoint, e.g. your package that an
+    environment installs). Overrides the automatic choice for the module's top-level package."""
+    import cloudpickle
+
+    name = module if isinstance(module, str) else module.__name__
+    top = name.partition(".")[0]
+    if top not in sys.modules:
+        raise SerializationError(f"module {top!r} is not imported; import it before by_value()")
+    _classified[top] = value
+    if value:
+        _by_reference.discard(top)
+        if top not in _user_modules:
+            cloudpickle.register_pickle_by_value(sys.modules[top])
+            _user_modules.add(top)
+    else:
+        _by_reference.add(top)
+        if top in _user_modules:
+            cloudpickle.unregister_pickle_by_value(sys.modules[top])
+            _user_modules.discard(top)
+    _set_needle()
+
+
+def by_value_modules() -> list[str]:
+    """The top-level modules that currently travel by value (besides ``__main__``)."""
+    _refresh_user_modules()
+    return sorted(_user_modules)
+
+
 def _by_value(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A user's own module (a script, a notebook helper, a test file) does not exist on the
-    endpoint, so a function from it must travel by value; dill does that only for ``__main__``.
-    Functions from installed packages stay by reference (the endpoint has the package)."""
+    """For the dill fallback: dill sends only ``__main__`` by value, so a function of the user's
+    own module is cloned into ``__main__``. Functions from installed packages stay by reference."""
     if not isinstance(fn, types.FunctionType) or fn.__module__ in ("__main__", None):
         return fn
     mod = sys.modules.get(fn.__module__)
@@ -178,4 +393,6 @@ def deserialize_function(blob: bytes) -> Callable[..., Any]:
 
 def function_id(body: bytes) -> str:
     """Content address of a serialized function: the same body always gets the same id."""
+    import hashlib
+
     return hashlib.sha256(body).hexdigest()

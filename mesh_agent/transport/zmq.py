@@ -102,6 +102,7 @@ class ZmqAgentLink:
 
 class ZmqHubLink:
     name = "zmq"
+    shared = False  # an agent dials one replica's socket: no other replica can reach it
 
     def __init__(self, bind: str, *, secret_key: str, clients: dict[str, str] | None = None) -> None:
         """``secret_key``: the hub's CURVE secret (z85); ``clients``: enrolled public key (z85) -> endpoint id."""

@@ -8,6 +8,7 @@ workload submitted through the SDK; an invariant check and a report at the end.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -44,6 +45,16 @@ def run_emulation(
         sc = sc.model_copy(update={"seed": seed})
     name = sc.name + ("-reduced" if reduced else "")
     out_dir = Path(out_dir) if out_dir is not None else Path("sim/results") / name
+    devices = sorted({g.device for g in sc.agents if g.device})
+    if devices:  # device profiles need cgroups and a C compiler: skip, with the reason, where there are none
+        from .constrain import unavailable_reason
+
+        why = unavailable_reason(devices)
+        if why is not None:
+            skipped = {"scenario": sc.name, "reduced": reduced, "seed": sc.seed, "ok": True, "skipped": why, "devices": devices}
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "report.json").write_text(json.dumps(skipped, indent=2) + "\n")
+            return skipped
     own_workdir = workdir is None
     work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix=f"mesh-sim-{name}-"))
     report = asyncio.run(Emulation(sc, work, echo=echo).run())

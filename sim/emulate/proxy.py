@@ -91,7 +91,9 @@ class FaultProxy:
         self._free_at = [0.0, 0.0]  # bandwidth: when each direction of the link is next free
         self.state: Literal["up", "reset", "blackhole"] = "up"
         self.transitions: list[tuple[float, str]] = []  # (wall time, new state)
-        self.stats = {"connections": 0, "refused": 0, "resets": 0, "bytes_up": 0, "bytes_down": 0}
+        # reads_*: chunks read per direction; with TCP_NODELAY senders and small messages, about one
+        # TCP segment each (bench/footprint.py estimates packets from them)
+        self.stats = {"connections": 0, "refused": 0, "resets": 0, "bytes_up": 0, "bytes_down": 0, "reads_up": 0, "reads_down": 0}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, port: int = 0) -> "FaultProxy":
@@ -196,6 +198,7 @@ class FaultProxy:
                     await q.put((0.0, None))
                     break
                 self.stats["bytes_up" if direction == 0 else "bytes_down"] += len(data)
+                self.stats["reads_up" if direction == 0 else "reads_down"] += 1
                 due = loop.time() + max(0.0, sh.latency_s + (self._rng.uniform(-sh.jitter_s, sh.jitter_s) if sh.jitter_s else 0.0))
                 due = max(due, conn.last_due[direction])  # TCP is in order: jitter never reorders
                 if sh.bandwidth_bps:

@@ -73,6 +73,10 @@ class Emulation:
         self.phases: dict[str, float] = {}
         self.agent_log: Counter[str] = Counter()
         self.applied: list[tuple[float, float, float, str, str, str]] = []  # planned t, began, took, kind, target, mode
+        self.cgroups: Any = None  # constrain.CgroupRun when some group has a device profile
+        self.fsync_shim: Path | None = None
+        self.device_stats: dict[str, dict[str, Any]] = {}
+        self.fl_result: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ entry point
     async def run(self) -> dict[str, Any]:
@@ -86,6 +90,7 @@ class Emulation:
         reader: threading.Thread | None = None
         drain_s = None
         try:
+            await asyncio.to_thread(self._prepare_devices)
             await asyncio.to_thread(self.mesh.start)
             await self._start_agents()
             self.phases["setup_s"] = round(time.time() - wall0, 2)
@@ -97,6 +102,7 @@ class Emulation:
             self.echo(f"{sc.name}: {len(self.agents)} agents up; {len(self.plan)} tasks and {len(self.schedule.events)} faults over {sc.duration_s:.0f}s")
             self.t0 = time.time()
             submitter = asyncio.create_task(self._submit_all(fids))
+            fl_run = asyncio.create_task(self._run_fl()) if sc.fl is not None else None
             progress = asyncio.create_task(self._progress())
             await self._replay_faults()
             await self._sleep_until(sc.duration_s)
@@ -104,7 +110,8 @@ class Emulation:
             t_heal = time.time()
             deadline = t_heal + sc.drain_timeout_s
             while time.time() < deadline:
-                if submitter.done() and (self._outstanding() == 0 or submitter.exception() is not None):
+                if submitter.done() and (self._outstanding() == 0 or submitter.exception() is not None) \
+                        and (fl_run is None or fl_run.done()):
                     break
                 await asyncio.sleep(0.25)
             drain_s = time.time() - t_heal
@@ -115,6 +122,8 @@ class Emulation:
                 self.errors.append(f"workload: {submitter.exception()!r}")
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await submitter
+            if fl_run is not None and not fl_run.done():
+                self.errors.append("the FL run had not finished at the drain deadline")
             await asyncio.sleep(max(1.0, 2 * sc.hub.heartbeat_s))  # late duplicates would show up now
             progress.cancel()
         finally:
@@ -123,6 +132,7 @@ class Emulation:
             if reader is not None:
                 reader.join(15)
             await self._shutdown()
+            self._release_devices()
             self.phases["shutdown_s"] = round(time.time() - t_stop, 2)
         self._collect()
         result = check(self.records)
@@ -134,13 +144,25 @@ class Emulation:
         mesh = self.mesh
         zmq_port = int(str(mesh.hub_cfg.zmq_bind).rsplit(":", 1)[1])
         groups = {g.name: g for g in self.sc.agents}
-        for slot in self.schedule.agents:
+        gateways: dict[str, Any] = {}  # gateway group -> its GatewayProcess (docs/sites.md)
+        # Gateways first: their devices enroll behind them and dial their site broker (through a proxy: the LAN link).
+        for slot in sorted(self.schedule.agents, key=lambda sl: groups[sl.group].site_hold is None):
             g = groups[slot.group]
             up = ("127.0.0.1", mesh.broker.port if g.transport == "mqtt" else zmq_port)
+            if g.gateway is not None:
+                up = ("127.0.0.1", gateways[g.gateway].cfg.site.listen_port)
             shape = LinkShape(g.link.latency_ms / 1000, g.link.jitter_ms / 1000, g.link.bandwidth_kbps * 1000 if g.link.bandwidth_kbps else None)
             proxy = await FaultProxy(slot.name, up, shape, seed=self.sc.seed).start()
             self.proxies[slot.name] = proxy
-            agent = await asyncio.to_thread(mesh.add_agent, slot.name, g.transport, workers=g.workers, prefetch=g.prefetch, start=False)
+            if g.site_hold is not None:
+                agent = await asyncio.to_thread(mesh.add_gateway, slot.name, hold=g.site_hold, start=False, workers=g.workers, prefetch=g.prefetch)
+                gateways[g.name] = agent
+            elif g.gateway is not None:
+                agent = await asyncio.to_thread(mesh.add_site_device, slot.name, gateways[g.gateway], start=False, workers=g.workers,
+                                                prefetch=g.prefetch)
+            else:
+                agent = await asyncio.to_thread(mesh.add_agent, slot.name, g.transport, workers=g.workers, prefetch=g.prefetch, start=False)
+            agent = self._on_device(agent, g.device, len(self.agents))
             cfg = agent.cfg
             if g.transport == "mqtt":
                 cfg = cfg.model_copy(update={"mqtt": cfg.mqtt.model_copy(update={"host": "127.0.0.1", "port": proxy.port, "keepalive": g.mqtt_keepalive_s})})
@@ -150,9 +172,73 @@ class Emulation:
             agent.cfg = cfg
             self.agents[slot.name] = agent
             self.endpoints[slot.name] = agent.endpoint_id
+        if self.sc.fl is not None:
+            from .flrun import declare
+
+            fl_agents = self._fl_agents()
+            for k, name in enumerate(fl_agents):
+                declare(self.agents[name], k, len(fl_agents), self.sc.fl, self.sc.seed)
         for agent in self.agents.values():
             agent.start()
         await asyncio.to_thread(mesh.wait_online, *self.agents.values(), timeout=60 + 3 * len(self.agents))
+
+    # ------------------------------------------------------------------ devices and FL
+    def _prepare_devices(self) -> None:
+        """Cgroups and the fsync shim, if any group names a device profile (raises
+        ``constrain.Unavailable`` where this machine cannot; run_emulation checks first)."""
+        if not any(g.device for g in self.sc.agents):
+            return
+        from .constrain import CgroupRun, build_fsync_shim
+
+        self.fsync_shim = build_fsync_shim()
+        self.cgroups = CgroupRun(f"mesh-sim-{os.getpid()}-{self.sc.name}").probe()
+
+    def _on_device(self, agent: AgentProcess, device: str | None, slot: int) -> AgentProcess:
+        """The agent, started inside its device's cgroups with the slow-fsync shim preloaded."""
+        if device is None:
+            return agent
+        from .constrain import ConstrainedAgent, fsync_env
+        from .devices import profile
+
+        assert self.mesh is not None and self.cgroups is not None and self.fsync_shim is not None
+        prof = profile(device)
+        files = self.cgroups.add(agent.cfg.name, prof, slot)
+        counter = self.workdir / "devices" / f"{agent.cfg.name}.fsync"  # the shim counts this tree's flushes here
+        counter.parent.mkdir(exist_ok=True)
+        boxed = ConstrainedAgent(agent, files, fsync_env(self.fsync_shim, delay_ms=prof.fsync_delay_ms, counter=counter))
+        self.mesh.agents[self.mesh.agents.index(agent)] = boxed
+        return boxed
+
+    def _release_devices(self) -> None:
+        if self.cgroups is None:
+            return
+        try:
+            for name in self.cgroups.profiles:
+                from .constrain import read_fsync_counter
+
+                flushes = read_fsync_counter(self.workdir / "devices" / f"{name}.fsync")
+                self.device_stats[name] = {"device": self.cgroups.profiles[name].name, **self.cgroups.stats(name),
+                                           "flushes": flushes, "fsync_delay_ms": self.cgroups.profiles[name].fsync_delay_ms}
+        except Exception as exc:
+            self.errors.append(f"reading device cgroups: {exc!r}")
+        finally:
+            self.cgroups.remove()
+
+    def _fl_agents(self) -> list[str]:
+        assert self.sc.fl is not None
+        groups = set(self.sc.fl.groups or [g.name for g in self.sc.agents])
+        return [s.name for s in self.schedule.agents if s.group in groups]
+
+    async def _run_fl(self) -> None:
+        assert self.mesh is not None and self.sc.fl is not None
+        from .flrun import run_fl
+
+        await self._sleep_until(self.sc.fl.start_s)
+        eps = [self.endpoints[n] for n in self._fl_agents()]
+        self.fl_result = await asyncio.to_thread(run_fl, self.mesh.url, self.mesh.token, eps, self.sc.fl, self.sc.seed,
+                                                 f"mesh-sim-{self.sc.name}")
+        self.echo(f"  FL run: {self.fl_result.get('status', self.fl_result.get('error'))}, "
+                  f"{self.fl_result.get('rounds_done', 0)}/{self.sc.fl.rounds} rounds, accuracy {self.fl_result.get('accuracy')}")
 
     async def _shutdown(self) -> None:
         for p in self.proxies.values():
@@ -420,6 +506,11 @@ class Emulation:
         if sc.expect.min_tasks is not None:
             expectations[f"accepted tasks >= {sc.expect.min_tasks}"] = inv["accepted"] >= sc.expect.min_tasks
         expectations["every fault applied and every task submitted"] = not self.errors
+        if self.cgroups is not None:
+            expectations["every device stayed within its memory limit (no OOM kill)"] = bool(self.device_stats) and all(
+                d["within_limit"] for d in self.device_stats.values())
+        if sc.fl is not None:
+            expectations["the FL run finished every round with enough clients"] = bool(self.fl_result and self.fl_result["ok"])
         ok = bool(inv["ok"]) and all(expectations.values())
         return {
             "scenario": sc.name,
@@ -457,6 +548,8 @@ class Emulation:
             "completion_s": percentiles(completion),
             "delay_after_reconnect_s": percentiles(delays),
             "proxies": {n: p.stats for n, p in self.proxies.items()},
+            "devices": self.device_stats or None,
+            "fl": self.fl_result,
             "timeline": {
                 "t0": self.t0,
                 "links": {n: [[round(a, 3), round(b, 3), st] for a, b, st in v] for n, v in iv["links"].items()},

@@ -29,7 +29,7 @@ from sim.outages import OutageSpec, parse_hhmm
 
 __all__ = [
     "EmulationScenario", "ScenarioError", "load_scenario", "FUNCTIONS", "AgentGroup", "LinkSpec",
-    "ServiceRestarts", "AgentKills",
+    "ServiceRestarts", "AgentKills", "FLSpec",
 ]
 
 #: The workload's function catalog (bodies in sim/emulate/functions.py).
@@ -70,11 +70,38 @@ class AgentGroup(_Model):
     link: LinkSpec = LinkSpec()
     outage: OutageSpec | None = None
     mqtt_keepalive_s: int = Field(10, ge=5, le=3600, description="MQTT keepalive: how fast a black hole is noticed")
+    device: str | None = Field(None, description="device profile (sim/emulate/devices.py), e.g. pi-zero-2w: cgroup CPU/memory limits, slow fsync")
+    site_hold: int | None = Field(None, ge=0, le=100_000, description="this group's agents are site gateways (mesh-agent gateway, "
+                                  "docs/sites.md) that hold this many tasks for their devices; their link is the site's uplink")
+    gateway: str | None = Field(None, description="this group's agents sit behind the site gateway of this group (one gateway "
+                                "agent, with site_hold); their link is the LAN to it")
 
     @field_validator("name")
     @classmethod
     def _valid_name(cls, v: str) -> str:
         return _name(v)
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str | None) -> str | None:
+        if v is not None:
+            from .devices import profile
+
+            profile(v)  # UnknownDevice (a ValueError) names the known profiles
+        return v
+
+
+class FLSpec(_Model):
+    """A federated-learning run (FedAvg, the demo's MLP on non-IID digits) on the agents of
+    ``groups``, driven by :class:`fl.Federation` alongside the task workload from ``start_s``."""
+
+    groups: list[str] | None = Field(None, description="agent groups that are FL clients (default: all MQTT/ZeroMQ agents)")
+    rounds: int = Field(3, ge=1, le=1000)
+    local_epochs: int = Field(1, ge=1, le=100)
+    deadline_s: float = Field(30.0, gt=0, le=3600, description="round deadline")
+    min_clients: int | None = Field(None, ge=1, description="fewest updates a round needs (default: every client)")
+    alpha: float = Field(0.5, gt=0, description="Dirichlet alpha of the non-IID split")
+    start_s: float = Field(0.0, ge=0, description="seconds after the workload starts")
 
 
 class RegionSpec(_Model):
@@ -202,6 +229,7 @@ class EmulationScenario(_Model):
     regions: list[RegionSpec] = []
     faults: FaultsSpec = FaultsSpec()
     workload: WorkloadSpec
+    fl: FLSpec | None = None
     expect: ExpectSpec = ExpectSpec()
 
     @field_validator("name")
@@ -224,6 +252,19 @@ class EmulationScenario(_Model):
             for gname in self.faults.agent_kills.groups:
                 if gname not in groups:
                     raise ValueError(f"faults.agent_kills.groups names unknown group {gname!r} (known: {groups})")
+        by_name = {g.name: g for g in self.agents}
+        for i, g in enumerate(self.agents):
+            if g.gateway is None:
+                continue
+            gw = by_name.get(g.gateway)
+            if gw is None or gw.site_hold is None or gw.count != 1 or gw.transport != "mqtt":
+                raise ValueError(f"agents[{i}].gateway {g.gateway!r} must name a group of one MQTT agent with site_hold")
+            if g.transport != "mqtt" or g.site_hold is not None:
+                raise ValueError(f"agents[{i}]: a device behind a gateway is an MQTT agent, not a gateway itself")
+        if self.fl is not None and self.fl.groups:
+            for gname in self.fl.groups:
+                if gname not in groups:
+                    raise ValueError(f"fl.groups names unknown group {gname!r} (known: {groups})")
         if self.n_agents > 200:
             raise ValueError(f"{self.n_agents} agents: at most 200 real agent processes per run")
         return self

@@ -76,6 +76,10 @@ def _phone_shot(ctx: Any, url: str, name: str) -> None:
 
 
 @pytest.mark.timeout(180)
+def _info_of(mesh: LocalMesh, endpoint_id: str) -> dict[str, Any]:
+    return next(e["info"] for e in mesh.client.list_endpoints() if e["id"] == endpoint_id)
+
+
 def test_console_flow(mesh: LocalMesh, browser_context: Any) -> None:
     from playwright.sync_api import expect
 
@@ -152,6 +156,11 @@ def test_console_flow(mesh: LocalMesh, browser_context: Any) -> None:
     expect(segs.last).to_have_class(re.compile(r"\boff\b"))  # its timeline ends offline ...
     expect(segs.nth(-2)).to_have_class(re.compile(r"\bon\b"))  # ... after an online span
     expect(page.locator(f'tr[data-ep="{hpc.endpoint_id}"] td[data-label="Hub queue"]')).to_have_text("5")
+    # each endpoint's frame bytes per day, up and down, as GET /v1/endpoints reports them
+    per_day = _info_of(mesh, field1.endpoint_id)["bytes_per_day"]
+    assert per_day["up"] > 0 and per_day["down"] > 0
+    expect(page.locator(f'tr[data-ep="{field1.endpoint_id}"] td[data-traffic]')).to_have_text(
+        re.compile(r"^↑ [\d.]+ (B|KiB|MiB|GiB) · ↓ [\d.]+ (B|KiB|MiB|GiB)$"))
     _shoot(page, "03-endpoints-desktop")
     _phone_shot(ctx, page.url, "03-endpoints-phone")
     page.click(f'tr[data-ep="{hpc.endpoint_id}"] a.ep-name')

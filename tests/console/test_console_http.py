@@ -285,3 +285,19 @@ def test_scheduler_and_fl_pages_appear_only_with_data_and_only_for_their_owner(h
     assert 'href="/console/fl"' not in erin.get("/console").text
     assert erin.get(f"/console/fl/{run['id']}").status_code == 404
     assert "dora-run" not in erin.get("/console/fl").text
+
+
+def test_fl_run_page_shows_model_traffic_per_round(hub: HubThread) -> None:
+    import numpy as np
+
+    from fl.wire import encode_weights
+
+    token = _token_for(hub, "fiona")
+    page_client = _sign_in(hub, token)
+    rec = {"round": 1, "loss": 0.5, "accuracy": 0.8, "participants": ["ep-a"], "stragglers": [], "dropped": {}, "round_time_s": 1.0,
+           "extra": {"bytes_up": {"ep-a": 1843}, "bytes_down": {"ep-a": 17345}, "bytes_up_total": 1843, "bytes_down_total": 17345}}
+    with Client(hub.url, token) as sdk:
+        run = sdk.fl_create_run("fiona-run", strategy="fedavg", rounds_planned=2, clients=["ep-a"], config={"compression": "topk:0.25+q8"})
+        sdk.fl_put_round(run["id"], 1, rec, encode_weights([np.zeros(2, np.float32)]))
+    page = page_client.get(f"/console/fl/{run['id']}").text
+    assert "Traffic ↑ / ↓" in page and "1.8 KiB / 16.9 KiB" in page and "uplink compression topk:0.25+q8" in page

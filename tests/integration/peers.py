@@ -17,11 +17,12 @@ __all__ = ["MqttPeer", "add_intruder", "connect_intruder"]
 class MqttPeer:
     """A raw paho client: what an attacker with some broker login (or none) can do."""
 
-    def __init__(self, port: int, username: str | None, password: str | None, client_id: str = "") -> None:
+    def __init__(self, port: int, username: str | None, password: str | None, client_id: str = "", clean_session: bool | None = None) -> None:
+        """``clean_session=False``: resume the broker's stored session for ``client_id`` (a session-takeover attempt)."""
         self.frames: list[tuple[str, bytes]] = []
         self.connected = threading.Event()
         self.refused: int | None = None
-        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id)
+        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=clean_session)
         if username is not None:
             self.client.username_pw_set(username, password)
         self.client.on_connect = self._on_connect

@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from cloud_hub.client import Client, Executor, HubError
+from cloud_hub.client._results import RemoteExecutionError, UntrustedResult
 from cloud_hub.localmesh import AgentProcess, LocalMesh
 from mesh_agent.config import Credentials, load_config
 from mesh_agent.protocol import Envelope, Kind, encode, function_id, new_key, open_frame, serialize, serialize_function
@@ -292,6 +293,8 @@ def test_another_users_token_sees_and_uses_nothing_until_shared(mesh: LocalMesh,
     refused(404, lambda: bob.task_status(alice_task), "unknown task")
     assert bob.wait_results([alice_task], timeout_s=0.5) == []
     assert bob.result_stream(0, timeout_s=0.5)[0] == []
+    assert bob.result_cursor() == 0, "bob's cursor reveals nothing about alice's results"
+    assert mesh.client.result_cursor() > 0
     for method, path, body in (("GET", f"/v1/endpoints/{ep}/shares", None), ("PUT", f"/v1/endpoints/{ep}/shares/bob", None),
                                ("PUT", f"/v1/endpoints/{ep}/allowed-functions", {"function_ids": [fid_bob]}),
                                ("GET", f"/v1/endpoints/{ep}/allowed-functions", None), ("DELETE", f"/v1/endpoints/{ep}", None)):
@@ -319,6 +322,60 @@ def test_another_users_token_sees_and_uses_nothing_until_shared(mesh: LocalMesh,
     refused(409, lambda: bob.submit("auto", fid_bob, str(marker)), "none of your endpoints")
     assert bob.list_endpoints() == []
     bob.close()
+
+
+class Loot:
+    """A result type only a pickle can carry (its class is named in the stream)."""
+
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+
+def returns_loot(v: int) -> Loot:
+    return Loot(v)
+
+
+def returns_plain(v: int) -> dict:
+    return {"v": v, "raw": b"\x00\x01", "t": (1, 2.5)}
+
+
+def raises_value_error() -> None:
+    raise ValueError("boom on the shared endpoint")
+
+
+def test_results_from_another_users_endpoint_are_not_unpickled_unless_trusted(mesh: LocalMesh) -> None:
+    """Issue 13 item 5: a result from an endpoint the user does not own could be a crafted pickle
+    that runs code on the user's machine. Plain data decodes without pickle; anything else is
+    refused with a clear error, unless the user marks that endpoint trusted."""
+    alice = mesh.client
+    agent = mesh.add_agent("alices-shared-pi", "mqtt")
+    mesh.wait_online(agent)
+    ep = agent.endpoint_id
+    bob_token = _token_for(mesh, "bob")
+    alice.request("PUT", f"/v1/endpoints/{ep}/shares/bob")
+    bob = Client(mesh.url, bob_token)
+    try:
+        with Executor(bob, ep) as ex:
+            assert ex.submit(returns_plain, 3).result(30) == {"v": 3, "raw": b"\x00\x01", "t": (1, 2.5)}
+            with pytest.raises(UntrustedResult) as info:
+                ex.submit(returns_loot, 4).result(30)
+            msg = str(info.value)
+            assert ep in msg and "not yours" in msg and "trusted_endpoints" in msg and "runs code" in msg
+            with pytest.raises(RemoteExecutionError) as err:  # the remote exception, not its pickle
+                ex.submit(raises_value_error).result(30)
+            assert err.value.remote_type.endswith("ValueError") and "boom on the shared endpoint" in str(err.value)
+        with pytest.raises(UntrustedResult):
+            bob.get_result(bob.submit(ep, bob.register_function(returns_loot), 5), timeout_s=30)
+        trusting = Client(mesh.url, bob_token, trusted_endpoints=[ep])
+        with Executor(trusting, ep) as ex:
+            assert ex.submit(returns_loot, 6).result(30).v == 6
+            with pytest.raises(ValueError, match="boom on the shared endpoint"):
+                ex.submit(raises_value_error).result(30)
+        trusting.close()
+        with Executor(alice, ep) as ex:  # the owner's own results are unpickled as always
+            assert ex.submit(returns_loot, 7).result(30).v == 7
+    finally:
+        bob.close()
 
 
 def test_allow_lists_at_submit_and_on_the_device(mesh: LocalMesh, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from cloud_hub.broker import find_mosquitto
 from cloud_hub.localmesh import AgentProcess, LocalMesh
-from fl import FedAvg, FedBuff, Federation, Hierarchical
+from fl import FedAvg, FedBuff, Federation, FederationError, Hierarchical
 from fl.data import load_client_data, load_test_data
 from fl.localmesh import add_digits_agents
 from fl.strategies import weighted_average
@@ -257,8 +257,12 @@ def test_too_few_updates_extend_then_skip_with_a_clear_record(fl_mesh: _Mesh) ->
             victim.kill()
 
     fed = Federation(fl_mesh.mesh.client, fl_mesh.ids)
-    hist = fed.fit(_mlp(), "digits", rounds=2, strategy=FedAvg(), local_epochs=1, deadline_s=3, min_clients=N,
-                   max_extensions=1, extension_s=2, trainer=TRAINER, eval_data=load_test_data(), on_round_start=kill)
+    # no round trained: the run fails loudly (issue 17), with the reason, and keeps its records
+    with pytest.raises(FederationError, match="no round trained in 2 round"):
+        fed.fit(_mlp(), "digits", rounds=2, strategy=FedAvg(), local_epochs=1, deadline_s=3, min_clients=N,
+                max_extensions=1, extension_s=2, trainer=TRAINER, eval_data=load_test_data(), on_round_start=kill)
+    assert fed.driver is not None
+    hist = fed.driver.history
     r1, r2 = hist
     # round 1: four updates, five needed: the deadline was extended once, then the round skipped
     assert r1.extra["skipped"] is True and r1.extra["extensions"] == 1 and r1.extra["deadline_reached"] is True
@@ -267,7 +271,10 @@ def test_too_few_updates_extend_then_skip_with_a_clear_record(fl_mesh: _Mesh) ->
     # round 2: the dead device is offline now, so too few clients even to start the round
     assert r2.extra["skipped"] is True and "only 4 clients available, need 5" in r2.extra["reason"]
     # the model was never averaged from too few updates
-    assert all(np.array_equal(a, b) for a, b in zip(fed.final_weights, [w.detach().numpy() for w in _mlp().state_dict().values()]))
+    final = decode_weights(fl_mesh.mesh.client.fl_checkpoint(fed.run_id)["weights"])
+    assert all(np.array_equal(a, b) for a, b in zip(final, [w.detach().numpy() for w in _mlp().state_dict().values()]))
     assert r1.accuracy == r2.accuracy == hist.metadata["initial_eval"]["accuracy"]
-    stored = fl_mesh.mesh.client.fl_run(fed.run_id)["rounds"]
+    run = fl_mesh.mesh.client.fl_run(fed.run_id)
+    assert run["status"] == "failed" and "only 4 clients available, need 5" in run["error"]
+    stored = run["rounds"]
     assert [r["extra"]["reason"] for r in stored] == [r1.extra["reason"], r2.extra["reason"]]

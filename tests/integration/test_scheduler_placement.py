@@ -1,7 +1,7 @@
 """endpoint="auto" with two real agents: the hub's scheduler learns which one is faster.
 
 Both agents have two workers; the function genuinely runs 4x longer on the one named "slow"
-(it looks at its agent's command line), the way a Pi is slower than a laptop for the same
+(it reads the endpoint name the agent gives its workers), the way a Pi is slower than a laptop for the same
 call. The scheduler is told nothing about that: it has to measure it.
 """
 
@@ -24,8 +24,7 @@ def work(x: int) -> int:
     import os
     import time
 
-    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:  # the agent process that runs us
-        slow = b"slow.yaml" in f.read()
+    slow = os.environ.get("MESH_ENDPOINT_NAME") == "slow"  # the agent tells its workers who they are
     time.sleep(0.2 if slow else 0.05)
     return x
 

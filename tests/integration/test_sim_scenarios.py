@@ -25,6 +25,8 @@ FAULTS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "broker-restart": lambda r: r["faults"]["broker_restarts"] >= 2,
     "hub-restart": lambda r: r["faults"]["hub_restarts"] >= 2,
     "flapping": lambda r: r["faults"]["link_outages"] >= 8,
+    # two sites behind gateways (docs/sites.md): uplinks and LAN links cut, gateway A power-cut
+    "village": lambda r: r["faults"]["agent_kills"] >= 1 and r["faults"]["link_outages"] >= 8,
 }
 
 

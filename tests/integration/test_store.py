@@ -136,6 +136,8 @@ async def test_result_stream_order_expiry_and_pruning(store: SqliteStore) -> Non
     assert [r["task_id"] for r in rows][:3] == ["t00003", "t00001", "t00004"]
     assert [r["seq"] for r in rows] == sorted(r["seq"] for r in rows)
     assert await store.last_result_seq() == rows[-1]["seq"]
+    assert await store.last_result_seq(uid) == rows[-1]["seq"]
+    assert await store.last_result_seq("u_other") == 0, "a user's cursor says nothing about others' results"
     assert [r["task_id"] for r in await store.results_after(uid, rows[1]["seq"], 1)] == ["t00004"]
     assert await store.prune_results(time.time() + 1) == 5
     assert await store.results_after(uid, 0, 100) == [] and await store.task_counts(uid) == {"leased": 2}
@@ -239,3 +241,27 @@ async def test_count_leased_and_unlease_after_a_failed_send(store: SqliteStore) 
     assert await store.task_counts(uid) == {"acked": 1, "queued": 4}
     again, _ = await store.lease(ep, 10, 30.0, 1 << 20)
     assert [t["id"] for t in again] == ["t00001", "t00002", "t00003", "t00004"]
+
+
+async def test_submit_key_is_stored_with_its_tasks_and_a_second_insert_fails_whole(open_store: Callable[[], SqliteStore]) -> None:
+    """Idempotent submission on both backends: the key row commits with the tasks; two replicas
+    racing the same key insert once, and the loser's tasks are rolled back with its key row."""
+    a, b = await open_store().open(), await open_store().open()
+    try:
+        uid = await a.create_user("alice")
+        await a.put_function(uid, FID, b"body", "f")
+        ep = await _endpoint(a, uid)
+        rows = _tasks(uid, ep, 3)
+        await a.insert_tasks(rows, also=lambda db: a.put_submit_key(db, uid, "key-00001", "h1", [r["id"] for r in rows], [ep] * 3, time.time()))
+        assert await b.submit_key(uid, "key-00001") == ("h1", [r["id"] for r in rows], [ep] * 3)
+        assert await b.submit_key(uid, "key-00002") is None
+        other = _tasks(uid, ep, 3, start=10)
+        with pytest.raises(Exception):
+            await b.insert_tasks(other, also=lambda db: b.put_submit_key(db, uid, "key-00001", "h2", [r["id"] for r in other], [ep] * 3, time.time()))
+        assert await a.submit_key(uid, "key-00001") == ("h1", [r["id"] for r in rows], [ep] * 3)
+        assert (await a.list_endpoints(endpoint_id=ep))[0]["queued"] == 3, "the loser's tasks were rolled back"
+        await a.prune_results(time.time() + 1)
+        assert await a.submit_key(uid, "key-00001") is None, "keys expire with results"
+    finally:
+        await a.close()
+        await b.close()

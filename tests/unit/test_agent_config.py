@@ -11,7 +11,7 @@ from mesh_agent.config import AgentConfig, ConfigError, Credentials, load_config
 
 
 def _cfg(tmp_path: Path) -> AgentConfig:
-    return AgentConfig(endpoint_id="ep-1", name="pi", hub_url="http://hub", data_dir=tmp_path / "q", credentials_file=tmp_path / "creds.json")
+    return AgentConfig(endpoint_id="ep-1", name="pi", hub_url="http://127.0.0.1:8700", data_dir=tmp_path / "q", credentials_file=tmp_path / "creds.json")
 
 
 def test_config_and_credentials_round_trip_with_mode_0600(tmp_path: Path) -> None:

@@ -82,7 +82,7 @@ def test_missing_loader_module_is_a_clear_error(endpoint_env, tmp_path: Path) ->
 
 
 def _write(tmp_path: Path, datasets_value: Any) -> Path:
-    cfg = AgentConfig(endpoint_id="ep-1", name="pi", hub_url="http://hub", data_dir=tmp_path / "q",
+    cfg = AgentConfig(endpoint_id="ep-1", name="pi", hub_url="http://127.0.0.1:8700", data_dir=tmp_path / "q",
                       credentials_file=tmp_path / "creds.json")
     Credentials(endpoint_id="ep-1", key="ab" * 32).save(cfg.credentials_file)
     raw = yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json")))

@@ -5,11 +5,16 @@ import pytest
 
 from fl.strategies import (
     ClientUpdate,
+    FedAdagrad,
+    FedAdam,
     FedAsync,
     FedAvg,
     FedBuff,
     FedProx,
+    FedYogi,
     Hierarchical,
+    Krum,
+    TrimmedMean,
     polynomial_staleness,
     proximal_term,
     validate_update,
@@ -224,3 +229,116 @@ def test_fedbuff_server_lr_normalize_and_unknown_base():
 def test_validate_update_ok():
     assert validate_update(U("a", W(1, 2, 3), 1), CUR) is None
     assert "integer" in validate_update(U("a", W(1, 2, 3), "x"), CUR)
+
+
+# ---------------------------------------------------------------------------- FedOpt
+def test_fedopt_first_steps_hand_computed():
+    ups = [U("a", W(1, -2, 0.5), 1), U("b", W(3, -2, 0.5), 1)]  # mean delta from CUR: [2, -2, 0.5]
+    d = np.array([2.0, -2.0, 0.5])
+    tau = 1e-3
+    # Adagrad (beta_1 = 0): m = d, v = d^2 -> w = eta * d / (|d| + tau)
+    s = FedAdagrad(eta=0.1, tau=tau)
+    out = np.concatenate(s.aggregate(1, ups, CUR))
+    np.testing.assert_allclose(out, 0.1 * d / (np.abs(d) + tau), rtol=1e-6)
+    # second step, same delta again from the new weights: v = 2 d^2
+    cur2 = s.aggregate(1, ups, CUR)  # (restart from CUR for a clean hand computation)
+    assert s.steps == 2
+    np.testing.assert_allclose(np.concatenate(cur2), 0.1 * d / (np.sqrt(2 * d * d) + tau), rtol=1e-6)
+    # Adam: m = 0.1 d, v = 0.01 d^2 -> w = eta * 0.1 d / (0.1 |d| + tau)
+    s = FedAdam(eta=0.1, tau=tau)
+    np.testing.assert_allclose(np.concatenate(s.aggregate(1, ups, CUR)), 0.1 * 0.1 * d / (0.1 * np.abs(d) + tau), rtol=1e-6)
+    # Yogi: v0 = tau^2, v1 = tau^2 + 0.01 d^2 (d^2 > v0)
+    s = FedYogi(eta=0.1, tau=tau)
+    v1 = tau ** 2 + 0.01 * d * d
+    np.testing.assert_allclose(np.concatenate(s.aggregate(1, ups, CUR)), 0.1 * 0.1 * d / (np.sqrt(v1) + tau), rtol=1e-6)
+    # Adam with bias correction: eta * sqrt(1 - b2) / (1 - b1)
+    s = FedAdam(eta=0.1, tau=tau, bias_correction=True)
+    eta1 = 0.1 * np.sqrt(1 - 0.99) / (1 - 0.9)
+    np.testing.assert_allclose(np.concatenate(s.aggregate(1, ups, CUR)), eta1 * 0.1 * d / (0.1 * np.abs(d) + tau), rtol=1e-6)
+
+
+def test_fedopt_keeps_fedavg_checks_and_integer_tensors():
+    s = FedAdam(min_clients=2)
+    assert s.aggregate(1, [U("a", W(1, 1, 1), 1)], CUR) is None and "min_clients=2" in s.last_report.reason
+    assert s.m is None  # no step was taken
+    cur = [np.zeros(2, np.float32), np.array(4, np.int64)]
+    out = FedYogi().aggregate(1, [ClientUpdate("a", [np.ones(2, np.float32), np.array(6, np.int64)], 1),
+                                  ClientUpdate("b", [np.ones(2, np.float32), np.array(8, np.int64)], 1)], cur)
+    assert out[1].dtype == np.float64 and out[1] == 7.0  # averaged as FedAvg does (torch_support rounds it back)
+    for bad in ({"eta": 0}, {"tau": 0}, {"beta_1": 1.0}, {"beta_2": -0.1}):
+        with pytest.raises(ValueError):
+            FedAdam(**bad)
+
+
+# ---------------------------------------------------------------------------- robust aggregation
+def test_trimmed_mean_drops_extremes_per_coordinate_unweighted():
+    ups = [U(c, W(v, -v, v), n) for c, v, n in (("a", 1, 1), ("b", 2, 50), ("c", 3, 1), ("d", 4, 1), ("e", 100, 1))]
+    s = TrimmedMean(beta=0.2)
+    out = s.aggregate(1, ups, CUR)
+    np.testing.assert_allclose(np.concatenate(out), [3, -3, 3])  # mean of 2, 3, 4 in each coordinate
+    assert s.last_trimmed == 1 and s.last_report.accepted == ["a", "b", "c", "d", "e"]
+    np.testing.assert_allclose(np.concatenate(TrimmedMean(beta=0.0).aggregate(1, ups, CUR)), [22, -22, 22])
+    with pytest.raises(ValueError):
+        TrimmedMean(beta=0.5)
+
+
+def test_krum_keeps_the_most_central_update_and_names_the_rest():
+    close = [U(f"h{i}", W(1 + 0.01 * i, 1, 1), 10) for i in range(4)]
+    attacker = U("bad", W(-50, -50, -50), 1000)
+    s = Krum(num_byzantine=1)
+    out = s.aggregate(1, close + [attacker], CUR)
+    assert len(s.last_report.accepted) == 1 and s.last_report.accepted[0].startswith("h")
+    assert "not selected by Krum" in s.last_report.dropped_reasons["bad"]
+    np.testing.assert_allclose(out[1], [1.0])
+    # multi-Krum (m = n - f): the four honest ones, averaged by samples
+    m = Krum(num_byzantine=1, num_selected=None)
+    np.testing.assert_allclose(np.concatenate(m.aggregate(1, close + [attacker], CUR)), [1.015, 1, 1], rtol=1e-6)
+    assert sorted(m.last_report.accepted) == ["h0", "h1", "h2", "h3"] and m.last_report.num_samples == 40
+    # too few for the assumed number of Byzantine clients: no model, with the reason
+    k2 = Krum(num_byzantine=2)
+    assert k2.aggregate(1, close + [attacker], CUR) is None and "needs 7" in k2.last_report.reason
+
+
+def _softmax_train(w, X, y, steps=20, lr=0.5):
+    Wt, b = (np.array(p, np.float64) for p in w)
+    for _ in range(steps):
+        z = X @ Wt + b
+        p = np.exp(z - z.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        p[np.arange(len(y)), y] -= 1
+        Wt -= lr * X.T @ p / len(y)
+        b -= lr * p.mean(0)
+    return [Wt.astype(np.float32), b.astype(np.float32)]
+
+
+def _federated_accuracy(strategy, flip: float, rounds: int = 10) -> float:
+    """5 clients, non-IID digits (Dirichlet 0.5, seed 0), softmax regression; client 0 sends
+    ``-flip`` times its update (sign flipping). Test accuracy of the final global model."""
+    from fl.data import load_client_data, load_test_data
+
+    data = [load_client_data(k, 5, scheme="dirichlet", alpha=0.5, seed=0) for k in range(5)]
+    Xt, yt = load_test_data()
+    w = [np.zeros((64, 10), np.float32), np.zeros(10, np.float32)]
+    for r in range(1, rounds + 1):
+        ups = []
+        for k, (X, y) in enumerate(data):
+            new = _softmax_train(w, X, y)
+            if k == 0 and flip:
+                new = [c - flip * (a - c) for a, c in zip(new, w)]
+            ups.append(ClientUpdate(f"c{k}", new, len(y)))
+        w = strategy.aggregate(r, ups, w)
+        assert w is not None
+    return float(((Xt @ w[0] + w[1]).argmax(1) == yt).mean())
+
+
+def test_sign_flipping_client_fedavg_degrades_trimmed_mean_and_krum_hold():
+    honest = _federated_accuracy(FedAvg(), 0)
+    assert honest > 0.9
+    attacked = _federated_accuracy(FedAvg(), 10)
+    trimmed = _federated_accuracy(TrimmedMean(beta=0.2), 10)
+    multi_krum = _federated_accuracy(Krum(num_byzantine=1, num_selected=None), 10)
+    assert attacked < 0.5, attacked  # one client in five wrecks the average
+    assert trimmed > 0.75 and trimmed - attacked > 0.4, (trimmed, attacked)
+    assert multi_krum > 0.9, multi_krum  # it drops the attacker every round
+    for opt in (FedAdam(), FedYogi(), FedAdagrad()):  # and the server optimizers train (no attacker)
+        assert _federated_accuracy(opt, 0) > 0.9, opt.name

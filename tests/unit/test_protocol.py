@@ -93,7 +93,7 @@ def test_encode_matches_golden_frame(vec: dict[str, Any]) -> None:
     assert encode(envelope_of(vec), bytes.fromhex(vec["key"])) == frame_of(vec)
 
 
-KIND_CODE = {"hello": 1, "welcome": 2, "fetch": 3, "tasks": 4, "ack": 5, "results": 6, "result_ack": 7, "heartbeat": 8, "error": 9}
+KIND_CODE = {"hello": 1, "welcome": 2, "fetch": 3, "tasks": 4, "ack": 5, "results": 6, "result_ack": 7, "heartbeat": 8, "error": 9, "gone": 10}
 
 
 def documented_header(endpoint: str, kind: str, msg_id: str, ts: float, exp: float) -> bytes:
@@ -317,7 +317,7 @@ def test_unknown_body_keys_are_ignored() -> None:
 def test_unknown_kind_code_and_empty_message_id_are_bad_frame() -> None:
     good = _signed(msgpack.packb({"want": 1}))
     pos = 4 + len(EP)
-    for code in (0, 10, 255):
+    for code in (0, 11, 127, 128, 255):  # 0x80 is the compression flag: 128 is kind 0, 255 kind 127
         bad = bytearray(good)
         bad[pos] = code
         with pytest.raises(BadFrame, match="unknown message kind"):
@@ -362,7 +362,7 @@ def test_replay_guard_is_per_endpoint() -> None:
 
 def test_directions_partition_the_kinds() -> None:
     assert UP_KINDS | DOWN_KINDS == set(Kind) and not UP_KINDS & DOWN_KINDS
-    assert sorted(KIND_CODES.values()) == list(range(1, 10))
+    assert sorted(KIND_CODES.values()) == list(range(1, 11))
 
 
 # ---------------------------------------------------------------------------------- freshness

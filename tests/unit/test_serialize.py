@@ -135,28 +135,37 @@ def _make_closure() -> Any:
     return add_offset
 
 
-def test_lambda_and_closure_as_data_use_dill() -> None:
+def test_lambda_and_closure_as_data_use_cloudpickle() -> None:
     for fn, arg, want in ((lambda x: x * 2, 4, 8), (_make_closure(), 1, 11)):
         blob = serialize(fn)
-        assert method_of(blob) == "dill"
+        assert method_of(blob) == "cloudpickle"
         assert deserialize(blob)(arg) == want
 
 
-def test_local_class_instance_uses_dill() -> None:
+def test_local_class_instance_uses_cloudpickle() -> None:
     class Point:
         def __init__(self, x: int) -> None:
             self.x = x
 
     blob = serialize(Point(3))
-    assert method_of(blob) == "dill"
+    assert method_of(blob) == "cloudpickle"
     assert deserialize(blob).x == 3
 
 
-def test_serialize_function_uses_dill_by_value() -> None:
+def test_serialize_function_uses_cloudpickle_by_value() -> None:
     for fn, arg, want in ((lambda x: x + 1, 1, 2), (_make_closure(), 5, 15), (math.sqrt, 9.0, 3.0)):
         blob = serialize_function(fn)
-        assert method_of(blob) == "dill"
+        assert method_of(blob) == "cloudpickle"
         assert deserialize_function(blob)(arg) == want
+
+
+def test_dill_blobs_still_load_and_dill_is_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cloudpickle
+
+    assert deserialize(b"dill\n" + dill.dumps(lambda x: x * 3, recurse=True))(2) == 6
+    monkeypatch.setattr(cloudpickle, "dumps", lambda *a, **k: (_ for _ in ()).throw(TypeError("no")))
+    blob = serialize_function(_make_closure())
+    assert method_of(blob) == "dill" and deserialize_function(blob)(1) == 11
 
 
 def test_unserializable_value_is_serialization_error() -> None:
@@ -178,7 +187,10 @@ def dill_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*a: Any, **k: Any) -> bytes:
         raise TypeError("dill refuses this object")
 
+    import cloudpickle
+
     monkeypatch.setattr(dill, "dumps", refuse)
+    monkeypatch.setattr(cloudpickle, "dumps", refuse)
 
 
 def test_source_fallback_when_dill_fails(dill_refuses: None) -> None:
@@ -205,13 +217,17 @@ def test_source_without_source_is_serialization_error(dill_refuses: None) -> Non
         serialize_function(ns["made_at_runtime"])
 
 
-def test_source_fallback_of_lambda_fails_at_load_with_serialization_error(dill_refuses: None) -> None:
-    """Documented limitation: a lambda's source does not define a name, so loading it fails cleanly."""
+def test_a_lambda_is_never_sent_as_source_text(dill_refuses: None) -> None:
+    """A lambda's "source" is the whole line around it, which cannot be rebuilt on the endpoint:
+    when the code serializers refuse it, the caller hears so at once, in the client."""
     f = lambda x: x  # noqa: E731
-    blob = serialize_function(f)
-    assert method_of(blob) == "source"
+    with pytest.raises(SerializationError, match="cannot send function"):
+        serialize_function(f)
+
+
+def test_source_text_that_defines_nothing_fails_at_load_with_serialization_error() -> None:
     with pytest.raises(SerializationError, match="does not define"):
-        deserialize_function(blob)
+        deserialize_function(b"source\nf\ng = 1\n")
 
 
 def test_source_blob_format_by_hand() -> None:
@@ -255,7 +271,7 @@ def test_function_id_covers_the_header() -> None:
 # ---------------------------------------------------------------------------------- headers and errors
 @pytest.mark.parametrize(
     ("blob", "method"),
-    [(b"json\n1", "json"), (b"pickle\n", "pickle"), (b"dill\n", "dill"), (b"source\n", "source"), (bytearray(b"json\n[]"), "json")],
+    [(b"json\n1", "json"), (b"pickle\n", "pickle"), (b"cloudpickle\n", "cloudpickle"), (b"dill\n", "dill"), (b"source\n", "source"), (bytearray(b"json\n[]"), "json")],
 )
 def test_method_of(blob: bytes, method: str) -> None:
     assert method_of(blob) == method
@@ -368,3 +384,39 @@ def test_error_dict_without_exception_is_json() -> None:
 def test_lone_surrogates_fall_back_to_pickle(value: Any) -> None:
     blob = serialize(value)
     assert deserialize(blob) == value
+
+
+def test_a_lambda_over_a_socket_names_the_socket_not_the_surrounding_line() -> None:
+    """Issue 13 item 5: the source fallback used to send the whole line around a lambda, and the
+    endpoint failed with "name 'record' is not defined"."""
+    import socket
+
+    from mesh_agent.protocol import SerializationError, serialize_function
+
+    s = socket.socket()
+    try:
+        with pytest.raises(SerializationError) as info:
+            record = serialize_function(lambda: s.send(b"x"))  # noqa: F841
+        msg = str(info.value)
+        assert "'s'" in msg and "socket.socket" in msg and "inside the function" in msg
+        assert "record" not in msg
+    finally:
+        s.close()
+
+
+def test_a_closure_never_falls_back_to_source_text() -> None:
+    import socket
+
+    from mesh_agent.protocol import SerializationError, serialize_function
+
+    def make(conn: socket.socket):  # type: ignore[no-untyped-def]
+        def send_it() -> int:
+            return conn.send(b"x")
+        return send_it
+
+    s = socket.socket()
+    try:
+        with pytest.raises(SerializationError, match="'conn'"):
+            serialize_function(make(s))
+    finally:
+        s.close()

@@ -29,7 +29,7 @@ def test_reference_on_an_endpoint_without_staging_fails_the_task_clearly(monkeyp
 
 
 def test_staging_config_without_client_credentials_is_refused(tmp_path: Path) -> None:
-    cfg = AgentConfig(endpoint_id="ep-1", name="pi", hub_url="http://hub", data_dir=tmp_path / "q", credentials_file=tmp_path / "c.json",
+    cfg = AgentConfig(endpoint_id="ep-1", name="pi", hub_url="http://127.0.0.1:8700", data_dir=tmp_path / "q", credentials_file=tmp_path / "c.json",
                       globus=GlobusStaging(local_collection="pi", local_root=tmp_path))
     cfg.save(tmp_path / "agent.yaml")
     Credentials(endpoint_id="ep-1", key="ab" * 32).save(cfg.credentials_file)

@@ -67,6 +67,8 @@ MESSAGES: list[tuple[str, Kind, str, dict[str, Any]]] = [
         "warm": [FN_ID], "cpu": 12.5, "mem_used": 41.25, "mem_avail_mb": 3072,
     }),
     ("error", Kind.ERROR, "000000000000000000000009", {"code": "hello_required", "message": "no session; say hello"}),
+    # The agent's MQTT will (docs/protocol.md, "Liveness"): ends the session whose hello carried this conn.
+    ("gone", Kind.GONE, "00000000000000000000000a", {"conn": "0011223344556677"}),
 ]
 
 

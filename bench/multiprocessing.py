@@ -1,0 +1,180 @@
+"""Overheads of cloud_hub.client.multiprocessing next to the standard library's, in one run (issue 12).
+
+One mesh as deployed on loopback (Mosquitto, the hub as its own ``mesh-hub serve`` process, two
+agents, one MQTT and one ZeroMQ, 3 workers each) and a redis-server of its own on a free port.
+Measured, each beside the standard library's ``multiprocessing`` on this machine:
+
+- fork-join overhead: ``Pool.map(time.sleep, [S] * N)`` wall time minus S, for N workers (cold:
+  the first map of a new Pool, counting Pool creation; warm: median of later maps);
+- Pipe round-trip latency by payload size (driver -> remote echo Process -> driver), p50;
+- Pipe and Queue throughput, MB/s, driver -> one remote consumer.
+
+Next to the Lithops paper's figures (FGCS 2023): about 1 s fork-join at low parallelism, under
+1 ms Redis Pipe latency below 1 KB, about 90 MB/s Pipe throughput.
+
+    .venv/bin/python bench/multiprocessing.py [--sleep 0.5] [--rounds 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+_BENCH = Path(__file__).resolve().parent
+sys.path[:] = [str(_BENCH.parent)] + [p for p in sys.path if (Path(p).resolve() if p else Path.cwd()) != _BENCH]
+
+import multiprocessing as std  # noqa: E402  (after the path fix: this file has the same name)
+
+from cloud_hub.client import Client  # noqa: E402
+from cloud_hub.client import multiprocessing as mesh  # noqa: E402
+from cloud_hub.localmesh import LocalMesh  # noqa: E402
+from tests.unit.test_mp_proxies import RedisServer  # noqa: E402
+
+LITHOPS = {"fork_join_overhead_s_low_parallelism": 1.0, "pipe_latency_ms_below_1KB": "< 1", "pipe_throughput_MBps": 90}
+
+
+def echo(conn: Any, n: int) -> None:
+    for _ in range(n):
+        conn.send_bytes(conn.recv_bytes())
+
+
+def sink(conn: Any, n: int, ack: Any) -> None:
+    for _ in range(n):
+        conn.recv_bytes()
+    ack.send(b"done")
+
+
+def drain(q: Any, n: int, done: Any) -> None:
+    for _ in range(n):
+        q.get()
+    done.put("done")
+
+
+def fork_join(mod: Any, n: int, sleep_s: float, repeats: int) -> dict[str, float]:
+    t0 = time.perf_counter()
+    with mod.Pool(n) as pool:
+        pool.map(time.sleep, [sleep_s] * n, chunksize=1)
+        cold = time.perf_counter() - t0 - sleep_s
+        warm = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            pool.map(time.sleep, [sleep_s] * n, chunksize=1)
+            warm.append(time.perf_counter() - t - sleep_s)
+    return {"cold_s": round(cold, 4), "warm_s": round(statistics.median(warm), 4)}
+
+
+def pipe_latency(mod: Any, size: int, rounds: int) -> float:
+    a, b = mod.Pipe()
+    p = mod.Process(target=echo, args=(b, rounds + 1))
+    p.start()
+    payload = os.urandom(size)
+    a.send_bytes(payload)  # warm-up: the remote process is running once this comes back
+    a.recv_bytes()
+    rtts = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        a.send_bytes(payload)
+        a.recv_bytes()
+        rtts.append(time.perf_counter() - t)
+    p.join(60)
+    return round(statistics.median(rtts) * 1000, 4)
+
+
+def pipe_throughput(mod: Any, size: int, count: int) -> float:
+    a, b = mod.Pipe()
+    ack_r, ack_w = mod.Pipe()
+    p = mod.Process(target=sink, args=(b, count, ack_w))
+    p.start()
+    payload = os.urandom(size)
+    t = time.perf_counter()
+    for _ in range(count):
+        a.send_bytes(payload)
+    ack_r.recv_bytes()
+    dt = time.perf_counter() - t
+    p.join(60)
+    return round(size * count / dt / 1e6, 2)
+
+
+def queue_throughput(mod: Any, size: int, count: int) -> float:
+    q, done = mod.Queue(), mod.Queue()
+    p = mod.Process(target=drain, args=(q, count, done))
+    p.start()
+    payload = os.urandom(size)
+    t = time.perf_counter()
+    for _ in range(count):
+        q.put(payload)
+    done.get(timeout=300)
+    dt = time.perf_counter() - t
+    p.join(60)
+    return round(size * count / dt / 1e6, 2)
+
+
+def wordcount(m: LocalMesh, redis: RedisServer) -> dict[str, Any]:
+    """The word count of tests/integration/test_multiprocessing.py (6 maps of 20,000 words, 3
+    reducers) over both agents: shuffle through refs vs every byte through the SDK."""
+    from tests.integration import test_multiprocessing as wc
+
+    class _Env:
+        mesh, redis = m, None
+
+    env = _Env()
+    env.redis = redis
+    res: dict[str, Any] = {}
+    for name, run in (("through_sdk", wc.wordcount_via_sdk), ("through_refs", wc.wordcount_via_refs)):
+        t = time.perf_counter()
+        got = run(env)  # type: ignore[arg-type]
+        res[name] = {"end_to_end_s": round(time.perf_counter() - t, 3), "sdk_http_bytes": got[1]}
+        if name == "through_refs":
+            res[name]["result_bytes_fetched_with_get"] = got[2]
+    res["sdk_bytes_ratio"] = round(res["through_sdk"]["sdk_http_bytes"] / max(1, res["through_refs"]["sdk_http_bytes"]), 1)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sleep", type=float, default=0.5)
+    ap.add_argument("--rounds", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=3)
+    opts = ap.parse_args()
+    out: dict[str, Any] = {"bench": "multiprocessing", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+                           "lithops_paper": LITHOPS, "setup": "loopback: hub process, Mosquitto, 1 MQTT + 1 ZeroMQ agent x 3 workers, own redis-server"}
+    with tempfile.TemporaryDirectory() as tmp:
+        redis = RedisServer(Path(tmp))
+        m = LocalMesh(Path(tmp) / "mesh", heartbeat_s=1.0, hub_process=True)
+        m.start()
+        try:
+            m.add_agent("mp-mqtt", "mqtt", workers=3)
+            m.add_agent("mp-zmq", "zmq", workers=3)
+            m.wait_online(timeout=90)
+            mesh.config(client=Client(m.url, m.token), redis_url=redis.url)
+            out["fork_join_overhead"] = {str(n): {"mesh": fork_join(mesh, n, opts.sleep, opts.repeats),
+                                                  "stdlib": fork_join(std, n, opts.sleep, opts.repeats)} for n in (1, 2, 4, 6)}
+            out["pipe_rtt_p50_ms"] = {str(s): {"mesh": pipe_latency(mesh, s, opts.rounds), "stdlib": pipe_latency(std, s, opts.rounds)}
+                                      for s in (64, 1024, 65536, 1 << 20)}
+            out["pipe_throughput_MBps"] = {"1MiB x 64": {"mesh": pipe_throughput(mesh, 1 << 20, 64), "stdlib": pipe_throughput(std, 1 << 20, 64)}}
+            out["wordcount_map_shuffle_reduce"] = wordcount(m, redis)
+            out["queue_throughput_MBps"] = {
+                "1KiB x 5000": {"mesh": queue_throughput(mesh, 1024, 5000), "stdlib": queue_throughput(std, 1024, 5000)},
+                "1MiB x 64": {"mesh": queue_throughput(mesh, 1 << 20, 64), "stdlib": queue_throughput(std, 1 << 20, 64)},
+            }
+        finally:
+            mesh._state.shutdown_executor()
+            m.stop()
+            redis.stop()
+    text = json.dumps(out, indent=2)
+    print(text)
+    (_BENCH / "results").mkdir(exist_ok=True)
+    (_BENCH / "results" / "multiprocessing.json").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""A site of N devices behind one uplink, with and without a site gateway, in one run (docs/sites.md).
+
+Both setups are real: the hub's Mosquitto and hub, N ``mesh-agent start`` device processes, and
+for the gateway setup one ``mesh-agent gateway`` process with its own site Mosquitto. The uplink
+is the emulator's counting fault proxy (:class:`sim.emulate.proxy.FaultProxy`) between the site
+and the hub's broker: without a gateway all N devices dial through it (N MQTT sessions), with a
+gateway only the gateway does (one session); the devices then dial the gateway on loopback (the
+LAN), which the proxy does not see. Every agent, devices and gateway, runs the ``metered`` profile
+(beats on change, MQTT keepalive from the hub's bound), the hub runs its shipped defaults.
+
+Measured, per setup:
+
+* **idle uplink bytes per day**: MQTT bytes through the proxy in both directions over
+  ``--idle-s`` of an idle, online site, scaled to a day; plus an estimate of what TCP/IP and TLS
+  add (bench/footprint.py's method: packets ~ 2 x proxy reads, 52 B TCP/IP each, 29 B TLS per
+  record). The TLS handshakes (one per session and reconnect) are not in it.
+* **tasks completed during an uplink outage** of ``--outage-s``: ``--tasks-per-device`` tasks of
+  ``--task-s`` seconds each are queued at the hub for every device; a few seconds later the uplink
+  is cut (reset) for the outage; then restored. Counted from the results' ``finished`` times (the
+  device's clock): tasks finished while the uplink was down. Without a gateway a device can only
+  work off what it already held (workers + prefetch); with one, also what the hub leased ahead to
+  the gateway (``--hold`` for the site).
+* FL uplink bytes per round, flat against hierarchical: **not measured** (hierarchical FL through a
+  gateway's LAN is not built; docs/sites.md says what is missing).
+
+Every loop is bounded; all processes are stopped on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import _common as c
+import sys
+
+# bench/ off the path once _common is in: bench/multiprocessing.py would shadow the standard library's.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != c.BENCH_DIR]
+
+DAY_S = 86400.0
+TCPIP_B = 52
+TLS_RECORD_B = 29
+
+
+def work(seconds: float) -> float:
+    import time as _t
+
+    _t.sleep(seconds)
+    return _t.time()
+
+
+class Uplink:
+    """A counting FaultProxy on its own event loop thread."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        from sim.emulate.proxy import FaultProxy
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="site-uplink", daemon=True)
+        self.thread.start()
+        self.proxy = asyncio.run_coroutine_threadsafe(FaultProxy("uplink", upstream).start(), self.loop).result(10)
+
+    @property
+    def port(self) -> int:
+        return self.proxy.port
+
+    def snapshot(self) -> dict[str, int]:
+        async def snap() -> dict[str, int]:
+            return dict(self.proxy.stats)
+
+        return asyncio.run_coroutine_threadsafe(snap(), self.loop).result(5)
+
+    def cut(self) -> None:
+        self.loop.call_soon_threadsafe(self.proxy.cut, "outage", "reset")
+
+    def restore(self) -> None:
+        self.loop.call_soon_threadsafe(self.proxy.restore, "outage")
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.proxy.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def _results(mesh: Any, ids: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for i in range(0, len(ids), 5000):
+        r = mesh.client._http.post("/v1/results/wait", json={"task_ids": ids[i : i + 5000], "timeout_s": 0})
+        r.raise_for_status()
+        out.update({x["task_id"]: x for x in r.json()["results"]})
+    return out
+
+
+def run_setup(gateway: bool, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    from cloud_hub.localmesh import AgentConfig, LocalMesh
+
+    name = "gateway" if gateway else "no_gateway"
+    workdir = root / name
+    out: dict[str, Any] = {"setup": name, "devices": args.devices}
+    with LocalMesh(workdir, heartbeat_s=5.0, lost_after_s=20.0, lease_s=30.0) as mesh:
+        up = Uplink(("127.0.0.1", mesh.broker.port))
+        try:
+            metered = {"profile": "metered"}
+            if gateway:
+                gw = mesh.add_gateway("gw", hold=args.hold, uplink_port=up.port, workers=1, **metered)
+                mesh.wait_online(gw, timeout=60)
+                devs = [mesh.add_site_device(f"dev{i}", gw, workers=1, prefetch=args.prefetch, **metered) for i in range(args.devices)]
+            else:
+                devs = []
+                for i in range(args.devices):
+                    d = mesh.add_agent(f"dev{i}", workers=1, prefetch=args.prefetch, start=False, **metered)
+                    cfg = AgentConfig.model_validate({**d.cfg.model_dump(), "mqtt": {**d.cfg.mqtt.model_dump(), "port": up.port}})
+                    cfg.save(d.config_path)
+                    d.cfg = cfg
+                    devs.append(d.start())
+            mesh.wait_online(*devs, timeout=120)
+            c.log(f"{name}: {len(devs)} devices online; settling {args.settle_s:.0f}s")
+            time.sleep(args.settle_s)
+            # --- idle
+            a = up.snapshot()
+            time.sleep(args.idle_s)
+            b = up.snapshot()
+            d = {k: b[k] - a.get(k, 0) for k in b}
+            mqtt_b = d["bytes_up"] + d["bytes_down"]
+            reads = d["reads_up"] + d["reads_down"]
+            scale = DAY_S / args.idle_s
+            out["idle"] = {
+                "window_s": args.idle_s,
+                "uplink_mqtt_bytes": mqtt_b,
+                "uplink_mqtt_bytes_per_day": round(mqtt_b * scale),
+                "uplink_bytes_per_day_incl_tcpip_tls": round((mqtt_b + 2 * reads * TCPIP_B + reads * TLS_RECORD_B) * scale),
+                "uplink_packets_per_day_est": round(2 * reads * scale),
+                "uplink_sessions": 1 if gateway else args.devices,
+            }
+            c.log(f"{name}: idle {out['idle']}")
+            # --- outage
+            client = mesh.client
+            fid = client.register_function(work)
+            ids = [client.submit(dv.endpoint_id, fid, args.task_s) for dv in devs for _ in range(args.tasks_per_device)]
+            time.sleep(args.lead_s)
+            cut_at = time.time()
+            up.cut()
+            c.log(f"{name}: uplink down for {args.outage_s:.0f}s")
+            time.sleep(args.outage_s)
+            restore_at = time.time()
+            up.restore()
+            deadline = time.monotonic() + args.drain_s
+            got: dict[str, Any] = {}
+            while time.monotonic() < deadline:
+                got = _results(mesh, ids)
+                if len(got) == len(ids):
+                    break
+                time.sleep(1.0)
+            during = sum(1 for r in got.values() if r.get("finished") and cut_at <= r["finished"] <= restore_at)
+            out["outage"] = {
+                "outage_s": args.outage_s, "tasks_queued": len(ids), "task_s": args.task_s,
+                "tasks_done_during_outage": during,
+                "results_after_drain": len(got), "drain_s": args.drain_s,
+                "failed": sum(1 for r in got.values() if not r["ok"]),
+            }
+            c.log(f"{name}: outage {out['outage']}")
+            if gateway:
+                out["site_leased"] = mesh.hub.hub.dispatcher.stats.get("site_leased", 0)  # type: ignore[union-attr]
+        finally:
+            up.close()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--devices", type=int, default=10)
+    p.add_argument("--idle-s", type=float, default=180.0)
+    p.add_argument("--settle-s", type=float, default=20.0)
+    p.add_argument("--outage-s", type=float, default=600.0)
+    p.add_argument("--lead-s", type=float, default=5.0, help="between queuing the work and cutting the uplink")
+    p.add_argument("--drain-s", type=float, default=240.0)
+    p.add_argument("--tasks-per-device", type=int, default=40)
+    p.add_argument("--task-s", type=float, default=2.0)
+    p.add_argument("--prefetch", type=int, default=4)
+    p.add_argument("--hold", type=int, default=200, help="tasks the hub may lease ahead to the gateway")
+    p.add_argument("--quick", action="store_true", help="3 devices, short windows: a smoke run")
+    p.add_argument("--setups", default="no_gateway,gateway", help="comma-separated: no_gateway,gateway (default both, in one run)")
+    p.add_argument("--keep", action="store_true", help="keep the working directory (logs of every agent and the gateway)")
+    p.add_argument("--no-save", action="store_true")
+    p.add_argument("--workdir", default=None)
+    args = p.parse_args()
+    if args.quick:
+        args.devices, args.idle_s, args.settle_s, args.outage_s, args.tasks_per_device, args.drain_s = 3, 20.0, 5.0, 30.0, 10, 90.0
+    started = time.monotonic()
+    out = c.header("site", args)
+    root = Path(tempfile.mkdtemp(prefix="bench-site-", dir=args.workdir))
+    setups = set(args.setups.split(","))
+    base: dict[str, Any] | None = None
+    site: dict[str, Any] | None = None
+    try:
+        if "no_gateway" in setups:
+            base = out["no_gateway"] = run_setup(False, args, root)
+        if "gateway" in setups:
+            site = out["gateway"] = run_setup(True, args, root)
+    finally:
+        if args.keep:
+            c.log(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    if base is None or site is None:
+        c.finish("site", out, args, started)
+        return
+    out["summary"] = {
+        "idle_uplink_bytes_per_day": {"no_gateway": base["idle"]["uplink_bytes_per_day_incl_tcpip_tls"],
+                                      "gateway": site["idle"]["uplink_bytes_per_day_incl_tcpip_tls"],
+                                      "ratio": c.ratio(base["idle"]["uplink_bytes_per_day_incl_tcpip_tls"],
+                                                       site["idle"]["uplink_bytes_per_day_incl_tcpip_tls"])},
+        "tasks_done_during_outage": {"no_gateway": base["outage"]["tasks_done_during_outage"],
+                                     "gateway": site["outage"]["tasks_done_during_outage"]},
+        "fl_uplink_bytes_per_round": "not measured: hierarchical FL through a gateway's LAN is not built (docs/sites.md)",
+    }
+    c.finish("site", out, args, started)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Base of every Redis-backed proxy: a connection per process, a reference count, an expiry.
+
+Why both a reference count and an expiry (as in Lithops): the count deletes a resource's keys as
+soon as the last proxy to it is garbage-collected, in the driver or on a worker; the expiry is the
+backstop for what the count cannot see (a SIGKILLed driver, a task that never ran, a pickled
+copy never loaded), so a crashed program leaks nothing for longer than ``ttl_s``.
+
+Counting rule: a proxy made in the program holds one reference; each copy *unpickled* elsewhere
+(on an agent's worker) takes one more and drops it when collected. A copy still in flight holds
+none, so dropping the last local proxy while tasks that use it are queued deletes the resource:
+keep it referenced until they are done (the stdlib program's natural shape).
+
+Redis goes down: each call retries with exponential backoff for ``MESH_REDIS_RETRY_S`` (10 s),
+then raises ``ConnectionError`` naming the address.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import threading
+import time
+import uuid
+import weakref
+from typing import Any, Callable, TypeVar
+
+__all__ = ["Resource", "connection", "retrying", "dumps", "loads"]
+
+T = TypeVar("T")
+_conns: dict[tuple[int, str], Any] = {}
+_conns_lock = threading.Lock()
+
+
+def connection(url: str) -> Any:
+    """One ``redis.Redis`` (its own pool) per process and URL; made again after a fork."""
+    key = (os.getpid(), url)
+    r = _conns.get(key)
+    if r is None:
+        try:
+            import redis
+        except ImportError as exc:  # the agent's core install has no redis client
+            raise ImportError("the mesh multiprocessing proxies need the 'redis' package on this machine: "
+                              "pip install 'continuum-mesh[mp]' (or pip install redis)") from exc
+        with _conns_lock:
+            r = _conns.get(key)
+            if r is None:
+                r = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
+                _conns[key] = r
+    return r
+
+
+def retrying(url: str, fn: Callable[[], T]) -> T:
+    """``fn()`` with backoff while Redis is unreachable; then one clear ``ConnectionError``."""
+    import redis
+
+    budget = float(os.environ.get("MESH_REDIS_RETRY_S", "10"))
+    deadline = time.monotonic() + budget
+    delay = 0.05
+    for _attempt in range(1000):
+        try:
+            return fn()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if time.monotonic() + delay > deadline:
+                raise ConnectionError(f"cannot reach Redis at {url} for {budget:g} s ({exc}); is redis-server running there "
+                                      "and reachable from the endpoints? (MESH_REDIS_URL / multiprocessing.config(redis_url=))") from None
+            time.sleep(delay * random.uniform(0.5, 1.5))
+            delay = min(delay * 2, 1.0)
+    raise ConnectionError(f"cannot reach Redis at {url}")
+
+
+def dumps(obj: Any) -> bytes:
+    """Items in queues, pipes, managed dicts: pickle, cloudpickle for what pickle refuses
+    (lambdas, classes of ``__main__``)."""
+    try:
+        return pickle.dumps(obj, protocol=5)
+    except Exception:
+        import cloudpickle
+
+        return cloudpickle.dumps(obj, protocol=5)
+
+
+loads = pickle.loads
+
+
+def _release(url: str, prefix: str, keys: tuple[str, ...]) -> None:
+    """Finalizer: drop one reference; the last one deletes the keys."""
+    try:
+        r = connection(url)
+        if r.decr(prefix + ":ref") <= 0:
+            r.delete(prefix + ":ref", *keys)
+    except Exception:
+        pass  # Redis gone or interpreter exiting: the expiry cleans up
+
+
+class Resource:
+    """A named set of Redis keys under ``mesh:mp:<uuid>``, with a reference count and expiry."""
+
+    _suffixes: tuple[str, ...] = ()
+
+    def __init__(self, *, _prefix: str | None = None, _url: str | None = None, _ttl: float | None = None) -> None:
+        from cloud_hub.client.multiprocessing._state import settings
+
+        s = settings()
+        self._url = _url or str(s["redis_url"])
+        self._ttl = int(_ttl or s["ttl_s"])
+        self._prefix = _prefix or f"mesh:mp:{uuid.uuid4().hex}"
+        self._r = connection(self._url)
+        pipe = self._r.pipeline()
+        pipe.incr(self._prefix + ":ref")
+        pipe.expire(self._prefix + ":ref", self._ttl)
+        self.call(pipe.execute)
+        self._finalizer = weakref.finalize(self, _release, self._url, self._prefix, tuple(self._keys()))
+
+    def _keys(self) -> list[str]:
+        return [f"{self._prefix}:{s}" for s in self._suffixes]
+
+    def key(self, suffix: str) -> str:
+        return f"{self._prefix}:{suffix}"
+
+    def call(self, fn: Callable[[], T]) -> T:
+        return retrying(self._url, fn)
+
+    def touch(self, pipe: Any) -> Any:
+        """Add expiry refreshes for every key to ``pipe`` (sent with the write, one round trip)."""
+        pipe.expire(self._prefix + ":ref", self._ttl)
+        for k in self._keys():
+            pipe.expire(k, self._ttl)
+        return pipe
+
+    def _state(self) -> dict[str, Any]:
+        return {}
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        pass
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self._prefix, self._url, self._ttl, self._state()))
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._prefix} at {self._url}>"
+
+
+def _rebuild(cls: type, prefix: str, url: str, ttl: float, state: dict[str, Any]) -> Any:
+    obj = cls.__new__(cls)
+    Resource.__init__(obj, _prefix=prefix, _url=url, _ttl=ttl)
+    obj._restore(state)
+    return obj

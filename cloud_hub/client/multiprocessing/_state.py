@@ -1,0 +1,83 @@
+"""Where the mesh ``multiprocessing`` runs: endpoint selector, Redis address, the shared Executor.
+
+Why one module-level configuration: the point of the module is that a stdlib program runs with
+only its import line changed, so nothing can be passed to ``Pool()`` or ``Queue()`` that the
+standard library does not take. ``config()`` (or ``MESH_MP_ENDPOINT`` / ``MESH_REDIS_URL``) says
+where work runs and where shared state lives, once, before the program's own code.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from typing import Any
+
+__all__ = ["config", "settings", "executor", "redis_url", "shutdown_executor"]
+
+_lock = threading.Lock()
+_settings: dict[str, Any] = {
+    "endpoint": None,        # "auto" unless MESH_MP_ENDPOINT or config() says otherwise
+    "redis_url": None,       # MESH_REDIS_URL, else redis://127.0.0.1:6379/0
+    "ttl_s": 3600.0,         # expiry of every shared resource, refreshed on writes
+    "client": None,
+    "task_timeout_s": None,
+}
+_executor: Any = None
+
+
+def config(*, endpoint: Any = None, redis_url: str | None = None, ttl_s: float | None = None, client: Any = None,
+           task_timeout_s: float | None = None) -> dict[str, Any]:
+    """Set where Pools and Processes run (``endpoint``: ``"auto"``, an id, a list of ids or
+    ``{"tags": [...]}``), the Redis that holds Queues, Locks, Values... (``redis_url``, reachable
+    from the endpoints too), and the expiry of shared resources. Returns the settings in force."""
+    global _executor
+    with _lock:
+        for k, v in (("endpoint", endpoint), ("redis_url", redis_url), ("ttl_s", ttl_s), ("client", client),
+                     ("task_timeout_s", task_timeout_s)):
+            if v is not None:
+                if k == "ttl_s" and (not isinstance(v, (int, float)) or v <= 0):
+                    raise ValueError(f"ttl_s must be a positive number of seconds, not {v!r}")
+                _settings[k] = v
+        if _executor is not None and (endpoint is not None or client is not None or task_timeout_s is not None):
+            old, _executor = _executor, None
+            old.shutdown(wait=False)
+    return settings()
+
+
+def settings() -> dict[str, Any]:
+    out = dict(_settings)
+    if out["endpoint"] is None:
+        env = os.environ.get("MESH_MP_ENDPOINT")
+        out["endpoint"] = ([e for e in env.split(",") if e] if env and "," in env else env) or "auto"
+    if out["redis_url"] is None:
+        out["redis_url"] = os.environ.get("MESH_REDIS_URL") or "redis://127.0.0.1:6379/0"
+    return out
+
+
+def redis_url() -> str:
+    return str(settings()["redis_url"])
+
+
+def executor() -> Any:
+    """The one Executor every Pool and Process of this program submits through (batching,
+    retries, code by value come from it)."""
+    global _executor
+    with _lock:
+        if _executor is None:
+            from cloud_hub.client._executor import Executor
+
+            s = settings()
+            _executor = Executor(client=s["client"], endpoint=s["endpoint"], task_timeout_s=s["task_timeout_s"])
+        return _executor
+
+
+def shutdown_executor() -> None:
+    global _executor
+    with _lock:
+        ex, _executor = _executor, None
+    if ex is not None:
+        ex.shutdown(wait=False, cancel_futures=True)
+
+
+atexit.register(shutdown_executor)

@@ -1,0 +1,444 @@
+"""``Pool`` and ``Process`` as tasks on the mesh, through the SDK's ``Executor``.
+
+Why on the Executor and not on long-lived workers pulling from Redis (Lithops' design): the
+agents already keep warm worker processes, and the Executor already batches submits (one request
+for a whole ``map``), retries through hub restarts, ships the program's own code by value and
+brings remote tracebacks back. A Pool chunk is one task; the mesh runs a task at least once, so a
+chunk whose agent died is run again elsewhere rather than lost.
+
+``initializer(*initargs)`` runs once per worker process per Pool (the agent's workers are warm
+and reused), as the standard library runs it once per pool process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import threading
+import traceback
+import uuid
+from concurrent.futures import FIRST_EXCEPTION, Future, as_completed, wait
+from multiprocessing import TimeoutError
+from typing import Any, Callable, Iterable, Iterator
+
+from cloud_hub.client.multiprocessing import _state
+
+__all__ = ["Pool", "Process", "AsyncResult", "MapResult", "cpu_count", "current_process", "active_children"]
+
+RUN, CLOSE, TERMINATE = 0, 1, 2
+#: on a worker: pool id -> the globals its initializer set in this process
+_initialized: dict[str, dict[str, Any]] = {}
+
+
+def _init_once(pool_id: str, initializer: Callable[..., Any] | None, initargs: tuple[Any, ...], fn: Callable[..., Any]) -> None:
+    """Run the Pool's initializer once per worker process, and give every later task of the pool
+    the globals it set. Why the copy: a function of ``__main__`` arrives by value with a fresh
+    globals dict per task, where a stdlib pool process keeps one ``__main__`` for its life; the
+    initializer's ``global x`` assignments are the standard way to hand a pool shared state."""
+    if initializer is None:
+        return
+    g = getattr(fn, "__globals__", None)
+    if pool_id not in _initialized:
+        ig = getattr(initializer, "__globals__", {})
+        before = dict(ig)
+        initializer(*initargs)
+        _initialized[pool_id] = {k: v for k, v in ig.items() if k not in before or before[k] is not v}
+        if len(_initialized) > 256:  # old pools of a long-lived worker
+            _initialized.pop(next(iter(_initialized)))
+        if g is not None and g is not ig:
+            g.update(_initialized[pool_id])
+    elif g is not None:
+        g.update(_initialized[pool_id])
+
+
+def _run_chunk(pool_id: str, initializer: Callable[..., Any] | None, initargs: tuple[Any, ...],
+               fn: Callable[..., Any], chunk: list[Any], star: bool) -> list[Any]:
+    """Runs on the agent's worker: one chunk of a map (or one apply)."""
+    _init_once(pool_id, initializer, initargs, fn)
+    if star:
+        return [fn(*a) for a in chunk]
+    return [fn(a) for a in chunk]
+
+
+def _run_apply(pool_id: str, initializer: Callable[..., Any] | None, initargs: tuple[Any, ...],
+               fn: Callable[..., Any], args: tuple[Any, ...], kwds: dict[str, Any]) -> Any:
+    _init_once(pool_id, initializer, initargs, fn)
+    return fn(*args, **kwds)
+
+
+def _picklable(obj: Any) -> None:
+    """Raise what pickling raises (``TypeError: cannot pickle '_thread.lock' object``), in the
+    caller, before anything is queued: the standard library's error for an unpicklable target."""
+    import cloudpickle
+
+    cloudpickle.dumps(obj)
+
+
+def cpu_count() -> int:
+    """The fleet's capacity: worker slots of the online endpoints this program may use."""
+    sel = _state.settings()["endpoint"]
+    eps = _state.executor().client.list_endpoints()
+    if isinstance(sel, str) and sel != "auto":
+        eps = [e for e in eps if e["id"] == sel]
+    elif isinstance(sel, list):
+        eps = [e for e in eps if e["id"] in sel]
+    elif isinstance(sel, dict) and sel.get("tags"):
+        want = set(sel["tags"])
+        eps = [e for e in eps if want <= set((e.get("info") or {}).get("tags") or e.get("tags") or [])] or eps
+    total = 0
+    for e in eps:
+        if e.get("online"):
+            info = e.get("info") or {}
+            total += int(info.get("capacity") or info.get("workers") or 1)
+    if total < 1:
+        raise NotImplementedError("cannot determine the number of CPUs: no online endpoint for this program")
+    return total
+
+
+# ---------------------------------------------------------------- results
+class AsyncResult:
+    """``multiprocessing.pool.AsyncResult`` over one or more task futures."""
+
+    def __init__(self, futures: list["Future[Any]"], flatten: bool, callback: Callable[[Any], Any] | None = None,
+                 error_callback: Callable[[BaseException], Any] | None = None) -> None:
+        self._futures, self._flatten = futures, flatten
+        self._event = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._left = len(futures)
+        self._lock = threading.Lock()
+        self._callback, self._error_callback = callback, error_callback
+        if not futures:
+            self._finish()
+        for f in futures:
+            f.add_done_callback(self._one_done)
+
+    def _one_done(self, f: "Future[Any]") -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._left -= 1
+            failed = f.cancelled() or f.exception() is not None
+            if not failed and self._left > 0:
+                return
+        self._finish()
+
+    def _finish(self) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            for f in self._futures:
+                if f.done() and (f.cancelled() or f.exception() is not None):
+                    self._error = f.exception() if not f.cancelled() else RuntimeError("pool terminated")
+                    break
+            else:
+                vals = [f.result() for f in self._futures]
+                self._value = list(itertools.chain.from_iterable(vals)) if self._flatten else vals[0]
+            self._event.set()
+        if self._error is None and self._callback is not None:
+            self._callback(self._value)
+        elif self._error is not None and self._error_callback is not None:
+            self._error_callback(self._error)
+
+    def ready(self) -> bool:
+        return self._event.is_set()
+
+    def successful(self) -> bool:
+        if not self.ready():
+            raise ValueError(f"{self!r} not ready")
+        return self._error is None
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._event.wait(timeout)
+
+    def get(self, timeout: float | None = None) -> Any:
+        if not self._event.wait(timeout):
+            raise TimeoutError
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+MapResult = AsyncResult
+ApplyResult = AsyncResult
+
+
+class IMapIterator:
+    """What ``imap``/``imap_unordered`` return: an iterator with ``next(timeout)``."""
+
+    def __init__(self, futures: list["Future[Any]"], ordered: bool) -> None:
+        self._futures = futures
+        self._chunks: Iterator[Future[Any]] = iter(futures) if ordered else as_completed(futures)
+        self._buf: list[Any] = []
+
+    def __iter__(self) -> "IMapIterator":
+        return self
+
+    def next(self, timeout: float | None = None) -> Any:
+        while not self._buf:
+            f = next(self._chunks)  # StopIteration ends the iteration
+            try:
+                self._buf = list(f.result(timeout))
+            except TimeoutError:
+                raise
+            except Exception:
+                raise
+        return self._buf.pop(0)
+
+    __next__ = next
+
+
+# ---------------------------------------------------------------- Pool
+class Pool:
+    """``multiprocessing.Pool(processes=None, initializer=None, initargs=(), maxtasksperchild=None)``.
+
+    ``processes`` (default: :func:`cpu_count`, the fleet's capacity) sets the default chunk size,
+    as in the standard library; the mesh decides where chunks run."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, processes: int | None = None, initializer: Callable[..., Any] | None = None,
+                 initargs: Iterable[Any] = (), maxtasksperchild: int | None = None, context: Any = None) -> None:
+        if processes is not None and processes < 1:
+            raise ValueError("Number of processes must be at least 1")
+        if initializer is not None and not callable(initializer):
+            raise TypeError("initializer must be a callable")
+        if maxtasksperchild is not None and (not isinstance(maxtasksperchild, int) or maxtasksperchild <= 0):
+            raise ValueError("maxtasksperchild must be a positive int or None")
+        self._ex = _state.executor()
+        self._processes = processes or cpu_count()
+        self._initializer, self._initargs = initializer, tuple(initargs)
+        if initializer is not None:
+            _picklable((initializer, self._initargs))
+        self._id = uuid.uuid4().hex
+        self._state = RUN
+        self._futures: list[Future[Any]] = []
+        self._lock = threading.Lock()
+
+    def _check_running(self) -> None:
+        if self._state != RUN:
+            raise ValueError("Pool not running")
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> "Future[Any]":
+        f = self._ex.submit(fn, *args)
+        with self._lock:
+            self._futures.append(f)
+            if len(self._futures) > 4096:
+                self._futures = [x for x in self._futures if not x.done()]
+        return f
+
+    def _chunks(self, func: Callable[..., Any], iterable: Iterable[Any], chunksize: int | None, star: bool) -> list["Future[Any]"]:
+        self._check_running()
+        if not callable(func):
+            raise TypeError(f"{type(func).__name__!r} object is not callable")
+        _picklable(func)
+        items = list(iterable)
+        if chunksize is None:
+            chunksize, extra = divmod(len(items), self._processes * 4)
+            if extra:
+                chunksize += 1
+        if chunksize < 1:
+            chunksize = 1
+        return [self._submit(_run_chunk, self._id, self._initializer, self._initargs, func, items[i:i + chunksize], star)
+                for i in range(0, len(items), chunksize)]
+
+    def map(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int | None = None) -> list[Any]:
+        return self.map_async(func, iterable, chunksize).get()
+
+    def map_async(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int | None = None,
+                  callback: Callable[[Any], Any] | None = None, error_callback: Callable[[BaseException], Any] | None = None) -> AsyncResult:
+        return AsyncResult(self._chunks(func, iterable, chunksize, False), True, callback, error_callback)
+
+    def starmap(self, func: Callable[..., Any], iterable: Iterable[Iterable[Any]], chunksize: int | None = None) -> list[Any]:
+        return self.starmap_async(func, iterable, chunksize).get()
+
+    def starmap_async(self, func: Callable[..., Any], iterable: Iterable[Iterable[Any]], chunksize: int | None = None,
+                      callback: Callable[[Any], Any] | None = None, error_callback: Callable[[BaseException], Any] | None = None) -> AsyncResult:
+        return AsyncResult(self._chunks(func, [tuple(a) for a in iterable], chunksize, True), True, callback, error_callback)
+
+    def imap(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1) -> IMapIterator:
+        return IMapIterator(self._chunks(func, iterable, chunksize, False), ordered=True)
+
+    def imap_unordered(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1) -> IMapIterator:
+        return IMapIterator(self._chunks(func, iterable, chunksize, False), ordered=False)
+
+    def apply(self, func: Callable[..., Any], args: tuple[Any, ...] = (), kwds: dict[str, Any] | None = None) -> Any:
+        return self.apply_async(func, args, kwds).get()
+
+    def apply_async(self, func: Callable[..., Any], args: tuple[Any, ...] = (), kwds: dict[str, Any] | None = None,
+                    callback: Callable[[Any], Any] | None = None, error_callback: Callable[[BaseException], Any] | None = None) -> AsyncResult:
+        self._check_running()
+        _picklable(func)
+        f = self._submit(_run_apply, self._id, self._initializer, self._initargs, func, tuple(args), dict(kwds or {}))
+        return AsyncResult([f], False, callback, error_callback)
+
+    def close(self) -> None:
+        if self._state == RUN:
+            self._state = CLOSE
+
+    def terminate(self) -> None:
+        """Cancels what has not been sent; tasks already on an agent run to their end there."""
+        self._state = TERMINATE
+        with self._lock:
+            for f in self._futures:
+                f.cancel()
+
+    def join(self) -> None:
+        if self._state == RUN:
+            raise ValueError("Pool is still running")
+        with self._lock:
+            futures = list(self._futures)
+        wait([f for f in futures if not f.cancelled()])
+
+    def __enter__(self) -> "Pool":
+        self._check_running()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.terminate()
+
+    def __repr__(self) -> str:
+        return f"<mesh Pool state={('RUN', 'CLOSE', 'TERMINATE')[self._state]} processes={self._processes}>"
+
+
+# ---------------------------------------------------------------- Process
+def _run_process(proc: "Process") -> tuple[int, str | None]:
+    """Runs on the agent's worker: ``proc.run()``; the exit code as a child process would have it."""
+    try:
+        proc.run()
+        return 0, None
+    except SystemExit as e:
+        code = e.code
+        if code is None:
+            return 0, None
+        if isinstance(code, int):
+            return code, None
+        return 1, f"{code}\n"
+    except BaseException:
+        return 1, f"Process {proc.name}:\n{traceback.format_exc()}"
+
+
+class _Current:
+    name = "MainProcess"
+    daemon = False
+    pid = os.getpid()
+    ident = pid
+    authkey = b""
+
+
+_children: "set[Process]" = set()
+
+
+def current_process() -> Any:
+    return _Current
+
+
+def active_children() -> list["Process"]:
+    return [p for p in list(_children) if p.is_alive()]
+
+
+def parent_process() -> None:
+    return None
+
+
+class Process:
+    """``multiprocessing.Process``: ``start()`` submits ``run()`` as one task; ``exitcode`` is 0,
+    the ``sys.exit`` code, or 1 with the traceback printed here (where the stdlib child prints its
+    own). Subclasses that override ``run`` travel by value with their instance."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, group: None = None, target: Callable[..., Any] | None = None, name: str | None = None,
+                 args: Iterable[Any] = (), kwargs: dict[str, Any] | None = None, *, daemon: bool | None = None) -> None:
+        assert group is None, "group argument must be None for now"
+        self._target, self._args, self._kwargs = target, tuple(args), dict(kwargs or {})
+        self._name = name or f"Process-{next(self._ids)}"
+        self.daemon = bool(daemon)
+        self._future: Future[Any] | None = None
+        self._exitcode: int | None = None
+        self._closed = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_future"] = None
+        return state
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @name.setter
+    def name(self, v: str) -> None:
+        self._name = v
+
+    def run(self) -> None:
+        if self._target is not None:
+            self._target(*self._args, **self._kwargs)
+
+    def start(self) -> None:
+        if self._closed:
+            raise ValueError("process object is closed")
+        if self._future is not None:
+            raise AssertionError("cannot start a process twice")
+        _picklable(self)
+        self._future = _state.executor().submit(_run_process, self)
+        _children.add(self)
+
+    def _settle(self) -> None:
+        f = self._future
+        if f is None or not f.done() or self._exitcode is not None:
+            return
+        if f.cancelled():
+            self._exitcode = -15
+            return
+        exc = f.exception()
+        if exc is not None:
+            print(f"Process {self.name}: the mesh could not run it: {type(exc).__name__}: {exc}", file=sys.stderr)
+            self._exitcode = 1
+            return
+        code, text = f.result()
+        if text:
+            sys.stderr.write(text)
+        self._exitcode = code
+        _children.discard(self)
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._future is None:
+            raise AssertionError("can only join a started process")
+        wait([self._future], timeout)
+        self._settle()
+
+    def is_alive(self) -> bool:
+        if self._future is None:
+            return False
+        self._settle()
+        return not self._future.done()
+
+    @property
+    def exitcode(self) -> int | None:
+        self._settle()
+        return self._exitcode
+
+    @property
+    def pid(self) -> str | None:
+        """The mesh task id (there is no local pid)."""
+        return getattr(self._future, "task_id", None) if self._future is not None else None
+
+    ident = pid
+
+    def terminate(self) -> None:
+        """Cancels the task if it has not been sent; a running one runs to its end on the agent."""
+        if self._future is not None and self._future.cancel():
+            self._exitcode = -15
+
+    kill = terminate
+
+    def close(self) -> None:
+        if self.is_alive():
+            raise ValueError("Cannot close a process while it is still running. You should first call join() or terminate().")
+        self._closed = True
+
+    def __repr__(self) -> str:
+        state = "initial" if self._future is None else ("started" if self.exitcode is None else f"stopped exitcode={self.exitcode}")
+        return f"<mesh Process name={self.name!r} {state}>"

@@ -1,0 +1,243 @@
+"""Secure aggregation, client-level DP and scheduler-predicted selection on synchronous rounds.
+
+:func:`sync_with` builds a synchronous round driver (mode ``sync`` in the hub) with any of:
+
+* ``secagg`` (:class:`fl.secagg.SecAggConfig`): each round is the four SecAgg+ stages
+  (advertise keys, share keys, train + masked input, unmask) as mesh tasks; the hub relays only
+  public keys, AES-GCM ciphertexts, masked vectors and shares; the driver sees the unmasked sum.
+  Too many dropouts skip the round (reason in its record), never a wrong model.
+* ``dp`` (:class:`fl.privacy.DPConfig`): deltas clipped to ``clip_norm`` (on the device with
+  secure aggregation, else at the driver), Gaussian noise at the driver (``central``) or on
+  each device (``local``); the record gets ``dp: {epsilon, delta, noise_multiplier,
+  sample_rate, clip_norm, mode}`` from the RDP accountant, cumulative, and the accountant is
+  checkpointed with the run so a resume goes on counting.
+* ``selection="predicted"``: clients picked by :func:`fl.selection.select_predicted` from the
+  hub's ``POST /v1/scheduler/predict`` (training function's predicted seconds and P(online)
+  per endpoint), with a fairness floor; ``"random"``: uniform. ``clients_per_round`` seats.
+
+Used as ``fed.fit(..., driver=sync_with(secagg=..., dp=..., selection=...))``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional, Sequence, Type
+
+import numpy as np
+
+from fl.history import History, RoundRecord
+from fl.strategies import ClientInstruction, ClientUpdate, Weights
+
+from ._base import Aggregate, Collected, RoundDriver
+from .sync import SyncDriver
+
+__all__ = ["sync_with", "FeatureSyncDriver"]
+
+
+class FeatureSyncDriver(SyncDriver):
+    """Sync rounds plus the features set as class attributes by :func:`sync_with`."""
+
+    mode = "sync"
+    secagg: Any = None
+    dp: Any = None
+    selection: str = "strategy"
+    clients_per_round: Optional[int] = None
+    fairness_rounds: int = 5
+    weight_cap: int = 1000
+
+    def __init__(self, federation: Any, run: Any) -> None:
+        super().__init__(federation, run)
+        from fl.privacy import PrivacyAccountant
+
+        self.accountant = None if self.dp is None else PrivacyAccountant(self.dp.noise_multiplier, self.dp.delta)
+        self._last_asked: Dict[str, int] = {}
+        self._rng = np.random.default_rng(run.seed + 7)
+        self._sel_info: Dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ app and selection
+    def prepare(self) -> None:
+        if self.secagg is not None:
+            from fl.secagg.rounds import SecureClientApp
+
+            if not isinstance(self.run.app, SecureClientApp):
+                self.run.app = SecureClientApp(self.run.app)
+        super().prepare()
+
+    def select(self, round: int, ready: Sequence[str]) -> List[ClientInstruction]:
+        if self.selection == "strategy":
+            return super().select(round, ready)
+        from fl.selection import Candidate, select_predicted, select_random
+
+        k = int(self.clients_per_round or max(1, len(ready)))
+        k = max(k, self.run.min_clients)
+        if self.selection == "random":
+            chosen = select_random(ready, k, round, self.run.seed)
+            self._sel_info = {"policy": "random"}
+        else:
+            try:
+                pred = self.hub(self.client.scheduler_predict, self.run.fid, list(ready), horizon_s=self.run.deadline_s)
+            except Exception as exc:  # the route refused: say so, fall back to random
+                pred = {}
+                self._sel_info = {"policy": "predicted", "error": str(exc)[:200]}
+            cands = [Candidate(c, (pred.get(c) or {}).get("predicted_s") if (pred.get(c) or {}).get("source") != "prior" else None,
+                               float((pred.get(c) or {}).get("p_online") or 1.0), 1, self._last_asked.get(c))
+                     for c in ready]
+            sel = select_predicted(cands, k, round, self.run.deadline_s, fairness_rounds=self.fairness_rounds,
+                                   seed=self.run.seed)
+            chosen = sel.chosen
+            self._sel_info = {"policy": "predicted", "forced": sel.forced, "explored": sel.explored,
+                              "p_report": {c: round_(sel.scores.get(c)) for c in chosen}}
+        for c in chosen:
+            self._last_asked[c] = round
+        cfg = self.run.strategy.client_round_config(round) if hasattr(self.run.strategy, "client_round_config") else {}
+        return [ClientInstruction(c, round, dict(cfg)) for c in chosen]
+
+    # ------------------------------------------------------------------ DP without secure aggregation
+    def aggregate(self, round: int, updates: List[ClientUpdate], current: Weights) -> Aggregate:
+        if self.dp is None:
+            return super().aggregate(round, updates, current)
+        from fl.privacy import privatize_mean
+        from fl.secagg.field import flatten, unflatten
+        from fl.strategies import validate_update
+
+        g, spec = flatten(current)
+        deltas, accepted, rejected = [], [], {}
+        for u in updates:
+            why = validate_update(u, current) if callable(validate_update) else None
+            if why:
+                rejected[u.client_id] = str(why)
+                continue
+            deltas.append(flatten(u.weights)[0] - g)
+            accepted.append(u.client_id)
+        if len(deltas) < self.run.min_clients:
+            return Aggregate(None, [], rejected, f"{len(deltas)} valid update(s), {self.run.min_clients} needed")
+        # local mode: the device already clipped and noised; the driver only averages
+        mean, norms = privatize_mean(deltas, self.dp, self._rng, already_clipped=False) if self.dp.mode == "central" \
+            else (np.mean(deltas, axis=0), [float(np.linalg.norm(d)) for d in deltas])
+        return Aggregate(unflatten(g + mean, spec), accepted, rejected, None,
+                         {"dp_update_norms": {c: round_(n) for c, n in zip(accepted, norms)}})
+
+    def client_config(self, ins: ClientInstruction) -> Dict[str, Any]:
+        cfg = super().client_config(ins)
+        if self.dp is not None and self.dp.mode == "local" and self.secagg is None:
+            cfg["dp_local"] = {"clip_norm": self.dp.clip_norm, "noise_std": self.dp.noise_std}
+        return cfg
+
+    def _dp_extra(self, participants: int, population: int) -> Dict[str, Any]:
+        if self.dp is None or self.accountant is None or participants == 0:
+            return {}
+        q = 1.0 if self.dp.mode == "local" else float(self.dp.sample_rate or min(1.0, participants / max(1, population)))
+        self.accountant.step(q)
+        return {"dp": {"epsilon": round_(self.accountant.epsilon(), 4), "delta": self.dp.delta,
+                       "noise_multiplier": self.dp.noise_multiplier, "clip_norm": self.dp.clip_norm,
+                       "sample_rate": round_(q), "mode": self.dp.mode, "rounds": self.accountant.rounds}}
+
+    # ------------------------------------------------------------------ rounds
+    def run_rounds(self, history: History, weights: Weights, start_round: int, state: Dict[str, Any]) -> Weights:
+        if state.get("dp_accountant") and self.accountant is not None:
+            from fl.privacy import PrivacyAccountant
+
+            self.accountant = PrivacyAccountant.from_state(state["dp_accountant"])
+        for rec in history.rounds:
+            for c in rec.extra.get("asked", []) or []:
+                self._last_asked[str(c)] = rec.round
+        if self.secagg is None:
+            return super().run_rounds(history, weights, start_round, state)
+        return self._run_secure(history, weights, start_round, state)
+
+    def finish_round(self, history: History, rec: RoundRecord, weights: Weights, state: Dict[str, Any]) -> bool:
+        if self._sel_info:
+            rec.extra["selection"] = self._sel_info
+            self._sel_info = {}
+        if self.dp is not None and self.secagg is None and not rec.extra.get("skipped"):
+            rec.extra.update(self._dp_extra(len(rec.participants), len(self.fed._clients(self.endpoint_rows()))))
+        if self.accountant is not None:
+            state = {**state, "dp_accountant": self.accountant.to_state()}
+        return super().finish_round(history, rec, weights, state)
+
+    def _ask(self, round: int):
+        def ask(stage: str, tasks: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+            pending = self.submit(self.run.fid, list(tasks.items()), self.run.ttl_s)
+            col = Collected()
+            deadline = time.monotonic() + self.run.deadline_s
+            out: Dict[str, Any] = {}
+            while pending and time.monotonic() < deadline:
+                for tid, arr in self.wait(list(pending), min(self.poll_s, max(0.0, deadline - time.monotonic()))):
+                    c = pending.pop(tid, None)
+                    if c is not None:
+                        out[c] = arr.value if arr.ok else (arr.error or "failed")
+            self.retire(pending, round)
+            del col
+            return out
+        return ask
+
+    def _run_secure(self, history: History, weights: Weights, start_round: int, state: Dict[str, Any]) -> Weights:
+        from fl.secagg.rounds import secure_round
+
+        run = self.run
+        version = int(history.rounds[-1].extra.get("version", len(history))) if history.rounds else 0
+        init = history.metadata.get("initial_eval") or {}
+        last = (init.get("loss"), init.get("accuracy"))
+        for rec_ in history.rounds:
+            if rec_.accuracy is not None or rec_.loss is not None:
+                last = (rec_.loss, rec_.accuracy)
+        for r in range(start_round, run.rounds + 1):
+            t0 = time.monotonic()
+            self.outage_s = 0.0
+            instructions, _ = self.wait_for_clients(t0, r)
+            asked = [i.client_id for i in instructions]
+            extra: Dict[str, Any] = {"asked": asked, "secure_aggregation": True}
+            blob = self.encode_global(r, weights, version)
+            by_c = {i.client_id: i for i in instructions}
+
+            def train_task(c: str) -> Dict[str, Any]:
+                return self.train_payload(by_c[c], r, blob, version)
+
+            dp = self.dp
+            res = None
+            if len(asked) >= self.secagg.threshold:
+                res = secure_round(self._ask(r), f"{self.run_id}:{r}", asked, weights, train_task, config=self.secagg,
+                                   clip_norm=dp.clip_norm if dp else 1e3, weight_cap=1 if dp else self.weight_cap,
+                                   max_clients=max(len(asked), 2),
+                                   local_noise_std=(dp.noise_std if dp and dp.mode == "local" else 0.0),
+                                   central_noise_std=(dp.noise_std if dp and dp.mode == "central" else 0.0), rng=self._rng)
+            if res is None or res.weights is None:
+                reason = res.reason if res is not None else f"{len(asked)} client(s) asked, secure aggregation needs {self.secagg.threshold}"
+                extra.update({"skipped": True, "reason": reason, "version": version})
+                if res is not None:
+                    extra["secagg_stage_s"] = res.stages_s
+                rec = RoundRecord(r, last[0], last[1], [], [c for c in asked if res is None or c in res.not_back],
+                                  dict(res.not_back) if res else {}, time.monotonic() - t0, extra)
+            else:
+                weights = res.weights
+                version += 1
+                ev = self.evaluate(r, weights, [])
+                last = (ev.loss, ev.accuracy)
+                extra.update(ev.extra)
+                extra.update({"version": version, "dropped_after_masking": res.dropped_after_masking,
+                              "secagg_stage_s": res.stages_s, "num_samples": int(sum(i.get("num_samples", 0) for i in res.infos.values())),
+                              "train_time_s": {c: i.get("train_time_s") for c, i in res.infos.items()}})
+                extra.update(self._dp_extra(len(res.survivors), len(self.fed._clients(self.endpoint_rows()))))
+                rec = RoundRecord(r, last[0], last[1], list(res.survivors),
+                                  [c for c in asked if c in res.not_back and c not in res.survivors],
+                                  {c: why for c, why in res.not_back.items() if c not in res.survivors},
+                                  time.monotonic() - t0, extra)
+            if not self.finish_round(history, rec, weights, {"version": version}):
+                break
+        return weights
+
+
+def round_(x: Any, nd: int = 6) -> Any:
+    return None if x is None else round(float(x), nd)
+
+
+def sync_with(*, secagg: Any = None, dp: Any = None, selection: str = "strategy", clients_per_round: Optional[int] = None,
+              fairness_rounds: int = 5, weight_cap: int = 1000) -> Type[RoundDriver]:
+    """A synchronous round driver class with the given features (pass it as ``fit(driver=...)``)."""
+    if selection not in ("strategy", "predicted", "random"):
+        raise ValueError(f"selection must be 'strategy', 'predicted' or 'random', not {selection!r}")
+    if clients_per_round is not None and clients_per_round < 1:
+        raise ValueError("clients_per_round must be >= 1")
+    attrs = {"secagg": secagg, "dp": dp, "selection": selection, "clients_per_round": clients_per_round,
+             "fairness_rounds": int(fairness_rounds), "weight_cap": int(weight_cap)}
+    return type("FeatureSyncDriver", (FeatureSyncDriver,), attrs)

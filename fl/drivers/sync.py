@@ -1,0 +1,96 @@
+"""Synchronous rounds (FedAvg, FedProx, Flower strategies, ...): select, send, wait until all
+are back or the deadline passes (extended while too few arrived, ``on_insufficient="extend"``),
+aggregate what arrived, evaluate, checkpoint. A round with too few valid updates is skipped,
+keeping the global model, with the reason in its record. Updates of earlier rounds that arrive
+now are discarded and listed (``late_discarded``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Optional, Tuple
+
+from fl.history import History, RoundRecord
+from fl.strategies import Weights
+
+from ._base import Collected, RoundDriver
+from . import register_driver
+
+__all__ = ["SyncDriver"]
+
+
+@register_driver
+class SyncDriver(RoundDriver):
+    mode = "sync"
+
+    def run_rounds(self, history: History, weights: Weights, start_round: int, state: Dict[str, Any]) -> Weights:
+        run = self.run
+        version = int(history.rounds[-1].extra.get("version", len(history))) if history.rounds else 0
+        # a skipped round keeps the model, so it reports the model's last known loss/accuracy
+        init = history.metadata.get("initial_eval") or {}
+        last: Tuple[Optional[float], Optional[float]] = (init.get("loss"), init.get("accuracy"))
+        for rec_ in history.rounds:
+            if rec_.accuracy is not None or rec_.loss is not None:
+                last = (rec_.loss, rec_.accuracy)
+        for r in range(start_round, run.rounds + 1):
+            t0 = time.monotonic()
+            self.outage_s = 0.0
+            instructions, rows = self.wait_for_clients(t0, r)
+            asked = [i.client_id for i in instructions]
+            extra: Dict[str, Any] = {"asked": asked}
+            if not instructions:
+                failed = self.all_excluded(rows)  # the warm-up's first error of each client
+                reason = ("every client failed its warm-up" if failed
+                          else run.strategy.last_selection_reason or "no client available")
+                late = self.drain_late()
+                rec = RoundRecord(r, last[0], last[1], [], [], failed, time.monotonic() - t0,
+                                  {**extra, "skipped": True, "reason": reason, "version": version,
+                                   **({"late_discarded": late} if late else {})})
+                if not self.finish_round(history, rec, weights, {"version": version}):
+                    break
+                continue
+            base = self.encode_global(r, weights, version)
+            payloads = [(ins.client_id, self.train_payload(ins, r, base, version)) for ins in instructions]
+            down = {c: len(p["weights"]) for c, p in payloads if isinstance(p.get("weights"), (bytes, bytearray))}
+            t_sent = time.monotonic()
+            if t_sent - t0 > 0.05:
+                extra["selection_wait_s"] = round(t_sent - t0, 3)  # waiting for clients to (re)join
+            pending = self.submit(run.fid, payloads, run.ttl_s)
+            if run.on_round_start is not None:
+                run.on_round_start(r, {c: tid for tid, c in pending.items()})
+            col = Collected()
+            self.collect(pending, col, t_sent, r, version)
+            col.late += self.drain_late()
+            back = set(col.info) | set(col.failed)
+            stragglers = [c for c in asked if c not in back]
+            agg = self.aggregate(r, col.updates, weights)
+            extra.update(agg.extra)
+            accepted = list(agg.accepted)
+            dropped = {**col.failed, **agg.rejected}
+            used = [u for u in col.updates if u.client_id in set(accepted)]
+            ev = None
+            if agg.weights is not None:
+                weights = agg.weights
+                version += 1
+                extra["num_samples"] = int(sum(u.num_samples for u in used))
+                ev = self.evaluate(r, weights, used)
+                last = (ev.loss, ev.accuracy)
+                extra.update(ev.extra)
+            else:
+                extra.update({"skipped": True, "reason": agg.reason or "no new model"})
+                accepted = []
+            loss, acc = last
+            round_time = time.monotonic() - t0
+            train_times = {c: float(i["train_time_s"]) for c, i in col.info.items() if c in set(accepted) and "train_time_s" in i}
+            extra.update(self.col_extra(col))
+            if self.outage_s:  # the whole round's, including waiting to select clients
+                extra["hub_outage_s"] = round(self.outage_s, 3)
+            extra.update({"version": version, "train_time_s": train_times,
+                          "client_metrics": {c: col.info[c].get("metrics", {}) for c in accepted if c in col.info}})
+            extra.update(self.traffic_extra(down, col.info, asked))
+            if train_times:
+                extra["max_train_time_s"] = max(train_times.values())
+                extra["overhead_s"] = round_time - extra["max_train_time_s"]
+            rec = RoundRecord(r, loss, acc, list(accepted), stragglers, dropped, round_time, extra)
+            if not self.finish_round(history, rec, weights, {"version": version}):
+                break
+        return weights

@@ -1,0 +1,503 @@
+"""A site gateway: one machine on a farm's or village's LAN that relays its devices' frames over one
+uplink to the hub, and keeps them moving while that uplink is down (docs/sites.md).
+
+What it is made of, all of it the agent's own parts:
+
+- an :class:`~mesh_agent.agent.Agent` for its own endpoint (it may run tasks itself), whose hello
+  announces the site (``site: {hold, broker}``); the hub then leases work for the site's devices
+  to it ahead of time, up to ``hold`` tasks, each in a ``tasks`` frame signed with the *device's*
+  key and valid for the hub's ``site_hold_s``;
+- its one MQTT connection to the hub's broker (the uplink, TLS when ``mqtt.tls`` is set): the
+  agent's link, which also reads its devices' down topics and writes their up topics (the hub's
+  ACL lets the gateway's login do exactly that, for exactly its devices);
+- a Mosquitto on the LAN that the devices dial, with the same per-device logins as the hub's broker
+  (the hub sends the gateway their ``$7$`` hashes, never a password) and per-device ACLs;
+- the agent's SQLite queue (:class:`~mesh_agent.store.AgentStore`, table ``relay``) as the
+  store-and-forward queue in both directions: tasks frames for a device are kept until that
+  device's ``ack`` passes by, its results frames until the hub's ``result_ack`` does.
+
+Security: the gateway holds no device key. It moves whole frames and never re-signs one; a device
+still checks MAC, direction, freshness and replay on each (a task is also de-duplicated by id), so
+a compromised gateway can delay or drop work, never make a device run anything. What it reads
+from bodies (task ids in ``ack``, ``results`` and ``result_ack``) only decides when it may forget
+its own copy of a frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import aiomqtt
+import msgpack
+
+from mesh_agent.agent import SITE_BODY_MAGIC
+from mesh_agent.protocol import Kind
+from mesh_agent.protocol.envelope import _inflate, _parse_header
+from mesh_agent.store import AgentStore, StoreError
+from mesh_agent.transport import LinkError
+from mesh_agent.transport.mqtt import MqttAgentLink, MqttHubLink, down_topic, up_topic
+
+__all__ = ["Gateway", "frame_task_ids", "site_broker_conf"]
+
+log = logging.getLogger("mesh_agent.gateway")
+
+#: A tasks frame not yet acked by its device is handed to it again after this long, when the device is heard from.
+REDELIVER_S = 15.0
+#: Results sent up and not yet acked by the hub are sent again after this long (the device does the same).
+RESEND_UP_S = 10.0
+_SITE_USER = "mesh-gateway"
+
+
+def frame_task_ids(kind: Kind, frame: bytes, end: int, compressed: bool) -> list[str]:
+    """Task ids a ``tasks``, ``ack``, ``results`` or ``result_ack`` frame is about, read from its
+    (unverified) body: they only tell the gateway when it may forget its copy, never what anyone runs.
+    A body that does not parse yields no ids (the frame is still relayed; the receiver judges it)."""
+    body = frame[end + 32 :]
+    try:
+        data = msgpack.unpackb(_inflate(body) if compressed else body, raw=False, strict_map_key=True)
+        if kind is Kind.TASKS:
+            return [str(t["id"]) for t in data.get("tasks", [])]
+        if kind is Kind.RESULTS:
+            return [str(r["id"]) for r in data.get("results", [])]
+        return [str(i) for i in data.get("ids", [])]
+    except Exception:
+        return []
+
+
+def _is_tasks(frame: bytes) -> bool:
+    try:
+        return _parse_header(frame)[0] is Kind.TASKS
+    except Exception:
+        return False
+
+
+def _mosquitto_hash(password: str) -> str:
+    """``$7$`` (PBKDF2-SHA512), the format of ``mosquitto_passwd``, for the gateway's own site login."""
+    salt = os.urandom(12)
+    digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, 101, 64)
+    return f"$7$101${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
+
+
+def _check_name(name: str) -> str:
+    if not name or any(c in name for c in ":#+/ \n\r\t"):
+        raise ValueError(f"not a usable broker name: {name!r}")
+    return name
+
+
+def site_broker_conf(workdir: Path, host: str, port: int, prefix: str, gateway_pw_hash: str, devices: list[dict[str, str]]) -> str:
+    """Write the site Mosquitto's password and ACL files into ``workdir``; return its config text.
+
+    Per-device logins with the device's own hash from the hub; each device may read only its down
+    topic and write only its up topic, as on the hub's broker. No persistence: the gateway's SQLite
+    queue is the durable copy (it hands a device its tasks again until the device acks them), so
+    the SD card is not written a second time for every frame."""
+    pw = [f"{_SITE_USER}:{gateway_pw_hash}"] + [f"{_check_name(d['user'])}:{d['hash']}" for d in devices]
+    acl = [f"user {_SITE_USER}", "topic readwrite #", ""]
+    for d in devices:
+        acl += [f"user {_check_name(d['user'])}", f"topic read {prefix}/ep/{_check_name(d['id'])}/down",
+                f"topic write {prefix}/ep/{d['id']}/up", ""]
+    for name, text in (("password_file", "\n".join(pw) + "\n"), ("acl_file", "\n".join(acl))):
+        tmp = workdir / f".{name}.tmp"
+        tmp.write_text(text)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, workdir / name)
+    import pwd
+
+    # Started as root, Mosquitto drops to user 'mosquitto', which cannot read our private files: stay us.
+    return (f"listener {port} {host}\nuser {pwd.getpwuid(os.getuid()).pw_name}\nallow_anonymous false\npassword_file {workdir}/password_file\nacl_file {workdir}/acl_file\n"
+            "set_tcp_nodelay true\nmax_queued_messages 100000\nmax_inflight_messages 1000\npersistence false\n"
+            f"log_dest file {workdir}/mosquitto.log\nlog_type error\nlog_type warning\n")
+
+
+class _SiteBroker:
+    """The site's Mosquitto, a child of the gateway (a power cut takes both; the queue survives)."""
+
+    def __init__(self, workdir: Path, host: str, port: int, prefix: str, exe: str) -> None:
+        self.workdir, self.host, self.port, self.prefix, self.exe = workdir, host, port, prefix, exe
+        self.password = secrets.token_urlsafe(24)
+        self._hash = _mosquitto_hash(self.password)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.devices: list[dict[str, str]] = []
+
+    def _write(self) -> Path:
+        conf = self.workdir / "mosquitto.conf"
+        conf.write_text(site_broker_conf(self.workdir, self.host, self.port, self.prefix, self._hash, self.devices))
+        return conf
+
+    def prepare(self) -> None:
+        """Before anything starts: end our own Mosquitto left from a SIGKILL of the gateway alone,
+        then make sure the port is free (someone else's broker there would take our devices)."""
+        pid_file = self.workdir / "mosquitto.pid"
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(pid_file.read_text())
+            # Only if that pid is still our Mosquitto (pids are reused): its command line names our config.
+            if str(self.workdir / "mosquitto.conf").encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+                time.sleep(0.2)
+        with contextlib.suppress(OSError):
+            with socket.create_connection((self.host, self.port), timeout=0.5):
+                raise RuntimeError(f"site.listen_port: {self.host}:{self.port} is already in use by another program; "
+                                   "choose a free port for the site broker")
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        pid_file = self.workdir / "mosquitto.pid"
+        conf = self._write()
+        self.proc = subprocess.Popen([self.exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        pid_file.write_text(f"{self.proc.pid}\n")
+        for _ in range(100):  # bounded: 10 s
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"site broker exited with {self.proc.returncode}; see {self.workdir}/mosquitto.log")
+            with contextlib.suppress(OSError):
+                with socket.create_connection((self.host, self.port), timeout=0.2):
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"site broker did not listen on {self.host}:{self.port} within 10 s")
+
+    def set_devices(self, devices: list[dict[str, str]]) -> None:
+        if devices != self.devices:
+            self.devices = devices
+            self._write()
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGHUP)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
+        with contextlib.suppress(OSError):
+            (self.workdir / "mosquitto.pid").unlink()
+
+
+class _Uplink(MqttAgentLink):
+    """The gateway's one connection to the hub's broker: its own endpoint's topics (for its Agent)
+    and its devices' topics (for the relay), on the same TCP/TLS session and keepalive."""
+
+    def __init__(self, relay: "Gateway", *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._relay = relay
+        self._prefix = kwargs.get("prefix", "mesh")
+
+    async def __aenter__(self) -> "_Uplink":
+        await super().__aenter__()
+        try:
+            for d in self._relay.devices:
+                await self._client.subscribe(down_topic(self._prefix, d), qos=1)
+        except aiomqtt.MqttError as exc:
+            raise LinkError(f"MQTT subscribe failed: {exc}") from None
+        self._relay.uplink_up(self)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._relay.uplink_down(self)
+        await super().__aexit__(*exc)
+
+    async def subscribe_devices(self, devices: list[str]) -> None:
+        for d in devices:
+            await self._client.subscribe(down_topic(self._prefix, d), qos=1)
+
+    async def send_for(self, device: str, frame: bytes) -> None:
+        try:
+            await self._client.publish(up_topic(self._prefix, device), frame, qos=1)
+        except aiomqtt.MqttError as exc:
+            raise LinkError(f"MQTT publish failed: {exc}") from None
+
+    async def frames(self) -> AsyncIterator[bytes]:
+        try:
+            async for msg in self._client.messages:
+                if not isinstance(msg.payload, (bytes, bytearray)):
+                    continue
+                if str(msg.topic) == self._down:
+                    yield bytes(msg.payload)
+                    continue
+                parts = str(msg.topic).split("/")
+                if len(parts) == 4 and parts[3] == "down":
+                    await self._relay.from_hub(parts[2], bytes(msg.payload))
+        except aiomqtt.MqttError as exc:
+            raise LinkError(f"MQTT connection lost: {exc}") from None
+        raise LinkError("MQTT message stream ended")
+
+
+class Gateway:
+    """Relay between the site broker and the uplink, over the agent's durable queue."""
+
+    def __init__(self, cfg: Any, creds: Any) -> None:
+        from mesh_agent.agent import Agent, _mqtt_tls
+
+        if cfg.transport != "mqtt":
+            raise ValueError("a site gateway's uplink is MQTT (transport: mqtt)")
+        if cfg.site is None:
+            raise ValueError("no site: section in the config; a gateway needs site.listen_port (docs/sites.md)")
+        self.cfg, self.creds = cfg, creds
+        self.prefix = cfg.mqtt.topic_prefix
+        site = cfg.site
+        self.devices: list[str] = []
+        self._uplink: _Uplink | None = None
+        self._site = _SiteBroker(cfg.data_dir / "site-broker", site.listen_host, site.listen_port, self.prefix, site.mosquitto)
+
+        def uplink_factory(c: Any, cr: Any) -> _Uplink:
+            return _Uplink(self, c.endpoint_id, c.mqtt.host, c.mqtt.port, username=cr.mqtt_username, password=cr.mqtt_password,
+                           keepalive=c.mqtt.keepalive or 60, prefix=self.prefix, **_mqtt_tls(c))
+
+        self.agent = Agent(cfg, creds, link_factory=uplink_factory)
+        self.agent.hello_extra = {"site": {"hold": int(site.hold), "broker": f"{site.public_host or site.listen_host}:{site.listen_port}",
+                                           **({"cache": 1} if site.cache_bodies else {})}}
+        self.agent.on_site = self._on_site
+        self.store: AgentStore = self.agent.store  # one SQLite file: the agent's queue and the relay's
+        self._lan: MqttHubLink | None = None
+        self._up_wake = asyncio.Event()
+        self._confirm = True  # tell the hub which tasks we hold (after a new tasks frame, after reconnecting)
+        self.stats = {"up_frames": 0, "down_frames": 0, "up_bytes": 0, "down_bytes": 0, "dropped": 0, "redelivered": 0, "bodies_to_devices": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+    async def run(self, stop: asyncio.Event) -> None:
+        await asyncio.to_thread(self._site.prepare)  # a taken port fails here, before we go online
+        # The Agent opens the store; the relay waits for it.
+        agent = asyncio.create_task(self.agent.run(stop), name="gateway-agent")
+        for _ in range(200):  # bounded: 20 s
+            if self.store._db is not None or agent.done():
+                break
+            await asyncio.sleep(0.1)
+        if agent.done():
+            await agent
+            return
+        if self.cfg.site.cache_bodies:  # tell the hub which bodies we hold: it sends each only once
+            cur = await self.store.db.execute("SELECT id FROM functions ORDER BY stored_at DESC LIMIT 10000")
+            self.agent.hello_extra["site"]["functions"] = [r[0] for r in await cur.fetchall()]
+        kept = await self.store.get_meta("site_devices")
+        if kept:
+            devices = json.loads(kept)
+            self.devices = [d["id"] for d in devices]
+            self._site.devices = devices
+        await asyncio.to_thread(self._site.start)
+        await self.store.relay_sent([s for s, *_ in await self.store.relay_pending("down", limit=100_000)], 0.0)  # all due again
+        self._lan = MqttHubLink(self._site.host, self._site.port, username=_SITE_USER, password=self._site.password,
+                                prefix=self.prefix, identifier=f"gateway-{self.cfg.endpoint_id}")
+        await self._lan.start(self._from_device)
+        pump = asyncio.create_task(self._pump_up(stop), name="gateway-up")
+        log.info("site gateway %s: devices dial %s:%d (%d devices); uplink %s", self.cfg.endpoint_id, self._site.host,
+                 self._site.port, len(self.devices), f"{self.cfg.mqtt.host}:{self.cfg.mqtt.port}")
+        try:
+            await agent
+        finally:
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
+            await self._lan.stop()
+            self._site.stop()
+
+    def uplink_up(self, link: _Uplink) -> None:
+        self._uplink = link
+        self._confirm = True
+        self._up_wake.set()
+
+    def uplink_down(self, link: _Uplink) -> None:
+        if self._uplink is link:
+            self._uplink = None
+
+    async def _on_site(self, site: dict[str, Any]) -> None:
+        """The hub's welcome lists the site's devices with their broker hashes."""
+        raw = site.get("devices")
+        if not isinstance(raw, list):
+            return
+        devices = [{"id": str(d["id"]), "user": str(d["user"]), "hash": str(d["hash"])} for d in raw
+                   if isinstance(d, dict) and {"id", "user", "hash"} <= d.keys()]
+        new = [d["id"] for d in devices if d["id"] not in self.devices]
+        self.devices = [d["id"] for d in devices]
+        with contextlib.suppress(StoreError):
+            await self.store.set_meta("site_devices", json.dumps(devices))
+        try:
+            await asyncio.to_thread(self._site.set_devices, devices)
+        except (ValueError, OSError) as exc:  # a name the broker files cannot hold, or a full disk: keep the old files
+            log.error("site broker files not updated: %s", exc)
+        if self._uplink is not None:  # all of them: a subscription made before the hub's ACL listed a device was refused
+            with contextlib.suppress(LinkError, aiomqtt.MqttError):
+                await self._uplink.subscribe_devices(self.devices)
+        if new:
+            log.info("site: %d devices (%d new)", len(devices), len(new))
+
+    # ------------------------------------------------------------------ hub -> device
+    async def from_hub(self, device: str, frame: bytes) -> None:
+        """A frame for one of our devices came down the uplink: keep tasks until the device acks
+        them, drop our copy of results the hub acknowledged, hand everything on."""
+        if device not in self.devices:
+            return
+        try:
+            kind, ep, mid, _ts, exp, end, z = _parse_header(frame)
+        except Exception:
+            self.stats["dropped"] += 1
+            return
+        if ep != device:
+            self.stats["dropped"] += 1
+            return
+        self.stats["down_frames"] += 1
+        self.stats["down_bytes"] += len(frame)
+        if kind is Kind.TASKS:
+            try:
+                await self.store.relay_put("down", device, kind.value, mid, frame, exp, frame_task_ids(kind, frame, end, z))
+            except StoreError as exc:
+                log.error("could not keep a tasks frame for %s (the hub re-sends after its lease): %s", device, exc)
+                return
+            self._confirm = True
+            self._up_wake.set()
+        elif kind is Kind.RESULT_ACK:
+            with contextlib.suppress(StoreError):
+                await self.store.relay_release("up", device, frame_task_ids(kind, frame, end, z))
+        await self._to_device(device, frame)
+
+    async def _site_bodies_for(self, device: str, frame: bytes) -> bool:
+        """Before a tasks frame that names ``at_site`` bodies: hand the device each body from our
+        store (content-addressed; the device checks the hash). False: one is missing here."""
+        try:
+            _kind, _ep, _mid, _ts, _exp, end, z = _parse_header(frame)
+            body = frame[end + 32 :]
+            data = msgpack.unpackb(_inflate(body) if z else body, raw=False, strict_map_key=True)
+            fids = [str(f) for f in data.get("at_site") or []]
+        except Exception:
+            return True
+        if not fids:
+            return True
+        have = await self.store.function_bodies(fids)
+        for fid in fids:
+            if fid not in have:
+                log.error("function %s named for %s is not in this gateway's store", fid, device)
+                return False
+            if not await self._send_lan(device, SITE_BODY_MAGIC + fid.encode() + have[fid]):
+                return False
+            self.stats["bodies_to_devices"] += 1
+        return True
+
+    async def _to_device(self, device: str, frame: bytes) -> bool:
+        if _is_tasks(frame) and not await self._site_bodies_for(device, frame):
+            return False
+        return await self._send_lan(device, frame)
+
+    async def _send_lan(self, device: str, frame: bytes) -> bool:
+        lan = self._lan
+        if lan is None:
+            return False
+        try:
+            await lan.send(device, frame)
+            return True
+        except LinkError:
+            return False
+
+    # ------------------------------------------------------------------ device -> hub
+    async def _from_device(self, device: str, frame: bytes, _link: Any) -> None:
+        if device not in self.devices:
+            self.stats["dropped"] += 1
+            return
+        try:
+            kind, ep, mid, _ts, exp, end, z = _parse_header(frame)
+        except Exception:
+            self.stats["dropped"] += 1
+            return
+        if ep != device or kind in (Kind.WELCOME, Kind.TASKS, Kind.RESULT_ACK, Kind.ERROR):
+            self.stats["dropped"] += 1  # the site broker's ACL already stops this; defence in depth
+            return
+        if kind is Kind.ACK:  # the device has these tasks: our copy of their frames may go
+            with contextlib.suppress(StoreError):
+                await self.store.relay_release("down", device, frame_task_ids(kind, frame, end, z))
+        if kind in (Kind.ACK, Kind.RESULTS):
+            try:
+                await self.store.relay_put("up", device, kind.value, mid, frame, exp,
+                                           frame_task_ids(kind, frame, end, z) if kind is Kind.RESULTS else ())
+            except StoreError as exc:
+                log.error("could not keep a %s frame of %s (the device sends it again): %s", kind.value, device, exc)
+            self._up_wake.set()
+        else:  # hello, fetch, heartbeat, gone: worth sending only now (they are re-sent or go stale)
+            up = self._uplink
+            if up is not None:
+                with contextlib.suppress(LinkError):
+                    await up.send_for(device, frame)
+                    self._count_up(frame)
+        await self._hand_held(device, again=kind is Kind.HELLO)
+
+    async def _confirm_held(self) -> None:
+        """Our own signed ``ack`` of the device tasks we hold, committed: the hub then keeps their
+        lease for ``site_hold_s`` instead of ``lease_s``. Until it hears this (a frame lost before
+        our commit, the uplink down), it re-sends them after ``lease_s``; devices de-duplicate."""
+        ids = await _held_ids(self.store)
+        for i in range(0, len(ids), 2000):
+            await self.agent._send(Kind.ACK, {"ids": ids[i : i + 2000]})
+        self._confirm = False
+
+    def _count_up(self, frame: bytes) -> None:
+        self.stats["up_frames"] += 1
+        self.stats["up_bytes"] += len(frame)
+
+    async def _hand_held(self, device: str, again: bool) -> None:
+        """The device asked (any frame from it): hand it the tasks held for it that it has not acked,
+        unless handed within REDELIVER_S (a hello: all of them, it may have restarted)."""
+        now = time.time()
+        try:
+            held = await self.store.relay_pending("down", endpoint=device, sent_before=now + 1 if again else now - REDELIVER_S)
+        except StoreError:
+            return
+        done = [seq for seq, _ep, _k, frame in held if await self._to_device(device, frame)]
+        self.stats["redelivered"] += len(done)
+        with contextlib.suppress(StoreError):
+            await self.store.relay_sent(done, now)
+
+    async def _pump_up(self, stop: asyncio.Event) -> None:
+        """Send held acks and results up whenever the uplink is there: acks are forgotten once the
+        hub's broker took them, results only when the hub's result_ack comes down."""
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._up_wake.wait(), RESEND_UP_S / 2)
+            self._up_wake.clear()
+            up = self._uplink
+            if up is None:
+                continue
+            try:
+                await self.store.relay_expire(time.time())
+                if self._confirm:
+                    await self._confirm_held()
+                now = time.time()
+                for _ in range(100):  # bounded per pass
+                    rows = await self.store.relay_pending("up", sent_before=now - RESEND_UP_S, limit=200)
+                    if not rows:
+                        break
+                    acks, results = [], []
+                    for seq, ep, kind, frame in rows:
+                        await up.send_for(ep, frame)
+                        self._count_up(frame)
+                        (acks if kind == Kind.ACK.value else results).append(seq)
+                    await self.store.relay_sent(acks, now, drop=True)
+                    await self.store.relay_sent(results, now)
+            except (LinkError, StoreError) as exc:
+                log.warning("forwarding up paused: %s", exc)
+
+
+async def _held_ids(store: AgentStore, limit: int = 50_000) -> list[str]:
+    cur = await store.db.execute(
+        "SELECT DISTINCT i.task_id FROM relay_ids i JOIN relay r ON r.seq = i.seq WHERE r.dir='down' LIMIT ?", (limit,))
+    return [r[0] for r in await cur.fetchall()]
+
+
+def run_gateway(cfg: Any, creds: Any) -> None:
+    """Run the gateway in the foreground until SIGTERM or SIGINT."""
+    gw = Gateway(cfg, creds)
+
+    async def go() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await gw.run(stop)
+
+    asyncio.run(go())

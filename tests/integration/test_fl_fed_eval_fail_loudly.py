@@ -1,0 +1,166 @@
+"""Issue 17, items 4 and 5 for the native API (``fl.Federation``), on a real mesh: Mosquitto, the
+hub and three digits agents (one worker each).
+
+* Federated evaluation: the clients evaluate the global model on their own held-out part of
+  their data; the record's ``fed_*`` numbers are the example-weighted mean of the per-client
+  numbers the record carries, and each client's example count is its held-out part's size.
+* Failing loudly: an app whose model cannot be loaded on the devices is marked failed by the
+  warm-up (never ready), the run stops after ``max_failed_rounds`` rounds, ends ``failed`` in
+  the hub with the error, and ``fit`` raises; ``evaluate_fn`` without ``eval_data`` is refused
+  before anything reaches the hub.
+
+Rounds and clients are kept tiny: the point is the plumbing, not the accuracy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Iterator, List
+
+import numpy as np
+import pytest
+
+from cloud_hub.broker import find_mosquitto
+from cloud_hub.localmesh import AgentProcess, LocalMesh
+from fl import FedAvg, Federation
+from fl.client import FunctionClientApp, local_split
+from fl.data import load_client_data
+from fl.drivers import FederationError
+from fl.history import History
+from fl.localmesh import add_digits_agents
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+pytestmark = pytest.mark.integration
+
+N = 3
+TRAINER = {"threads": 1, "lr": 0.05, "batch_size": 32}
+
+
+class _Mesh:
+    def __init__(self, mesh: LocalMesh, clients: List[AgentProcess]) -> None:
+        self.mesh = mesh
+        self.clients = clients
+
+    @property
+    def ids(self) -> List[str]:
+        return [a.endpoint_id for a in self.clients]
+
+
+@pytest.fixture(scope="module")
+def fl_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Mesh]:
+    if find_mosquitto() is None:
+        pytest.fail("mosquitto is required for integration tests: run ./taskw setup (apt-get install mosquitto)")
+    m = LocalMesh(Path(tmp_path_factory.mktemp("flfedeval")), heartbeat_s=0.5, lost_after_s=2.5, lease_s=4.0)
+    m.start()
+    try:
+        clients = add_digits_agents(m, N, scheme="iid", seed=0)
+        m.wait_online(timeout=120)
+        yield _Mesh(m, clients)
+    finally:
+        m.stop()
+
+
+def _mlp() -> Any:
+    from fl.models import MLP
+
+    torch.manual_seed(0)
+    return MLP(64, (32,), 10)
+
+
+class BrokenOnDevice(nn.Module):
+    """A model that builds on the driver but cannot be loaded on a device (as when the device
+    lacks a module the model needs): unpickling it inside an agent's worker raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        from fl import datasets
+
+        if datasets.endpoint_id() is not None:
+            raise RuntimeError("BrokenOnDevice cannot be built on this device")
+        super().__setstate__(state)
+
+    def forward(self, x: Any) -> Any:
+        return self.fc(x)
+
+
+def test_federated_evaluation_recorded_and_weighted_by_examples(fl_mesh: _Mesh, tmp_path: Path) -> None:
+    client = fl_mesh.mesh.client
+    fed = Federation(client, fl_mesh.ids)
+    hist = fed.fit(_mlp(), "digits", rounds=3, strategy=FedAvg(), deadline_s=60, min_clients=N, trainer=TRAINER,
+                   fed_eval_every=2, fed_eval_fraction=1.0, fed_eval_holdout=0.25, name="fed-eval-test")
+    assert [r.round for r in hist] == [1, 2, 3]
+    # every 2 rounds, and after the last one
+    assert hist[0].fed_accuracy is None and "fed_eval" not in hist[0].extra
+    for rec in (hist[1], hist[2]):
+        per = rec.extra["fed_eval"]
+        assert sorted(per) == sorted(fl_mesh.ids), rec.extra.get("fed_eval_failed")
+        # each client's examples: the held-out quarter of its own partition
+        for k, agent in enumerate(fl_mesh.clients):
+            X, y = load_client_data(k, N, scheme="iid", seed=0)
+            _, (_, y_test) = local_split((X, y), 0.25, agent.endpoint_id)
+            assert per[agent.endpoint_id]["num_examples"] == len(y_test) == round(0.25 * len(y))
+        n = sum(p["num_examples"] for p in per.values())
+        assert rec.fed_examples == n
+        assert rec.fed_accuracy == pytest.approx(sum(p["accuracy"] * p["num_examples"] for p in per.values()) / n)
+        assert rec.fed_loss == pytest.approx(sum(p["loss"] * p["num_examples"] for p in per.values()) / n)
+        assert 0.0 <= rec.fed_accuracy <= 1.0
+    # the hub stores it next to the (here absent) central evaluation
+    run = client.fl_run(fed.run_id)
+    assert run["status"] == "finished"
+    stored = run["rounds"][2]
+    assert stored["extra"]["fed_accuracy"] == pytest.approx(hist[2].fed_accuracy)
+    assert stored["extra"]["fed_examples"] == hist[2].fed_examples
+    # CSV/JSON history carry it
+    assert "fed_accuracy" in hist.to_csv().splitlines()[0].split(",")
+    assert History.from_json(hist.to_json()).rounds[2].fed_accuracy == pytest.approx(hist[2].fed_accuracy)
+
+
+def test_app_that_fails_to_load_fails_the_run_after_max_failed_rounds(fl_mesh: _Mesh) -> None:
+    client = fl_mesh.mesh.client
+    fed = Federation(client, fl_mesh.ids)
+    with pytest.raises(FederationError, match="BrokenOnDevice cannot be built") as err:
+        fed.fit(BrokenOnDevice(), "digits", rounds=6, strategy=FedAvg(), deadline_s=30, min_clients=1,
+                trainer=TRAINER, max_failed_rounds=2, name="broken-app-test")
+    assert "2 round(s) in a row" in str(err.value)
+    assert fed.driver is not None
+    # the warm-up marked every client failed with its error, and called none ready
+    assert set(fed.driver._excluded) == set(fl_mesh.ids)
+    assert all("BrokenOnDevice cannot be built" in e for e in fed.driver._excluded.values())
+    assert not fed.driver._warm_info
+    run = client.fl_run(fed.run_id)
+    assert run["status"] == "failed" and "BrokenOnDevice cannot be built" in (run["error"] or "")
+    assert run["rounds_done"] == 2 and [r["round"] for r in run["rounds"]] == [1, 2]
+    assert all(sorted(r["dropped"]) == sorted(fl_mesh.ids) and not r["participants"] for r in run["rounds"])
+
+    # a run shorter than max_failed_rounds in which no round trained fails too (never "finished")
+    fed1 = Federation(client, fl_mesh.ids)
+    with pytest.raises(FederationError, match="no round trained"):
+        fed1.fit(BrokenOnDevice(), "digits", rounds=1, strategy=FedAvg(), deadline_s=30, min_clients=1,
+                 trainer=TRAINER, max_failed_rounds=3, name="broken-app-short-test")
+    run1 = client.fl_run(fed1.run_id)
+    assert run1["status"] == "failed" and "BrokenOnDevice cannot be built" in (run1["error"] or "")
+    assert run1["rounds_done"] == 1
+
+
+def _train(weights: Any, data: Any, config: Dict[str, Any]) -> Any:
+    return weights, len(data[1]), {}
+
+
+def _evaluate(weights: Any, data: Any) -> Any:
+    return 0.0, {"accuracy": 1.0}
+
+
+def test_evaluate_fn_without_eval_data_is_refused_before_anything_is_submitted(fl_mesh: _Mesh) -> None:
+    client = fl_mesh.mesh.client
+    before = len(client.fl_runs(limit=500))
+    app = FunctionClientApp(_train, _evaluate, initial_weights=[np.zeros(3, np.float32)])
+    fed = Federation(client, fl_mesh.ids)
+    with pytest.raises(ValueError, match="eval_data"):
+        fed.fit(app, "digits", rounds=1, deadline_s=10)
+    assert fed.run_id is None and fed.driver is None
+    assert len(client.fl_runs(limit=500)) == before

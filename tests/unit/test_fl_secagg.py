@@ -1,0 +1,199 @@
+"""Secure aggregation (fl.secagg): exact sums with dropouts, masks that hide the input, aborts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from fl.secagg import protocol as P
+from fl.secagg import shamir
+from fl.secagg.field import MODULUS, FieldCodec, prg
+from fl.secagg.rounds import SecureClientApp, StateStore, secure_round
+from fl.client import FunctionClientApp
+
+
+def _run(ids, inputs, cfg, drop_after_mask=(), drop_after_share=(), unmask_missing=()):
+    """Drive the four steps in process; returns (server, total or exception, states)."""
+    srv = P.ServerSession("run-1:3", cfg)
+    st, adv = {}, []
+    for c in ids:
+        m, st[c] = P.client_advertise("run-1:3", c)
+        adv.append(m)
+    reqs = srv.share_requests(adv)
+    sh = []
+    for c in ids:
+        if c in drop_after_share:
+            continue
+        m, st[c] = P.client_share(st[c], reqs[c])
+        sh.append(m)
+    mreq = srv.mask_requests(sh)
+    ys = {}
+    for c in mreq:
+        y, st[c] = P.client_mask(st[c], inputs[c], mreq[c]["inbox"], mreq[c]["shared"])
+        ys[c] = y
+        if c not in drop_after_mask:
+            srv.add_masked(c, y)
+    ureq = srv.unmask_requests()
+    rev = [P.client_unmask(st[c], ureq[c]["survivors"], ureq[c]["dropped"]) for c in ureq if c not in unmask_missing]
+    return srv, srv.finish(rev), ys
+
+
+def test_six_clients_two_drop_after_masking_sum_is_exact():
+    ids = [f"ep-{i}" for i in range(6)]
+    rng = np.random.default_rng(1)
+    codec = FieldCodec(clip=2.0, max_clients=6)
+    floats = {c: rng.normal(0, 0.5, 777) for c in ids}
+    enc = {c: codec.encode(floats[c], rng) for c in ids}
+    _, (total, surv), _ = _run(ids, enc, P.SecAggConfig(threshold=4), drop_after_mask={"ep-1", "ep-4"})
+    assert surv == ["ep-0", "ep-2", "ep-3", "ep-5"]
+    want = np.zeros(777, dtype=np.uint64)
+    for c in surv:
+        want += enc[c]
+    assert np.array_equal(total, (want % MODULUS).astype(np.uint32))  # exact in the field
+    exact = sum(np.clip(floats[c], -2, 2) for c in surv)
+    assert np.abs(codec.decode(total, 4) - exact).max() < 4 / codec.scale  # quantization only
+
+
+def test_secagg_plus_sparse_graph_with_dropouts():
+    ids = [f"c{i:02d}" for i in range(10)]
+    rng = np.random.default_rng(2)
+    enc = {c: rng.integers(0, MODULUS, 64, dtype=np.uint64).astype(np.uint32) for c in ids}
+    cfg = P.SecAggConfig(threshold=3, neighbors=4)
+    srv, (total, surv), _ = _run(ids, enc, cfg, drop_after_mask={"c03"}, drop_after_share={"c07"})
+    assert all(len(v) < 9 for v in srv.graph.values())  # not everyone with everyone
+    want = sum(enc[c].astype(np.uint64) for c in surv) % MODULUS
+    assert np.array_equal(total, want.astype(np.uint32)) and "c03" not in surv and "c07" not in surv
+
+
+def test_masked_update_is_uniform_and_independent_of_plaintext():
+    ids = [f"ep-{i}" for i in range(4)]
+    zeros = {c: np.zeros(20000, dtype=np.uint32) for c in ids}
+    ramp = {c: (np.arange(20000, dtype=np.uint64) * 7919 % 1000).astype(np.uint32) for c in ids}
+    _, _, ys0 = _run(ids, zeros, P.SecAggConfig(threshold=3))
+    _, _, ys1 = _run(ids, ramp, P.SecAggConfig(threshold=3))
+    a = np.frombuffer(ys0["ep-2"], "<u4") / MODULUS
+    b = np.frombuffer(ys1["ep-2"], "<u4") / MODULUS
+    assert stats.kstest(a, "uniform").pvalue > 1e-4          # a constant input looks uniform once masked
+    assert stats.kstest(b, "uniform").pvalue > 1e-4
+    assert stats.ks_2samp(a, b).pvalue > 1e-4                # two plaintexts: indistinguishable
+    counts = np.bincount((np.frombuffer(ys0["ep-2"], "<u4") >> 24).astype(np.int64), minlength=256)
+    assert stats.chisquare(counts).pvalue > 1e-4
+    assert abs(np.corrcoef(np.frombuffer(ys1["ep-2"], "<u4").astype(float), ramp["ep-2"].astype(float))[0, 1]) < 0.05
+
+
+def test_too_many_dropouts_abort_not_a_wrong_sum():
+    ids = [f"ep-{i}" for i in range(6)]
+    enc = {c: np.ones(10, dtype=np.uint32) for c in ids}
+    with pytest.raises(P.SecAggAbort, match="3 client\\(s\\) left after masked input, 4 needed; round skipped"):
+        _run(ids, enc, P.SecAggConfig(threshold=4), drop_after_mask={"ep-0", "ep-1", "ep-2"})
+    # enough masked inputs, but too few clients answer the unmasking step
+    with pytest.raises(P.SecAggAbort, match="too few unmasking answers"):
+        _run(ids, enc, P.SecAggConfig(threshold=4), drop_after_mask={"ep-0"}, unmask_missing={"ep-1", "ep-2"})
+
+
+def test_client_refuses_inconsistent_server():
+    ids = ["a", "b", "c"]
+    srv = P.ServerSession("t", P.SecAggConfig(threshold=2))
+    st, adv = {}, []
+    for c in ids:
+        m, st[c] = P.client_advertise("t", c)
+        adv.append(m)
+    reqs = srv.share_requests(adv)
+    evil = {**reqs["a"], "keys": {**reqs["a"]["keys"], "a": reqs["b"]["keys"]["b"]}}
+    with pytest.raises(P.SecAggError, match="other public keys"):
+        P.client_share(st["a"], evil)
+    sh = []
+    for c in ids:
+        m, st[c] = P.client_share(st[c], reqs[c])
+        sh.append(m)
+    mreq = srv.mask_requests(sh)
+    y, st["a"] = P.client_mask(st["a"], np.zeros(4, np.uint32), mreq["a"]["inbox"], mreq["a"]["shared"])
+    with pytest.raises(P.SecAggError, match="both as survivors and as dropped"):
+        P.client_unmask(st["a"], ["a", "b"], ["b"])
+    # a tampered ciphertext does not decrypt
+    st["a"]["inbox"]["b"] = st["a"]["inbox"]["b"][:-1] + bytes([st["a"]["inbox"]["b"][-1] ^ 1])
+    with pytest.raises(P.SecAggError, match="does not decrypt"):
+        P.client_unmask(st["a"], ["a", "b"], ["c"])
+
+
+def test_shamir_threshold_and_bad_input():
+    secret = bytes(range(32))
+    sh = shamir.split(secret, [1, 2, 3, 4, 5], 3)
+    assert shamir.combine({x: sh[x] for x in (2, 4, 5)}, 3) == secret
+    with pytest.raises(shamir.ShamirError, match="2 share\\(s\\), 3 needed"):
+        shamir.combine({1: sh[1], 2: sh[2]}, 3)
+    with pytest.raises(ValueError, match="threshold"):
+        shamir.split(secret, [1, 2], 3)
+    with pytest.raises(ValueError, match="config|threshold"):
+        P.SecAggConfig(threshold=1)
+
+
+def test_prg_and_codec():
+    assert np.array_equal(prg(b"k" * 32, 5), prg(b"k" * 32, 5)) and not np.array_equal(prg(b"k" * 32, 5), prg(b"j" * 32, 5))
+    c = FieldCodec(clip=1.0, max_clients=3)
+    rng = np.random.default_rng(0)
+    x = np.array([-5.0, -1.0, -0.3, 0.0, 0.25, 1.0, 7.0])
+    s = c.encode(x, rng) + c.encode(x, rng) + c.encode(x, rng)
+    assert np.allclose(c.decode(s, 3), 3 * np.clip(x, -1, 1), atol=3 / c.scale)
+    with pytest.raises(ValueError, match="at most 3"):
+        c.decode(s, 4)
+
+
+def _train(weights, data, config):
+    return [w + 0.01 * (1 + int(config["seed"]) % 3) for w in weights], 10 + int(config["seed"]) % 5, {"loss": 0.5}
+
+
+def test_secure_round_through_client_apps_in_process(tmp_path):
+    """The device app and the driver orchestration together (``ask`` calls the apps directly):
+    6 clients, 2 never answer the train step, the new model equals plain averaging of the
+    clipped deltas of the 4 survivors; key state is deleted after unmasking."""
+    from fl.wire import encode_weights
+
+    apps = {f"ep-{i}": SecureClientApp(FunctionClientApp(_train), state_dir=tmp_path / f"ep-{i}") for i in range(6)}
+    for a in apps.values():
+        a.inner.loads_data = False
+    current = [np.zeros((3, 2)), np.ones(4)]
+    dropped = {"ep-1", "ep-4"}
+    seen = []
+
+    def ask(stage, tasks):
+        out = {}
+        for c, t in tasks.items():
+            seen.append((stage, c))
+            if stage == "train" and c in dropped:
+                apps[c](t)  # it trains and masks, then its answer is lost
+                continue
+            out[c] = apps[c](t)
+        return out
+
+    def train_task(c):
+        return {"round": 3, "weights": encode_weights(current), "dataset": "none", "config": {"seed": 0}}
+
+    res = secure_round(ask, "run-x:3", sorted(apps), current, train_task, config=P.SecAggConfig(threshold=4),
+                       clip_norm=10.0, weight_cap=1)
+    assert res.reason is None and res.survivors == ["ep-0", "ep-2", "ep-3", "ep-5"]
+    assert sorted(res.dropped_after_masking) == ["ep-1", "ep-4"]
+    from fl.client import client_seed
+    deltas = [0.01 * (1 + client_seed(0, 3, c) % 3) for c in res.survivors]
+    assert np.allclose(res.weights[0], np.mean(deltas), atol=1e-4)
+    assert np.allclose(res.weights[1], 1 + np.mean(deltas), atol=1e-4)
+    for c in res.survivors:
+        assert not list((tmp_path / c).glob("*.json"))  # keys gone after unmasking
+    # the same with three lost: a clear abort, no model
+    dropped.add("ep-5")
+    res2 = secure_round(ask, "run-x:4", sorted(apps), current, train_task, config=P.SecAggConfig(threshold=4),
+                        clip_norm=10.0, weight_cap=1)
+    assert res2.weights is None and "round skipped" in res2.reason
+
+
+def test_state_store_refuses_missing_state(tmp_path, monkeypatch):
+    monkeypatch.delenv("MESH_ENDPOINT_DATA_DIR", raising=False)
+    with pytest.raises(Exception, match="data directory"):
+        StateStore()
+    s = StateStore(tmp_path)
+    with pytest.raises(P.SecAggError, match="no secure-aggregation state"):
+        s.get("t", "me")
+    s.put("t", "me", {"k": b"\x00\x01", "n": [1, {"x": b"y"}]})
+    assert s.get("t", "me") == {"k": b"\x00\x01", "n": [1, {"x": b"y"}]}
+    assert oct(next(tmp_path.glob("*.json")).stat().st_mode & 0o777) == "0o600"

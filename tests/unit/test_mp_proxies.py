@@ -1,0 +1,225 @@
+"""The mesh multiprocessing proxies against a real redis-server (started here on a free port),
+from threads and from real child processes: Queue, Pipe, Lock, RLock, Semaphore, Condition,
+Event, Barrier, Value, Array, Manager; reference counts, expiry, and Redis going away."""
+
+from __future__ import annotations
+
+import gc
+import os
+import queue
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+redis = pytest.importorskip("redis")
+
+from cloud_hub.client import multiprocessing as mp  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A throwaway redis-server on loopback (never the system one on 6379)."""
+
+    def __init__(self, workdir: Path) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail("redis-server is required: run ./taskw setup (apt-get install redis-server)")
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                      "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        r = redis.Redis.from_url(self.url)
+        for _ in range(200):
+            try:
+                r.ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.02)
+        raise TimeoutError("redis-server did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def rs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    mp.config(redis_url=server.url)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _child(code: str, url: str, *objs: object) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter with ``objs`` unpickled as o0, o1...: a real other process."""
+    import cloudpickle
+
+    blob = cloudpickle.dumps(objs).hex()
+    prog = (f"import pickle; from cloud_hub.client import multiprocessing as mp; mp.config(redis_url={url!r})\n"
+            f"objs = pickle.loads(bytes.fromhex({blob!r}))\n" + "\n".join(f"o{i} = objs[{i}]" for i in range(len(objs))) + "\n" + code)
+    return subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=60)
+
+
+def test_queue_between_processes(rs: RedisServer) -> None:
+    q = mp.Queue()
+    out = _child("for i in range(5): o0.put({'i': i})", rs.url, q)
+    assert out.returncode == 0, out.stderr
+    assert [q.get(timeout=5)["i"] for _ in range(5)] == [0, 1, 2, 3, 4]
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.05)
+    with pytest.raises(queue.Empty):
+        q.get_nowait()
+
+
+def test_bounded_queue_is_full(rs: RedisServer) -> None:
+    q = mp.Queue(maxsize=1)
+    q.put(1)
+    assert q.full()
+    with pytest.raises(queue.Full):
+        q.put(2, timeout=0.05)
+
+
+def test_pipe_duplex_and_one_way(rs: RedisServer) -> None:
+    a, b = mp.Pipe()
+    a.send(21)
+    out = _child("x = o0.recv(); o0.send(x * 2); o0.send_bytes(b'raw')", rs.url, b)
+    assert out.returncode == 0, out.stderr
+    assert a.recv() == 42
+    assert a.poll(1) and a.recv_bytes() == b"raw"
+    r, w = mp.Pipe(duplex=False)
+    w.send("hi")
+    assert r.recv() == "hi"
+    with pytest.raises(OSError):
+        r.send("no")
+
+
+def test_lock_excludes_and_counter_is_exact(rs: RedisServer) -> None:
+    v = mp.Value("i", 0)
+    code = "for _ in range(50):\n    with o0.get_lock():\n        o0.value += 1"
+    procs = [threading.Thread(target=_child, args=(code, rs.url, v)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    assert v.value == 150
+
+
+def test_lock_released_too_many_times(rs: RedisServer) -> None:
+    lock = mp.Lock()
+    assert lock.acquire()
+    assert not lock.acquire(timeout=0.05)
+    lock.release()
+    with pytest.raises(ValueError, match="released too many times"):
+        lock.release()
+
+
+def test_rlock_reentrant_and_owned(rs: RedisServer) -> None:
+    rl = mp.RLock()
+    with rl:
+        with rl:
+            pass
+    out = _child("o0.release()", rs.url, rl)
+    assert "AssertionError" in out.stderr
+
+
+def test_semaphore_and_condition_and_event(rs: RedisServer) -> None:
+    s = mp.Semaphore(2)
+    assert s.acquire() and s.acquire() and not s.acquire(False)
+    s.release()
+    assert s.get_value() == 1
+    cond, ev = mp.Condition(), mp.Event()
+    got: list[str] = []
+
+    def waiter() -> None:
+        with cond:
+            got.append("in")
+            cond.wait(10)
+            got.append("woken")
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    for _ in range(500):
+        if got:
+            break
+        time.sleep(0.01)
+    time.sleep(0.05)
+    with cond:
+        cond.notify()
+    t.join(10)
+    assert got == ["in", "woken"]
+    assert not ev.wait(0.05)
+    out = _child("o0.set()", rs.url, ev)
+    assert out.returncode == 0 and ev.wait(5) and ev.is_set()
+
+
+def test_barrier_lets_all_through(rs: RedisServer) -> None:
+    b = mp.Barrier(3)
+    idx: list[int] = []
+    ts = [threading.Thread(target=lambda: idx.append(b.wait(10))) for _ in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(15)
+    assert sorted(idx) == [0, 1, 2]
+    b2 = mp.Barrier(2)
+    with pytest.raises(mp.BrokenBarrierError):
+        b2.wait(0.05)
+
+
+def test_array_slices_and_manager(rs: RedisServer) -> None:
+    a = mp.Array("d", [1.0, 2.0, 3.0])
+    a[1] = 5.0
+    a[:2] = [7.0, 8.0]
+    assert a[:] == [7.0, 8.0, 3.0] and len(a) == 3 and a[-1] == 3.0
+    with pytest.raises(IndexError):
+        a[3]
+    with pytest.raises(TypeError, match="typecode"):
+        mp.Array("zz", 3)
+    with mp.Manager() as m:
+        d, lst, ns = m.dict(), m.list([1]), m.Namespace()
+        out = _child("o0['k'] = [1, 2]; o1.append(2); o2.x = 'y'", rs.url, d, lst, ns)
+        assert out.returncode == 0, out.stderr
+        assert d["k"] == [1, 2] and list(lst) == [1, 2] and ns.x == "y"
+        assert d.get("missing") is None and "k" in d and len(d) == 1
+
+
+def test_reference_count_deletes_keys_and_expiry_is_set(rs: RedisServer) -> None:
+    r = redis.Redis.from_url(rs.url)
+    q = mp.Queue()
+    q.put(1)
+    prefix = q._prefix
+    assert 0 < r.ttl(prefix + ":items") <= 3600
+    out = _child("o0.get()", rs.url, q)  # a copy elsewhere takes and drops its own reference
+    assert out.returncode == 0, out.stderr
+    assert r.exists(prefix + ":ref")
+    del q
+    gc.collect()
+    assert not r.keys(prefix + "*")
+
+
+def test_redis_down_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = RedisServer(tmp_path)
+    monkeypatch.setenv("MESH_REDIS_RETRY_S", "0.3")
+    mp.config(redis_url=server.url)
+    try:
+        q = mp.Queue()
+        server.stop()
+        with pytest.raises(ConnectionError, match=f"cannot reach Redis at {server.url}"):
+            q.put(1)
+    finally:
+        if server.proc.poll() is None:
+            server.stop()
