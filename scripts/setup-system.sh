@@ -12,6 +12,11 @@ command -v pg_ctlcluster >/dev/null 2>&1 || need+=(postgresql)
 command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || need+=(nats-server)
 # cloud_hub.client.multiprocessing keeps shared state in Redis; its tests start their own redis-server on free ports.
 command -v redis-server >/dev/null 2>&1 || [ -x /usr/bin/redis-server ] || need+=(redis-server)
+# Sandboxed functions (mesh_agent environments, sandbox=True) run their workers under bubblewrap.
+command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
+# The alerting test starts its own Prometheus and Alertmanager on free loopback ports; promtool checks the shipped rules.
+command -v prometheus >/dev/null 2>&1 || [ -x /usr/bin/prometheus ] || need+=(prometheus)
+command -v prometheus-alertmanager >/dev/null 2>&1 || [ -x /usr/bin/prometheus-alertmanager ] || need+=(prometheus-alertmanager)
 # The console tests drive Debian's Chromium headless (never a browser downloaded by playwright).
 [ -x /usr/bin/chromium ] || need+=(chromium)
 if [ ${#need[@]} -gt 0 ]; then
