@@ -166,4 +166,25 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE tasks ADD COLUMN site TEXT;
         """,
     ),
+    (
+        10,
+        """
+        -- Fair dispatch (cloud_hub/admission.py): a shared endpoint's queue is read per (user,
+        -- function) flow, oldest first within each, so the hub can take turns between users.
+        CREATE INDEX tasks_flow ON tasks (endpoint_id, state, user_id, function_id, created);
+        -- Memoization (cloud_hub/memo.py, docs/sdk.md): the client's cache key of a task submitted with
+        -- cache=True. A successful result of such a task answers later submits with the same key.
+        ALTER TABLE tasks ADD COLUMN memo_key TEXT;
+        CREATE TABLE memo (
+            user_id TEXT NOT NULL, key TEXT NOT NULL, task_id TEXT NOT NULL, function_id TEXT NOT NULL,
+            created REAL NOT NULL, expires REAL NOT NULL, last_hit REAL, hits INTEGER NOT NULL DEFAULT 0,
+            size INTEGER NOT NULL, PRIMARY KEY (user_id, key)
+        );
+        CREATE INDEX memo_expires ON memo (expires);
+        CREATE TABLE memo_counts (
+            user_id TEXT NOT NULL, function_id TEXT NOT NULL, hits INTEGER NOT NULL DEFAULT 0,
+            misses INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (user_id, function_id)
+        );
+        """,
+    ),
 ]
