@@ -124,12 +124,15 @@ class Client(FLRunsMixin):
         settings = resolve(url, token, profile)
         self.url = settings.url
         self.config_source = settings.source
+        self._token = settings.token  # also for the WebSocket stream (cloud_hub/client/_stream.py)
+        self._tls = _verify(verify if verify is not None else settings.ca_file)
+        self.timeout = timeout
         self._http = httpx.Client(
             base_url=self.url,
             headers={"Authorization": f"Bearer {settings.token}"},
             timeout=httpx.Timeout(timeout, connect=10.0),
             limits=httpx.Limits(max_keepalive_connections=8),
-            verify=_verify(verify if verify is not None else settings.ca_file),
+            verify=self._tls,
         )
         self._fids: "weakref.WeakKeyDictionary[Callable[..., Any], tuple[str, bytes]]" = weakref.WeakKeyDictionary()
         self._bodies = _BodyCache()
@@ -292,6 +295,14 @@ class Client(FLRunsMixin):
         attempt made instead of making new ones. ``functions``: ``{id: (name, body)}`` for bodies
         the hub may not have; they are stored with the tasks, in one transaction.
         ``task_group_id``: list these tasks later with :meth:`task_group`."""
+        out = self.request("POST", "/v1/tasks/batch", json=self.batch_body(specs, idempotency_key, functions, task_group_id))
+        return self.batch_accepted(out, functions)
+
+    @staticmethod
+    def batch_body(specs: Iterable[dict[str, Any]], idempotency_key: str | None = None,
+                   functions: dict[str, tuple[str, bytes]] | None = None, task_group_id: str | None = None) -> dict[str, Any]:
+        """The batch submit's body, the same over REST and the stream (so an idempotency key means
+        the same request on both)."""
         body: dict[str, Any] = {"tasks": list(specs)}
         if functions:
             body["functions"] = {fid: {"name": name[:200] or "function", "body": _b64(b)} for fid, (name, b) in functions.items()}
@@ -299,7 +310,10 @@ class Client(FLRunsMixin):
             body["task_group_id"] = task_group_id
         if idempotency_key is not None:
             body["idempotency_key"] = idempotency_key
-        out = self.request("POST", "/v1/tasks/batch", json=body)
+        return body
+
+    def batch_accepted(self, out: dict[str, Any], functions: dict[str, tuple[str, bytes]] | None) -> tuple[list[str], list[str]]:
+        """``(task ids, endpoint ids)`` from the hub's answer; the bodies it stored are known from now on."""
         if functions:
             with self._lock:
                 self._known.update(functions)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from cloud_hub.client._client import Client, EndpointSelector, HubError, HubUnreachable, constraints_spec, selector
 from cloud_hub.client._results import decode_row
+from cloud_hub.client._stream import FrameTooBig, HubStream
 
 __all__ = ["Executor", "SubmitTimeout"]
 
@@ -78,6 +79,7 @@ class Executor(_Executor):
         task_ttl_s: float | None = None,
         submit_timeout_s: float = 300.0,
         task_group_id: str | None = None,
+        stream: bool = True,
     ) -> None:
         if endpoint is not None and endpoint_id is not None and endpoint != endpoint_id:
             raise ValueError("pass either endpoint= or endpoint_id=, not both")
@@ -99,6 +101,8 @@ class Executor(_Executor):
         self._work = threading.Event()
         self._shutdown = False
         self._cursor = self.client.result_cursor()  # also: a wrong URL or token fails here, in one line
+        # One WebSocket for submits and results when the hub offers it (cloud_hub/client/_stream.py); else REST.
+        self._stream: HubStream | None = HubStream(self.client) if stream else None
         self._submitter = threading.Thread(target=self._submit_loop, name="mesh-submit", daemon=True)
         self._reader = threading.Thread(target=self._result_loop, name="mesh-results", daemon=True)
         self._submitter.start()
@@ -268,8 +272,7 @@ class Executor(_Executor):
         while True:
             functions = {it.fid: (it.name, it.body) for it in batch if it.body is not None and not self.client.knows(it.fid)}
             try:
-                ids, eps = self.client.submit_batch_placed([it.spec for it in batch], key, functions=functions or None,  # type: ignore[arg-type]
-                                                           task_group_id=self.task_group_id)
+                ids, eps = self._submit_batch([it.spec for it in batch], key, functions or None)  # type: ignore[arg-type]
                 break
             except (HubUnreachable, HubError) as exc:
                 status = getattr(exc, "status", None)
@@ -308,6 +311,17 @@ class Executor(_Executor):
                     self._pending[tid] = f
         self._work.set()
 
+    def _submit_batch(self, specs: list[dict[str, Any]], key: str, functions: dict[str, tuple[str, bytes]] | None) -> tuple[list[str], list[str]]:
+        """Over the stream when it is up, else REST; the same body and key either way."""
+        stream = self._stream
+        if stream is not None and stream.connected:
+            body = self.client.batch_body(specs, key, functions, self.task_group_id)
+            try:
+                return self.client.batch_accepted(stream.submit(body, self.client.timeout), functions)
+            except FrameTooBig:
+                pass
+        return self.client.submit_batch_placed(specs, key, functions=functions, task_group_id=self.task_group_id)
+
     @staticmethod
     def _fail(batch: list[_Item], exc: BaseException) -> None:
         for it in batch:
@@ -328,7 +342,42 @@ class Executor(_Executor):
         else:
             f.set_exception(value)
 
+    def _reading_done(self) -> bool:
+        with self._lock:
+            idle = not self._pending
+        return idle and self._shutdown and self._queue.empty() and not self._submitter.is_alive()
+
+    def _deliver(self, rows: list[dict[str, Any]], cursor: int) -> None:
+        """Complete each row's future once; a repeat (at-least-once delivery) finds none and is kept as an orphan."""
+        now = time.monotonic()
+        with self._lock:
+            self._cursor = max(self._cursor, cursor)
+            for row in rows:
+                f = self._pending.pop(row["task_id"], None)
+                if f is not None:
+                    self._complete(f, row)
+                else:
+                    self._orphans[row["task_id"]] = (now, row)
+            if len(self._orphans) > 10_000:
+                self._orphans = {k: v for k, v in self._orphans.items() if now - v[0] < _ORPHAN_TTL_S}
+
+    def _rest_results_once(self, wait_s: float) -> None:
+        """One REST poll of at most ``wait_s`` while the stream is down (or a plain wait when nothing is pending)."""
+        with self._lock:
+            idle = not self._pending
+        try:
+            if idle:
+                raise HubUnreachable("nothing pending")
+            rows, cursor = self.client.result_stream(self._cursor, timeout_s=wait_s)
+            self._deliver(rows, cursor)
+        except Exception:
+            time.sleep(wait_s)
+
     def _result_loop(self) -> None:
+        if self._stream is not None:
+            if self._stream.run(self):  # served until shutdown
+                return
+            self._stream = None  # the hub offers no stream: REST from here on
         backoff = 0.2
         while True:
             with self._lock:
@@ -340,20 +389,11 @@ class Executor(_Executor):
                 self._work.clear()
                 continue
             try:
-                rows, self._cursor = self.client.result_stream(self._cursor, timeout_s=10.0)
+                rows, cursor = self.client.result_stream(self._cursor, timeout_s=10.0)
                 backoff = 0.2
             except Exception as exc:  # hub restarting or link down: keep waiting, results are durable
                 log.warning("result stream interrupted (%s); retrying", exc)
                 time.sleep(backoff * random.uniform(0.5, 1.5))
                 backoff = min(backoff * 2, 5.0)
                 continue
-            now = time.monotonic()
-            with self._lock:
-                for row in rows:
-                    f = self._pending.pop(row["task_id"], None)
-                    if f is not None:
-                        self._complete(f, row)
-                    else:
-                        self._orphans[row["task_id"]] = (now, row)
-                if len(self._orphans) > 10_000:
-                    self._orphans = {k: v for k, v in self._orphans.items() if now - v[0] < _ORPHAN_TTL_S}
+            self._deliver(rows, cursor)

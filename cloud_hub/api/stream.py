@@ -1,0 +1,220 @@
+"""``/v1/stream``: one WebSocket between the SDK and the hub that carries submits and results.
+
+Why: over REST every batch is a request (headers, auth, a new response) and results need a long
+poll that is re-issued after each answer; on a 2-core box those hops were most of the SDK's share
+of the warm round trip. The stream keeps one authenticated connection open and pushes each result
+as soon as it is stored.
+
+Durability is the REST path's, unchanged: a submit frame goes through the same ``_accept`` (same
+validation, placement, idempotency key, one transaction) and is answered ``accepted`` only after
+that transaction committed. Results are read from the store after the cursor the client names in
+its ``hello``, so a reconnecting client gets everything it may have missed again (at least once);
+the client drops repeats by task id. The frames are JSON text, the REST bodies in an envelope
+(docs/protocol.md, "SDK stream").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, WebSocket, WebSocketDisconnect
+from pydantic import ValidationError
+
+from cloud_hub.api.hub import Hub
+from cloud_hub.api.schemas import BatchIn
+from cloud_hub.globus_auth import GlobusUnavailable
+from cloud_hub.store import StoreFull
+
+__all__ = ["router", "STREAM_VERSION", "MAX_FRAME", "CLOSE_AUTH", "CLOSE_BAD_FRAME", "CLOSE_TRY_LATER"]
+
+log = logging.getLogger("cloud_hub")
+
+router = APIRouter()
+
+STREAM_VERSION = 1
+#: Largest frame the hub reads (uvicorn's default ``ws_max_size`` is 16 MiB); the client sends a
+#: bigger batch over REST instead.
+MAX_FRAME = 8 * 2**20
+#: Close codes (4000-4999 are the application's): the reason says what to do.
+CLOSE_AUTH = 4401
+CLOSE_BAD_FRAME = 4400
+CLOSE_TRY_LATER = 1013  # RFC 6455 "try again later": Globus Auth unreachable, hub stopping
+_RESULTS_PER_FRAME = 2000
+
+
+class _BadFrame(ValueError):
+    """A frame that is not the protocol: the connection is closed with the reason."""
+
+
+def _reason(text: str) -> str:
+    """A close reason fits in 123 bytes of UTF-8."""
+    b = text.encode()[:123]
+    return b.decode("utf-8", "ignore")
+
+
+def _token(ws: WebSocket) -> str | None:
+    auth = ws.headers.get("authorization", "")
+    scheme, _, cred = auth.partition(" ")
+    return cred.strip() if scheme.lower() == "bearer" and cred.strip() else None
+
+
+def _parse(text: str | None) -> dict[str, Any]:
+    if text is None:
+        raise _BadFrame("binary frames are not part of this protocol: send JSON text frames")
+    if len(text) > MAX_FRAME:
+        raise _BadFrame(f"frame of {len(text)} bytes is over the {MAX_FRAME}-byte limit: send big batches over REST")
+    try:
+        msg = json.loads(text)
+    except ValueError as exc:
+        raise _BadFrame(f"frame is not JSON ({exc})") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+        raise _BadFrame('frame must be a JSON object with an "op"')
+    return msg
+
+
+@router.websocket("/v1/stream")
+async def stream(ws: WebSocket) -> None:
+    """Accept, authenticate with the REST API token (``Authorization: Bearer``), read ``hello``,
+    then serve submits and push results until either side closes."""
+    hub: Hub = ws.app.state.hub
+    if not hub.cfg.stream:
+        await ws.close(code=1008)  # a 403 to the handshake: the SDK falls back to REST
+        return
+    await ws.accept()
+    token = _token(ws)
+    if token is None:
+        await ws.close(CLOSE_AUTH, "missing API token (Authorization: Bearer ...)")
+        return
+    try:
+        user, why = await hub.auth(token)
+    except GlobusUnavailable as exc:
+        await ws.close(CLOSE_TRY_LATER, _reason(str(exc)))
+        return
+    if user is None:
+        await ws.close(CLOSE_AUTH, _reason(f"the hub refused the token: {why}"))
+        return
+    conn = _Conn(hub, ws, user)
+    try:
+        await conn.run()
+    except _BadFrame as exc:
+        log.warning("stream of user %s closed: %s", user, exc)
+        with contextlib.suppress(Exception):
+            await conn.send({"op": "error", "detail": str(exc)})
+            await ws.close(CLOSE_BAD_FRAME, _reason(str(exc)))
+    except WebSocketDisconnect:
+        pass
+
+
+class _Conn:
+    """One client's stream: a reader (submits, in order) and a pusher (results after the cursor)."""
+
+    def __init__(self, hub: Hub, ws: WebSocket, user: str) -> None:
+        self.hub, self.ws, self.user = hub, ws, user
+        self._send_lock = asyncio.Lock()
+
+    async def send(self, msg: dict[str, Any]) -> None:
+        text = json.dumps(msg, separators=(",", ":"))
+        async with self._send_lock:
+            await self.ws.send_text(text)
+
+    async def run(self) -> None:
+        first = await self.ws.receive()
+        if first["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(first.get("code", 1000))
+        hello = _parse(first.get("text"))
+        if hello["op"] != "hello":
+            raise _BadFrame(f'the first frame must be "hello", not {hello["op"]!r}')
+        after = hello.get("after")
+        if after is None:
+            after = await self.hub.store.last_result_seq(self.user)
+        if not isinstance(after, int) or isinstance(after, bool) or after < 0:
+            raise _BadFrame('"after" must be a result cursor (an integer >= 0) or null')
+        await self.send({"op": "welcome", "v": STREAM_VERSION, "cursor": after, "max_frame": MAX_FRAME,
+                         "max_batch": self.hub.cfg.max_batch})
+        pusher = asyncio.create_task(self._push(after))
+        try:
+            await self._read()
+        finally:
+            pusher.cancel()
+            with contextlib.suppress(BaseException):
+                await pusher
+
+    async def _read(self) -> None:
+        while True:
+            msg = await self.ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                raise WebSocketDisconnect(msg.get("code", 1000))
+            frame = _parse(msg.get("text"))
+            if frame["op"] != "submit":
+                raise _BadFrame(f'unknown op {frame["op"]!r} (expected "submit")')
+            ref = frame.get("ref")
+            if not isinstance(ref, int) or isinstance(ref, bool):
+                raise _BadFrame('a submit needs an integer "ref" to answer it by')
+            await self.send(await self._submit(ref, frame.get("batch")))
+
+    async def _submit(self, ref: int, batch: Any) -> dict[str, Any]:
+        """The REST batch submit, answered as a frame; a refusal names the HTTP status it would have had."""
+        from cloud_hub.api.app import _accept  # the app imports this module: resolved at call time
+        from cloud_hub.api.task_groups import checked_functions
+
+        h, cfg = self.hub, self.hub.cfg
+        try:
+            body = BatchIn.model_validate(batch)
+            if len(body.tasks) > cfg.max_batch:
+                raise HTTPException(413, f"batch of {len(body.tasks)} tasks exceeds the limit of {cfg.max_batch}")
+            if any(t.idempotency_key is not None for t in body.tasks):
+                raise HTTPException(422, "idempotency_key belongs on the batch, not on its tasks")
+            functions = checked_functions(h, body.functions)
+            ids, eps = await _accept(h, self.user, body.tasks, body.idempotency_key, functions=functions, group=body.task_group_id)
+        except ValidationError as exc:
+            return {"op": "refused", "ref": ref, "status": 422, "detail": _validation_detail(exc)}
+        except HTTPException as exc:
+            return {"op": "refused", "ref": ref, "status": exc.status_code, "detail": str(exc.detail)}
+        except StoreFull as exc:
+            log.error("refused a streamed submit: %s", exc)
+            return {"op": "refused", "ref": ref, "status": 507, "detail": str(exc)}
+        return {"op": "accepted", "ref": ref, "task_ids": ids, "endpoint_ids": eps}
+
+    async def _push(self, cursor: int) -> None:
+        """Every result of the user after ``cursor``, as soon as it is stored (woken by the result bus)."""
+        h = self.hub
+        from cloud_hub.api.app import _result_out
+
+        try:
+            while True:
+                ev = h.bus.event(self.user)  # before the query: a result stored in between sets it
+                rows = await h.store.results_after(self.user, cursor, _RESULTS_PER_FRAME)
+                if rows:
+                    rows = _fit(rows)
+                    cursor = rows[-1]["seq"]
+                    await self.send({"op": "results", "cursor": cursor, "results": [_result_out(r).model_dump(mode="json") for r in rows]})
+                    continue
+                await ev.wait()
+        except (asyncio.CancelledError, WebSocketDisconnect):
+            raise
+        except Exception as exc:  # the store failed: close, the client reconnects and resumes from its cursor
+            log.error("result stream of user %s stopped: %s", self.user, exc)
+            with contextlib.suppress(Exception):
+                await self.ws.close(1011, _reason(f"hub error while reading results: {exc}"))
+
+
+def _fit(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first rows whose data fits in a quarter of ``MAX_FRAME`` (base64 adds a third), at least one."""
+    total = 0
+    for i, r in enumerate(rows):
+        total += len(r["data"] or b"") + 200
+        if total > MAX_FRAME // 4 and i:
+            return rows[:i]
+    return rows
+
+
+def _validation_detail(exc: ValidationError) -> str:
+    errs = exc.errors(include_url=False)
+    first = errs[0] if errs else {}
+    where = ".".join(str(x) for x in first.get("loc", ()))
+    more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+    return f"batch.{where}: {first.get('msg', 'invalid')}{more}" if where else f"batch: {first.get('msg', 'invalid')}{more}"

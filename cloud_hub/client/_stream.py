@@ -1,0 +1,245 @@
+"""The SDK's end of ``/v1/stream``: one WebSocket to the hub that carries submits and results.
+
+Why: over REST each batch is a POST and results come through a long poll that must be issued
+again after every answer; the stream holds one connection and the hub pushes each result when it
+is stored (cloud_hub/api/stream.py). Nothing about durability changes: a submit is answered
+``accepted`` only after the hub committed it (the same code as REST), the Executor retries a
+submit the stream lost with the same idempotency key (over the stream once it reconnects, or over
+REST), and results are delivered at least once (the hub resends everything after the cursor the
+client names when it reconnects) and completed once (by task id, in the Executor).
+
+Threads: the Executor's reader thread owns the connection (connect, reconnect with backoff and
+jitter, receive); the submitter thread only sends a frame and waits for its answer. While the
+stream is down, the reader polls REST between reconnect attempts, so results keep flowing; a hub
+that does not offer the stream (an older hub, ``stream: false``, a proxy that refuses WebSocket
+upgrades) makes the Executor use REST for good.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import socket
+import ssl
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from cloud_hub.client._client import AuthError, HubError, HubUnreachable
+
+if TYPE_CHECKING:
+    from cloud_hub.client._client import Client
+    from cloud_hub.client._executor import Executor
+
+__all__ = ["HubStream", "StreamUnavailable", "FrameTooBig", "stream_url"]
+
+log = logging.getLogger("cloud_hub.client")
+
+CLOSE_AUTH = 4401  # same codes as cloud_hub/api/stream.py (the SDK does not import the hub)
+CLOSE_BAD_FRAME = 4400
+
+
+class StreamUnavailable(Exception):
+    """The hub does not offer the stream (no such route, turned off, or a proxy in the way): use REST."""
+
+
+class FrameTooBig(Exception):
+    """This batch is bigger than the hub reads in one frame: send it over REST."""
+
+
+def stream_url(url: str) -> str:
+    base = url.rstrip("/")
+    if base.startswith("https://"):
+        return "wss://" + base[len("https://"):] + "/v1/stream"
+    if base.startswith("http://"):
+        return "ws://" + base[len("http://"):] + "/v1/stream"
+    raise ValueError(f"hub URL {url!r} is neither http:// nor https://")
+
+
+class _Waiter:
+    __slots__ = ("event", "answer", "error")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.answer: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+
+
+class HubStream:
+    """One stream connection (re-made after each loss) for one Executor."""
+
+    def __init__(self, client: "Client") -> None:
+        self.client = client
+        self.url = stream_url(client.url)
+        self.max_frame = 0
+        self._ws: Any = None
+        self._ref = 0
+        self._waiting: dict[int, _Waiter] = {}
+        self._lock = threading.Lock()
+        self.connects = 0  # successful connections (1 + reconnects)
+
+    @property
+    def connected(self) -> bool:
+        return self._ws is not None
+
+    # ------------------------------------------------------------------ submitter side
+    def submit(self, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Send one batch and wait for the hub's answer: the ``accepted`` frame, or raise
+        :class:`HubError` with the status REST would have given, :class:`HubUnreachable` when the
+        stream dropped before the answer (retry with the same idempotency key), or
+        :class:`FrameTooBig` (send it over REST)."""
+        ws = self._ws
+        if ws is None:
+            raise HubUnreachable("the stream to the hub is not connected")
+        with self._lock:
+            self._ref += 1
+            ref = self._ref
+            w = self._waiting[ref] = _Waiter()
+        try:
+            text = json.dumps({"op": "submit", "ref": ref, "batch": body}, separators=(",", ":"))
+            if len(text) > self.max_frame:
+                raise FrameTooBig(f"batch frame of {len(text)} bytes is over the hub's {self.max_frame}")
+            try:
+                ws.send(text)
+            except Exception as exc:  # ConnectionClosed, OSError: the reader notices and reconnects
+                raise HubUnreachable(f"lost the stream to the hub at {self.client.url} while submitting ({exc})") from None
+            if not w.event.wait(timeout_s):
+                raise HubUnreachable(f"no answer from the hub at {self.client.url} within {timeout_s:g} s on the stream")
+        finally:
+            with self._lock:
+                self._waiting.pop(ref, None)
+        if w.error is not None:
+            raise w.error
+        assert w.answer is not None
+        if w.answer["op"] == "refused":
+            status, detail = int(w.answer.get("status", 500)), str(w.answer.get("detail", ""))
+            if status == 401:
+                raise AuthError(401, detail)
+            raise HubError(status, detail)
+        return w.answer
+
+    # ------------------------------------------------------------------ reader side
+    def run(self, ex: "Executor") -> bool:
+        """Serve ``ex``'s results until it is shut down and has nothing pending (True), or until it
+        is clear the hub has no stream (False: the caller reads over REST from ``ex._cursor``)."""
+        backoff = 0.1
+        while True:
+            if ex._reading_done():
+                return True
+            try:
+                self._connect(ex._cursor)
+            except StreamUnavailable as exc:
+                log.info("the hub at %s offers no stream (%s); using REST", self.client.url, exc)
+                return False
+            except (HubUnreachable, AuthError) as exc:
+                delay = backoff * random.uniform(0.5, 1.5)
+                backoff = min(backoff * 2, 5.0)
+                if self.connects:
+                    log.warning("stream to the hub not connected (%s); retrying in %.1f s", exc, delay)
+                ex._rest_results_once(delay)  # results keep flowing (or this waits out the delay)
+                continue
+            backoff = 0.1
+            try:
+                self._serve(ex)
+                return True
+            except HubUnreachable as exc:
+                log.warning("%s; reconnecting", exc)
+            finally:
+                self._drop()
+
+    def _serve(self, ex: "Executor") -> None:
+        ws = self._ws
+        while True:
+            if ex._reading_done():
+                return
+            try:
+                text = ws.recv(timeout=0.5)
+            except TimeoutError:
+                continue
+            except Exception as exc:
+                raise HubUnreachable(_closed_reason(exc, self.client.url)) from None
+            try:
+                msg = json.loads(text)
+                op = msg["op"]
+            except (ValueError, TypeError, KeyError):
+                raise HubUnreachable(f"the hub sent a frame that is not the stream protocol: {str(text)[:80]!r}") from None
+            if op == "results":
+                ex._deliver(msg["results"], int(msg["cursor"]))
+            elif op in ("accepted", "refused"):
+                with self._lock:
+                    w = self._waiting.get(msg.get("ref"))
+                if w is not None:
+                    w.answer = msg
+                    w.event.set()
+            elif op == "error":
+                log.error("the hub closed the stream: %s", msg.get("detail"))
+            # unknown ops from a newer hub are ignored
+
+    def _connect(self, cursor: int) -> None:
+        try:
+            from websockets.exceptions import InvalidHandshake, InvalidStatus
+            from websockets.sync.client import connect
+        except ImportError:
+            raise StreamUnavailable("the websockets package is not installed") from None
+        tls: ssl.SSLContext | None = None
+        if self.url.startswith("wss://"):
+            t = self.client._tls
+            if isinstance(t, ssl.SSLContext):
+                tls = t
+            else:
+                tls = ssl.create_default_context()
+                if t is False:
+                    tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE
+        try:
+            ws = connect(self.url, ssl=tls, additional_headers={"Authorization": f"Bearer {self.client._token}"}, compression=None,
+                         open_timeout=10, max_size=None, close_timeout=2, proxy=None)
+        except InvalidStatus as exc:
+            raise StreamUnavailable(f"the handshake got HTTP {exc.response.status_code}") from None
+        except InvalidHandshake as exc:
+            raise StreamUnavailable(f"the handshake failed: {exc}") from None
+        except (OSError, TimeoutError) as exc:
+            raise HubUnreachable(f"cannot open the stream to {self.url} ({exc})") from None
+        try:
+            ws.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # Nagle + delayed ACK cost 40 ms a frame
+            ws.send(json.dumps({"op": "hello", "after": cursor}))
+            welcome = json.loads(ws.recv(timeout=10))
+        except Exception as exc:
+            ws.close()
+            reason = _closed_reason(exc, self.client.url)
+            if getattr(getattr(exc, "rcvd", None), "code", None) == CLOSE_AUTH:
+                raise AuthError(401, reason) from None
+            raise HubUnreachable(reason) from None
+        if not isinstance(welcome, dict) or welcome.get("op") != "welcome":
+            ws.close()
+            raise StreamUnavailable(f"the hub answered hello with {str(welcome)[:80]!r}")
+        self.max_frame = int(welcome.get("max_frame") or 0)
+        self._ws = ws
+        self.connects += 1
+
+    def _drop(self) -> None:
+        """The connection is gone: every submit still waiting learns it (and retries with its key)."""
+        ws, self._ws = self._ws, None
+        if ws is not None:
+            try:
+                ws.close()
+            except Exception:
+                pass
+        with self._lock:
+            waiting = list(self._waiting.values())
+        for w in waiting:
+            if not w.event.is_set():
+                w.error = HubUnreachable(f"the stream to the hub at {self.client.url} dropped before the submit was answered")
+                w.event.set()
+
+    def close(self) -> None:
+        self._drop()
+
+
+def _closed_reason(exc: BaseException, url: str) -> str:
+    rcvd = getattr(exc, "rcvd", None)
+    if rcvd is not None:
+        if rcvd.code == CLOSE_AUTH:
+            return f"the hub at {url} refused the token on the stream: {rcvd.reason}"
+        return f"the hub at {url} closed the stream ({rcvd.code} {rcvd.reason})".rstrip()
+    return f"lost the stream to the hub at {url} ({type(exc).__name__}: {exc})"
