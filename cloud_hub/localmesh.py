@@ -270,7 +270,8 @@ class LocalMesh:
         broker through this port instead (a fault proxy)."""
         from cloud_hub.broker import free_port
 
-        site = {"listen_host": "127.0.0.1", "listen_port": site_port or free_port(), "hold": hold, **settings.pop("site", {})}
+        site = {"listen_host": "127.0.0.1", "listen_port": site_port or free_port(), "store_port": free_port(), "hold": hold,
+                **settings.pop("site", {})}
         agent = self.add_agent(name, start=False, site=site, **settings)
         cfg = agent.cfg
         if uplink_port is not None:

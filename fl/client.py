@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from fl import datasets as _datasets
+from fl.sites import SiteError, lan_update, task_weights_blob
 from fl.strategies import ClientUpdate, FedAvg, Strategy, Weights
 from fl.wire import decode_weights, encode_weights
 
@@ -141,7 +142,7 @@ class ClientApp:
             return self._evaluate(task)
         t0 = time.perf_counter()
         task = _check_task(task, "train")
-        weights = decode_weights(task["weights"])
+        weights = decode_weights(task_weights_blob(task))  # inline, or by key from the site's LAN store (fl.sites)
         if task.get("downlink") == "fp16":  # the global model came down as float16: train in float32
             weights = [w.astype(np.float32) if w.dtype == np.float16 else w for w in weights]
         t_data = time.perf_counter()
@@ -172,6 +173,8 @@ class ClientApp:
         }
         if encoding is not None:
             out["encoding"] = encoding
+        if task.get("update_to_site"):  # hierarchical through a gateway: the update stays on the site's LAN
+            out = lan_update(task, out)
         return out
 
     def _warmup(self, task: Dict[str, Any]) -> Dict[str, Any]:
@@ -414,14 +417,33 @@ class GatewayAggregator:
 
     def __call__(self, task: Dict[str, Any]) -> Dict[str, Any]:
         t0 = time.perf_counter()
+        if isinstance(task, dict) and task.get("kind") == "stage":
+            return self._stage(task)
         task = _check_task(task, "aggregate")
-        current = decode_weights(task["current"])
+        addr = task.get("site_store")
+        if task.get("current_ref") is not None:  # the model staged this round, from the site store (fl.sites)
+            current = decode_weights(task_weights_blob({"weights_ref": task["current_ref"], "site_store": addr}))
+            # the children trained from the float32 of an fp16 downlink: their deltas are against that
+            current = [w.astype(np.float32) if w.dtype == np.float16 else w for w in current]
+        else:
+            current = decode_weights(task["current"])
         updates: List[ClientUpdate] = []
         rejected: List[Tuple[str, str]] = []
+        lan_bytes = 0
         for u in task.get("updates") or []:
             try:
-                w = decode_weights(u["weights"])
-            except Exception as exc:  # one bad blob rejects that update only
+                if u.get("ref") is not None:  # the child's update, on the LAN; its key is in the child's signed result
+                    blob = task_weights_blob({"weights_ref": u["ref"], "site_store": addr})
+                    lan_bytes += len(blob)
+                else:
+                    blob = u["weights"]
+                if u.get("encoding") is not None:  # compressed (fl.compression): a delta against this round's model
+                    from fl.compression import decode_update
+
+                    w = decode_update(blob, u["encoding"], current)
+                else:
+                    w = decode_weights(blob)
+            except Exception as exc:  # one bad, missing or tampered blob rejects that update only
                 rejected.append((str(u.get("client_id")), f"undecodable weights: {exc}"))
                 continue
             updates.append(ClientUpdate(str(u["client_id"]), w, int(u["num_samples"]), metrics=dict(u.get("metrics") or {})))
@@ -433,5 +455,19 @@ class GatewayAggregator:
             "weights": None if new is None else encode_weights(new), "num_samples": int(rep.num_samples),
             "accepted": list(rep.accepted), "rejected": rejected + [list(r) for r in rep.rejected],
             "reason": rep.reason, "metrics": self.strategy.aggregate_metrics([u for u in updates if u.client_id in set(rep.accepted)]),
-            "aggregate_time_s": time.perf_counter() - t0,
+            "aggregate_time_s": time.perf_counter() - t0, "bytes_lan": lan_bytes,
         }
+
+    def _stage(self, task: Dict[str, Any]) -> Dict[str, Any]:
+        """Put this round's global model in the site store (it came down the uplink once, in
+        this task) and answer its key: the site's children fetch it on the LAN."""
+        from mesh_agent.site_store import put_blob
+
+        if task.get("v") != PROTOCOL or not isinstance(task.get("weights"), (bytes, bytearray)):
+            raise TaskError("a stage task needs v and the weights blob")
+        addr = task.get("site_store")
+        if not isinstance(addr, str):
+            raise SiteError("a stage task needs site_store (host:port)")
+        decode_weights(task["weights"])  # a blob that is no model is refused here, not by ten children
+        return {"v": PROTOCOL, "kind": "staged", "round": int(task.get("round", 0)), "ref": put_blob(addr, bytes(task["weights"])),
+                "bytes": len(task["weights"])}

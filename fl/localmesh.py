@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Sequence
 from cloud_hub.localmesh import AgentProcess, LocalMesh
 from mesh_agent.datasets import DatasetDecl
 
-__all__ = ["declare_datasets", "add_digits_agents"]
+__all__ = ["declare_datasets", "add_digits_agents", "add_digits_site"]
 
 
 def declare_datasets(agent: AgentProcess, datasets: Dict[str, DatasetDecl]) -> None:
@@ -36,6 +36,23 @@ def add_digits_agents(mesh: LocalMesh, num_clients: int, *, scheme: str = "diric
         a = mesh.add_agent(f"{prefix}-{k}", transports[k], workers=workers, prefetch=4, start=False)
         kwargs = {"index": k, "num_clients": num_clients, "scheme": scheme, "alpha": alpha, "seed": seed}
         declare_datasets(a, {"digits": {"loader": "fl.datasets:digits", "kwargs": kwargs}, **(extra or {})})
+        if start:
+            a.start()
+        agents.append(a)
+    return agents
+
+
+def add_digits_site(mesh: LocalMesh, gateway: Any, num_clients: int, *, scheme: str = "dirichlet", alpha: float = 0.5,
+                    seed: int = 0, prefix: str = "fl-site", offset: int = 0, total: int | None = None,
+                    start: bool = True, **settings: Any) -> List[AgentProcess]:
+    """``num_clients`` devices behind the site ``gateway`` (they dial its site broker, docs/sites.md);
+    device k declares ``digits`` = partition ``offset + k`` of ``total`` (default ``num_clients``)."""
+    total = num_clients if total is None else total
+    agents = []
+    for k in range(num_clients):
+        a = mesh.add_site_device(f"{prefix}-{offset + k}", gateway, start=False, **settings)
+        kwargs = {"index": offset + k, "num_clients": total, "scheme": scheme, "alpha": alpha, "seed": seed}
+        declare_datasets(a, {"digits": {"loader": "fl.datasets:digits", "kwargs": kwargs}})
         if start:
             a.start()
         agents.append(a)

@@ -159,6 +159,8 @@ class SiteSettings(BaseModel):
     cache_bodies: bool = Field(True, description="function bodies cross the uplink once per site: the hub sends each to the "
                                "gateway once, the gateway hands it to its devices, which check it by its hash (the function id)")
     mosquitto: str = Field("mosquitto", description="the Mosquitto binary")
+    store_port: int | None = Field(None, ge=0, le=65535, description="the site's content-addressed blob store on the LAN "
+                                   "(hierarchical FL: models and updates, mesh_agent/site_store.py); default listen_port + 1, 0: off")
 
 
 class AgentConfig(BaseModel):

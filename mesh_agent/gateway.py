@@ -46,6 +46,7 @@ import msgpack
 from mesh_agent.agent import SITE_BODY_MAGIC
 from mesh_agent.protocol import Kind
 from mesh_agent.protocol.envelope import _inflate, _parse_header
+from mesh_agent.site_store import SiteStore
 from mesh_agent.store import AgentStore, StoreError
 from mesh_agent.transport import LinkError
 from mesh_agent.transport.mqtt import MqttAgentLink, MqttHubLink, down_topic, up_topic
@@ -256,6 +257,11 @@ class Gateway:
         self.agent = Agent(cfg, creds, link_factory=uplink_factory)
         self.agent.hello_extra = {"site": {"hold": int(site.hold), "broker": f"{site.public_host or site.listen_host}:{site.listen_port}",
                                            **({"cache": 1} if site.cache_bodies else {})}}
+        store_port = site.listen_port + 1 if site.store_port is None else site.store_port
+        self.blob_store_port = store_port if store_port and store_port <= 65535 else 0
+        if self.blob_store_port:  # hierarchical FL: models and updates on the LAN (mesh_agent/site_store.py)
+            self.agent.hello_extra["site"]["store"] = f"{site.public_host or site.listen_host}:{self.blob_store_port}"
+        self.blobs: SiteStore | None = None
         self.agent.on_site = self._on_site
         self.store: AgentStore = self.agent.store  # one SQLite file: the agent's queue and the relay's
         self._lan: MqttHubLink | None = None
@@ -284,6 +290,13 @@ class Gateway:
             self.devices = [d["id"] for d in devices]
             self._site.devices = devices
         await asyncio.to_thread(self._site.start)
+        if self.blob_store_port:
+            self.blobs = SiteStore(self.store, self._site.host, self.blob_store_port)
+            try:
+                await self.blobs.start()
+            except OSError as exc:  # the relay still works; FL falls back to sending models through the hub
+                log.error("site blob store not started on %s:%d: %s", self._site.host, self.blob_store_port, exc)
+                self.blobs = None
         await self.store.relay_sent([s for s, *_ in await self.store.relay_pending("down", limit=100_000)], 0.0)  # all due again
         self._lan = MqttHubLink(self._site.host, self._site.port, username=_SITE_USER, password=self._site.password,
                                 prefix=self.prefix, identifier=f"gateway-{self.cfg.endpoint_id}")
@@ -298,6 +311,8 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await pump
             await self._lan.stop()
+            if self.blobs is not None:
+                await self.blobs.stop()
             self._site.stop()
 
     def uplink_up(self, link: _Uplink) -> None:

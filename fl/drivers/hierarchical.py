@@ -2,15 +2,23 @@
 train as in a synchronous round; then each gateway endpoint aggregates its group's updates with
 the inner strategy (``fl.client.GatewayAggregator``, numpy only) and returns one update, and
 the driver aggregates those with the outer strategy. A gateway that does not answer by the
-deadline is replaced by the driver aggregating its group (``gateway_fallback``)."""
+deadline is replaced by the driver aggregating its group (``gateway_fallback``).
+
+A gateway that announces a site blob store (a site gateway, ``info.site.store``) gets its
+group's round on its LAN (``fl.sites``): the global model goes down once per site (a ``stage``
+task), children fetch it and leave their updates on the LAN, their results carry only keys, and
+one aggregated update comes up. Its group cannot fall back to the driver (the updates never left
+the site); a site whose stage task is not answered in time gets the round the old way."""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
+
 
 from fl.client import PROTOCOL, GatewayAggregator
+from fl.sites import site_stores
 from fl.strategies import ClientUpdate, Hierarchical, Weights
 from fl.wire import WireError, decode_weights, encode_weights
 
@@ -33,6 +41,63 @@ class HierarchicalDriver(SyncDriver):
         assert isinstance(strat, Hierarchical)
         self.run.gateway_fid = self.hub(self.client.register_function, GatewayAggregator(strat.inner), "fl-gateway")
 
+    # ---------------------------------------------------------------- the LAN path (fl.sites)
+    def encode_global(self, round: int, weights: Weights, version: int) -> bytes:
+        """The global model's blob, and (once per site) the stage task that puts it in each site
+        store: children of a staged site get its key instead of the model."""
+        blob = super().encode_global(round, weights, version)
+        self._staged: Dict[str, Tuple[str, str]] = {}
+        self._lan_updates: Dict[str, Dict[str, Any]] = {}
+        stores = site_stores(self.endpoint_rows(), self.fed.gateways)
+        if not stores:
+            return blob
+        payloads = [(gw, {"v": PROTOCOL, "kind": "stage", "round": round, "gateway_id": gw, "weights": blob, "site_store": addr})
+                    for gw, addr in stores.items()]
+        pending = self.submit(self.run.gateway_fid, payloads, self.run.ttl_s)
+        deadline = time.monotonic() + min(self.run.deadline_s, 120.0)
+        while pending and time.monotonic() < deadline:
+            for tid, arr in self.wait(list(pending), min(self.poll_s, max(0.1, deadline - time.monotonic()))):
+                gw = pending.pop(tid, None)
+                if gw is None:
+                    continue
+                if arr.ok and isinstance(arr.value, dict) and arr.value.get("kind") == "staged" and isinstance(arr.value.get("ref"), str):
+                    self._staged[gw] = (arr.value["ref"], stores[gw])
+                else:
+                    log.warning("site %s could not stage round %d's model (%s); its children get it through the hub",
+                                gw, round, arr.error or arr.value)
+        self.retire(pending, round)
+        return blob
+
+    def train_payload(self, ins: Any, round: int, blob: bytes, version: int) -> Dict[str, Any]:
+        p = super().train_payload(ins, round, blob, version)
+        staged = getattr(self, "_staged", {}).get(self.fed._gateway_of.get(ins.client_id, ""))
+        if staged is not None:
+            p.pop("weights", None)
+            p.update({"weights_ref": staged[0], "site_store": staged[1], "update_to_site": True})
+        return p
+
+    def decode_update(self, client: str, value: Any, base_version: int) -> Tuple[Optional[ClientUpdate], Optional[str], Dict[str, Any]]:
+        """A LAN child's result names its update by key: kept for the gateway's aggregate task
+        (the driver never holds those weights; the update stands in with no arrays)."""
+        if not (isinstance(value, dict) and value.get("weights_ref") is not None):
+            return super().decode_update(client, value, base_version)
+        if value.get("v") != PROTOCOL or value.get("kind") != "update" or value.get("client_id") != client:
+            return None, "not an fl update of this client", {}
+        if self.fed._gateway_of.get(client) not in getattr(self, "_staged", {}):
+            return None, "an update left on a site's LAN, but this round did not stage that site", {}
+        info = {k: v for k, v in value.items() if k not in ("weights", "v", "kind")}
+        try:
+            n = int(value.get("num_samples", 0))
+            bv = int(value.get("base_version", base_version))
+        except (TypeError, ValueError):
+            return None, "num_samples/base_version are not integers", info
+        ref = value["weights_ref"]
+        if not (isinstance(ref, str) and len(ref) == 64):
+            return None, f"weights_ref is not a blob key: {ref!r}", info
+        self._lan_updates[client] = {"client_id": client, "ref": ref, "encoding": value.get("encoding"), "num_samples": n,
+                                     "metrics": dict(value.get("metrics") or {})}
+        return ClientUpdate(client, [], n, base_version=bv, metrics=dict(value.get("metrics") or {})), None, info
+
     def aggregate(self, round: int, updates: List[ClientUpdate], current: Weights) -> Aggregate:
         run, r, weights = self.run, round, current
         strat = run.strategy
@@ -41,11 +106,21 @@ class HierarchicalDriver(SyncDriver):
         groups: Dict[str, List[ClientUpdate]] = {}
         for u in updates:
             groups.setdefault(gateway_of.get(u.client_id, f"direct:{u.client_id}"), []).append(u)
-        cur = encode_weights(weights)
+        staged = getattr(self, "_staged", {})
+        lan = getattr(self, "_lan_updates", {})
+        cur: Optional[bytes] = None
         payloads = []
         for gw, us in groups.items():
             if gw.startswith("direct:"):
                 continue
+            if gw in staged:  # on the site's LAN: keys only (a child answered the old way: its weights ride along)
+                payloads.append((gw, {"v": PROTOCOL, "kind": "aggregate", "round": r, "gateway_id": gw, "current_ref": staged[gw][0],
+                                      "site_store": staged[gw][1],
+                                      "updates": [lan[u.client_id] if u.client_id in lan else
+                                                  {"client_id": u.client_id, "weights": encode_weights(u.weights),
+                                                   "num_samples": u.num_samples, "metrics": u.metrics} for u in us]}))
+                continue
+            cur = cur if cur is not None else encode_weights(weights)
             payloads.append((gw, {"v": PROTOCOL, "kind": "aggregate", "round": r, "gateway_id": gw, "current": cur,
                                   "updates": [{"client_id": u.client_id, "weights": encode_weights(u.weights),
                                                "num_samples": u.num_samples, "metrics": u.metrics} for u in us]}))
@@ -85,6 +160,10 @@ class HierarchicalDriver(SyncDriver):
                 continue
             if not gw.startswith("direct:"):
                 fallback.append(gw)
+            if any(u.client_id in lan for u in groups[gw]):  # the updates are on the site's LAN: nothing to fall back on
+                for u in groups[gw]:
+                    rejected.setdefault(u.client_id, f"gateway {gw} did not aggregate its site's updates by the deadline")
+                continue
             gw_w2 = strat.inner.aggregate(r, groups[gw], weights)
             rep = strat.inner.last_report
             assert rep is not None
@@ -98,6 +177,9 @@ class HierarchicalDriver(SyncDriver):
         new = strat.outer.aggregate(r, pseudo, weights)
         reason = None if new is not None else f"outer aggregation over {len(pseudo)} group(s): {strat.outer.last_report.reason}"
         extra: Dict[str, Any] = {"gateways": {g: list(cs) for g, cs in self.fed.gateways.items()}}
+        if staged:
+            extra["site_lan"] = {g: {"staged": True, "lan_updates": sum(1 for u in groups.get(g, []) if u.client_id in lan),
+                                     "bytes_lan": int((answers.get(g) or {}).get("bytes_lan") or 0)} for g in staged}
         if fallback:
             extra["gateway_fallback"] = fallback
         return Aggregate(new, accepted, rejected, reason, extra)

@@ -1,0 +1,133 @@
+"""Hierarchical FL through a site gateway (issue 15 item 5, docs/sites.md "Hierarchical FL"), with
+real parts only: the hub's Mosquitto and hub, a ``mesh-agent gateway`` process with its site
+Mosquitto and site blob store, three device agents behind it that each declare their own share
+of the digits, and the emulator's counting fault proxy as the uplink.
+
+What is checked: the round's model is staged once per site and the children's updates stay on
+the LAN (their results carry keys only; the gateway sends one aggregated update up), the run
+learns, it works with update compression (q8 deltas decoded at the gateway), and what crosses the
+uplink per round is less than one model per device each way would be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from cloud_hub.broker import find_mosquitto
+from cloud_hub.localmesh import LocalMesh
+from fl import FedAvg, Federation, Hierarchical
+from fl.data import load_test_data
+from fl.localmesh import add_digits_site
+from fl.wire import encode_weights
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")]
+
+N = 3
+TRAINER = {"threads": 1, "lr": 0.05, "batch_size": 32}
+
+
+class Uplink:
+    """The emulator's counting fault proxy on its own loop: the gateway's only way to the hub."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        from sim.emulate.proxy import FaultProxy
+
+        self.loop = asyncio.new_event_loop()
+        self.proxy = FaultProxy("uplink", upstream)
+        self._t = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._t.start()
+        asyncio.run_coroutine_threadsafe(self.proxy.start(), self.loop).result(10)
+
+    @property
+    def port(self) -> int:
+        return int(self.proxy.port)
+
+    def bytes(self) -> int:
+        async def snap() -> int:
+            return int(self.proxy.stats["bytes_up"] + self.proxy.stats["bytes_down"])
+
+        return asyncio.run_coroutine_threadsafe(snap(), self.loop).result(5)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.proxy.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._t.join(5)
+
+
+class Site:
+    def __init__(self, mesh: LocalMesh, uplink: Uplink, gateway: Any, devices: list) -> None:
+        self.mesh, self.uplink, self.gateway, self.devices = mesh, uplink, gateway, devices
+
+    @property
+    def ids(self) -> list[str]:
+        return [d.endpoint_id for d in self.devices]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    m = LocalMesh(Path(tmp_path_factory.mktemp("flsite")), heartbeat_s=1.0, lost_after_s=6.0, lease_s=10.0)
+    m.start()
+    up = Uplink(("127.0.0.1", m.broker.port))
+    try:
+        gw = m.add_gateway("site-gw", hold=64, uplink_port=up.port, workers=1)
+        m.wait_online(gw, timeout=60)
+        devs = add_digits_site(m, gw, N, workers=1)
+        m.wait_online(gw, *devs, timeout=120)
+        yield Site(m, up, gw, devs)
+    finally:
+        try:
+            m.stop()
+        finally:
+            up.stop()
+
+
+def _mlp() -> Any:
+    from fl.models import MLP
+
+    torch.manual_seed(0)
+    return MLP(64, (64,), 10)
+
+
+def _model_bytes() -> int:
+    return len(encode_weights([w.detach().numpy() for w in _mlp().state_dict().values()]))
+
+
+def test_site_round_stays_on_the_lan_and_learns(site: Site) -> None:
+    gw = site.gateway.endpoint_id
+    row = {e["id"]: e for e in site.mesh.client.list_endpoints()}[gw]
+    assert row["info"]["site"]["store"] == f"127.0.0.1:{site.gateway.cfg.site.store_port}"
+    fed = Federation(site.mesh.client, gateways={gw: site.ids})
+    rounds = 4
+    before = site.uplink.bytes()
+    hist = fed.fit(_mlp(), "digits", rounds=rounds, strategy=Hierarchical(FedAvg(), FedAvg()), local_epochs=2,
+                   deadline_s=60, trainer=TRAINER, eval_data=load_test_data())
+    crossed = site.uplink.bytes() - before
+    assert all(sorted(r.participants) == sorted(site.ids) for r in hist), [(r.participants, r.dropped) for r in hist]
+    for r in hist:
+        lan = r.extra["site_lan"][gw]
+        assert lan["staged"] and lan["lan_updates"] == N, r.extra
+        assert lan["bytes_lan"] > 0
+        assert "gateway_fallback" not in r.extra
+        # no model went to a child through the hub, and no child's result carried weights up
+        assert r.extra["bytes_down_total"] == 0 and r.extra["bytes_up_total"] == 0, r.extra
+    assert hist[-1].accuracy > hist.metadata["initial_eval"]["accuracy"] + 0.3, [r.accuracy for r in hist]
+    flat_floor = rounds * 2 * N * _model_bytes()  # flat: one model down and one update up per device per round
+    print(f"site run: {crossed} B crossed the uplink in {rounds} rounds; flat would need at least {flat_floor} B of models")
+    assert crossed < 0.75 * flat_floor, (crossed, flat_floor)
+
+
+def test_site_round_with_compressed_updates(site: Site) -> None:
+    gw = site.gateway.endpoint_id
+    fed = Federation(site.mesh.client, gateways={gw: site.ids})
+    hist = fed.fit(_mlp(), "digits", rounds=3, strategy=Hierarchical(FedAvg(), FedAvg()), local_epochs=2,
+                   deadline_s=60, trainer=TRAINER, eval_data=load_test_data(), compression="q8")
+    assert all(sorted(r.participants) == sorted(site.ids) for r in hist), [(r.participants, r.dropped) for r in hist]
+    # q8 deltas are about a quarter of the float32 model: the gateway got compressed blobs and decoded them
+    assert all(0 < r.extra["site_lan"][gw]["bytes_lan"] < N * _model_bytes() * 0.5 for r in hist), [r.extra for r in hist]
+    assert hist[-1].accuracy > hist.metadata["initial_eval"]["accuracy"] + 0.3, [r.accuracy for r in hist]
