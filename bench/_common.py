@@ -28,9 +28,11 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 
-# The repository root goes first, before this folder (which Python puts first for `python
-# bench/x.py`): otherwise bench/scheduler.py would shadow the `scheduler` package the hub imports.
-sys.path[:] = [str(REPO)] + [p for p in sys.path if p != str(REPO)]
+# The repository root goes first, and this folder (which Python puts first for `python
+# bench/x.py`) last: otherwise bench/scheduler.py would shadow the `scheduler` package the hub
+# imports, and bench/multiprocessing.py the standard library's (uvicorn imports it).
+_here = [p for p in sys.path if p and Path(p).resolve() == BENCH_DIR]
+sys.path[:] = [str(REPO)] + [p for p in sys.path if p != str(REPO) and p not in _here] + _here
 
 
 # ---------------------------------------------------------------- reporting
