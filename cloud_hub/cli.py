@@ -23,6 +23,10 @@ from cloud_hub.client._login import login, logout, whoami  # noqa: E402
 app.command(help="Save a hub URL and API token in a profile (~/.config/continuum-mesh/config.yaml, mode 0600).")(login)
 app.command(help="Remove a profile from the SDK's config file.")(logout)
 app.command(help="Which hub and token the SDK would use, and whether the hub accepts them.")(whoami)
+from cloud_hub.backup_cli import backup, restore  # noqa: E402
+
+app.command()(backup)
+app.command()(restore)
 console = Console(soft_wrap=True)  # error lines name files: never break them mid-path
 
 

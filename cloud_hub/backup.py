@@ -1,0 +1,336 @@
+"""Online backup and restore of a SQLite hub (``mesh-hub backup`` / ``mesh-hub restore``).
+
+Why a command and not ``cp``: the hub keeps its database in WAL mode, so a copy of the main file
+alone misses every commit still in ``hub.sqlite3-wal``, and a copy taken while the hub writes can
+be torn. SQLite's backup API reads one consistent snapshot inside a single read transaction; in
+WAL mode that does not block the hub's writer, so the hub keeps serving while the copy is made.
+
+What a restore can promise, and what it cannot (docs/operations.md, "Backups and restore"):
+
+- Every task the backup holds is brought back. Tasks it holds as queued or on a device are sent
+  again or re-queued when the device says hello (the agent lists what it holds; the hub re-queues
+  what the device no longer has), and agents re-send results the hub has not acknowledged. A
+  task that finished after the backup was taken may therefore run again (execution is at least
+  once); its result is stored once.
+- Work accepted after the backup was taken is not in it and is gone. The restore counts it, by
+  comparing the backup with the database it replaces, when that database is still readable (a
+  bad upgrade, an operator's mistake, a lost table). When it is not (the disk died), nothing on
+  the hub can say how much was lost: the restore says so in words instead of reporting zero.
+- Enrollments made after the backup are gone (those devices enroll again); revocations made
+  after it are applied again to the restored database, so a revoked device stays revoked.
+- The result cursor (``results.seq``) never goes back: SDK clients that read results up to a
+  cursor on the old database would otherwise skip results the restored hub stores.
+
+Files are created 0600 (the database holds every endpoint's key and the hub's CURVE secret key),
+a partial backup never carries the final name, and a failed restore leaves the old database in
+place. PostgreSQL is backed up with its own tools (``pg_dump``, WAL archiving): see the docs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+import urllib.parse
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cloud_hub.store.migrations import MIGRATIONS
+
+__all__ = ["BackupError", "BackupInfo", "RestoreReport", "backup_sqlite", "inspect_backup", "restore_sqlite", "db_in_use"]
+
+MARKER_TABLE = "mesh_backup"
+SQLITE_HEADER = b"SQLite format 3\x00"
+# Without the old database, how far the result cursor jumps: more results than one hub stores
+# between two backups, so that no SDK cursor from before the restore is ahead of new results.
+_SEQ_JUMP_UNKNOWN = 1_000_000_000
+
+
+class BackupError(RuntimeError):
+    """A backup or restore that cannot be done; the message names the file and the reason, and
+    nothing was changed."""
+
+
+@dataclass
+class BackupInfo:
+    """What a backup file holds, read from its marker table (absent in a plain hub database)."""
+
+    path: str
+    taken_at: float | None
+    source: str | None
+    schema_version: int
+    tasks: int
+    results: int
+    endpoints: int
+    bytes: int
+    seconds: float = 0.0
+
+
+@dataclass
+class RestoreReport:
+    """What a restore brought back and what it could not: printed by the CLI, saved as JSON."""
+
+    db: str
+    backup: BackupInfo
+    replaced: str | None = None  # where the database it replaced now lies (kept, never deleted)
+    compared: bool = False  # the replaced database was readable and compared with the backup
+    not_compared_why: str | None = None
+    lost_tasks: int = 0  # accepted after the backup: gone
+    lost_by_state: dict[str, int] = field(default_factory=dict)
+    lost_task_ids: list[str] = field(default_factory=list)
+    rerun_tasks: int = 0  # in the backup unfinished, finished after it: they run again
+    lost_endpoints: list[str] = field(default_factory=list)  # enrolled after the backup: enroll again
+    revocations_reapplied: list[str] = field(default_factory=list)
+    result_seq: int = 0  # the restored database's next result cursor starts above this
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _ro(path: Path) -> sqlite3.Connection:
+    uri = "file:" + urllib.parse.quote(str(path.resolve())) + "?mode=ro"
+    return sqlite3.connect(uri, uri=True, isolation_level=None, timeout=10)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _new_private(path: Path) -> None:
+    """An empty file, 0600 from its first instant (SQLite's journal then gets the same mode)."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
+def _tables(db: sqlite3.Connection) -> set[str]:
+    return {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+
+
+def _check_hub_db(db: sqlite3.Connection, path: Path) -> int:
+    """Raise BackupError unless ``db`` is an intact hub database this hub can run; return its schema version."""
+    try:
+        row = db.execute("PRAGMA quick_check").fetchone()
+    except sqlite3.DatabaseError as exc:
+        raise BackupError(f"{path}: corrupt or not a SQLite database ({exc})") from None
+    if row is None or row[0] != "ok":
+        raise BackupError(f"{path}: corrupt SQLite database (integrity check: {row[0] if row else '?'})")
+    tables = _tables(db)
+    missing = {"schema_version", "tasks", "results", "endpoints"} - tables
+    if missing:
+        raise BackupError(f"{path}: a SQLite database, but not a hub database or backup (no {', '.join(sorted(missing))} table)")
+    version = db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0
+    latest = max(v for v, _ in MIGRATIONS)
+    if version > latest:
+        raise BackupError(f"{path}: schema v{version} is newer than this hub (v{latest}); restore it with the hub version that made it")
+    return int(version)
+
+
+def inspect_backup(path: Path) -> BackupInfo:
+    """Read and check a backup (or a plain hub database) without changing it."""
+    path = Path(path)
+    if not path.is_file():
+        raise BackupError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        head = f.read(len(SQLITE_HEADER))
+    if head != SQLITE_HEADER:
+        raise BackupError(f"{path}: not a hub backup (not a SQLite database file)")
+    try:
+        db = _ro(path)
+    except sqlite3.Error as exc:
+        raise BackupError(f"{path}: cannot open it ({exc})") from None
+    try:
+        version = _check_hub_db(db, path)
+        try:
+            counts = [db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("tasks", "results", "endpoints")]
+            marker = db.execute(f"SELECT taken_at, source FROM {MARKER_TABLE}").fetchone() if MARKER_TABLE in _tables(db) else None
+        except sqlite3.DatabaseError as exc:
+            raise BackupError(f"{path}: corrupt hub backup ({exc})") from None
+    finally:
+        db.close()
+    return BackupInfo(str(path), marker[0] if marker else None, marker[1] if marker else None, version, *counts, bytes=path.stat().st_size)
+
+
+def db_in_use(path: Path, timeout_s: float = 0.5) -> bool:
+    """Whether another process has the database open (a running hub keeps it open for its life).
+
+    An exclusive-mode connection needs every other connection gone, in WAL mode too: a hub that
+    is merely idle still holds its shared lock, so this is not fooled by a quiet moment."""
+    db = sqlite3.connect(path, isolation_level=None, timeout=timeout_s)
+    try:
+        db.execute("PRAGMA locking_mode=EXCLUSIVE")
+        db.execute("BEGIN EXCLUSIVE")
+        db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+        db.execute("COMMIT")
+        return False
+    except sqlite3.OperationalError as exc:
+        if "locked" in str(exc) or "busy" in str(exc):
+            return True
+        raise
+    finally:
+        db.close()
+
+
+def backup_sqlite(db_path: Path, out: Path, *, force: bool = False) -> BackupInfo:
+    """Copy the hub database at ``db_path`` into ``out`` (mode 0600), safely while the hub runs."""
+    db_path, out = Path(db_path), Path(out)
+    if not db_path.is_file():
+        raise BackupError(f"{db_path}: no such hub database")
+    if out.is_dir():
+        raise BackupError(f"{out}: that is a folder; give the backup's file name")
+    if out.exists() and not force:
+        raise BackupError(f"{out}: already exists; pass --force to replace it (or pick another name)")
+    if not out.parent.is_dir():
+        raise BackupError(f"{out.parent}: no such folder")
+    t0 = time.monotonic()
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        # Read-write, though it only reads: a read-only connection cannot remove the -wal/-shm it
+        # creates when it is the last one (hub stopped), and would leave them behind.
+        src = sqlite3.connect(db_path, isolation_level=None, timeout=10)
+    except sqlite3.Error as exc:
+        raise BackupError(f"{db_path}: cannot open it ({exc})") from None
+    try:
+        _check_hub_db(src, db_path)
+        _new_private(tmp)
+        dst = sqlite3.connect(tmp, isolation_level=None)
+        try:
+            src.backup(dst)  # pages=-1: one read transaction, one consistent snapshot; WAL lets the hub write meanwhile
+            dst.execute("PRAGMA journal_mode=DELETE")  # one self-contained file, no -wal beside it
+            dst.execute(f"CREATE TABLE {MARKER_TABLE} (taken_at REAL NOT NULL, source TEXT NOT NULL, hub_version TEXT NOT NULL)")
+            from cloud_hub import __version__
+
+            dst.execute(f"INSERT INTO {MARKER_TABLE} VALUES (?, ?, ?)", (time.time(), str(db_path.resolve()), __version__))
+        finally:
+            dst.close()
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+        _fsync_dir(out.parent)
+    except sqlite3.Error as exc:
+        raise BackupError(f"backup of {db_path} into {out} failed: {exc}") from None
+    except OSError as exc:
+        raise BackupError(f"backup into {out} failed: {exc}") from None
+    finally:
+        src.close()
+        for leftover in (tmp, Path(f"{tmp}-journal")):
+            leftover.unlink(missing_ok=True)
+    info = inspect_backup(out)
+    info.seconds = time.monotonic() - t0
+    return info
+
+
+def _compare(old: sqlite3.Connection, new: sqlite3.Connection, report: RestoreReport) -> None:
+    """Fill ``report`` with what ``old`` (the database being replaced) has that ``new`` (the backup) lacks."""
+    in_backup = {r[0] for r in new.execute("SELECT id FROM tasks")}
+    backup_unfinished = {r[0] for r in new.execute("SELECT id FROM tasks WHERE state != 'done'")}
+    for tid, state in old.execute("SELECT id, state FROM tasks"):
+        if tid not in in_backup:
+            report.lost_task_ids.append(tid)
+            report.lost_by_state[state] = report.lost_by_state.get(state, 0) + 1
+        elif state == "done" and tid in backup_unfinished:
+            report.rerun_tasks += 1
+    report.lost_tasks = len(report.lost_task_ids)
+    backup_eps = {r[0] for r in new.execute("SELECT id FROM endpoints")}
+    report.lost_endpoints = sorted(r[0] for r in old.execute("SELECT id FROM endpoints WHERE revoked IS NULL") if r[0] not in backup_eps)
+    live_revoked = dict(old.execute("SELECT id, revoked FROM endpoints WHERE revoked IS NOT NULL").fetchall())
+    for ep, _ in new.execute("SELECT id, revoked FROM endpoints WHERE revoked IS NULL").fetchall():
+        if ep in live_revoked:
+            # The same wipe as a revocation (cloud_hub/store/access.py): no key, no broker login.
+            new.execute("UPDATE endpoints SET revoked=?, online=0, key=X'', mqtt_hash=NULL, curve_key=NULL WHERE id=?", (live_revoked[ep], ep))
+            report.revocations_reapplied.append(ep)
+    report.result_seq = max(report.result_seq, old.execute("SELECT COALESCE(MAX(seq), 0) FROM results").fetchone()[0])
+    seq = old.execute("SELECT seq FROM sqlite_sequence WHERE name='results'").fetchone() if "sqlite_sequence" in _tables(old) else None
+    if seq:
+        report.result_seq = max(report.result_seq, int(seq[0]))
+
+
+def restore_sqlite(backup: Path, db_path: Path, *, force: bool = False) -> RestoreReport:
+    """Put ``backup`` in place as the hub database ``db_path``; the hub must be stopped.
+
+    The database it replaces is renamed to ``<db>.before-restore-<time>`` (with its -wal/-shm),
+    never deleted; when readable it is compared with the backup (what was lost, by count)."""
+    backup, db_path = Path(backup), Path(db_path)
+    info = inspect_backup(backup)  # every check on the backup before anything is touched
+    if db_path.is_dir():
+        raise BackupError(f"{db_path}: that is a folder; give the hub database's file name")
+    if not db_path.parent.is_dir():
+        raise BackupError(f"{db_path.parent}: no such folder")
+    if backup.resolve() == db_path.resolve():
+        raise BackupError(f"{backup}: is the hub database itself; restore from a backup file")
+    exists = db_path.exists()
+    if exists and not force:
+        raise BackupError(f"{db_path}: a hub database is already there; pass --force to replace it "
+                          "(it is kept beside, renamed, and compared with the backup)")
+    if exists:
+        try:
+            busy = db_in_use(db_path)
+        except sqlite3.Error:
+            busy = False  # unreadable: replaced below, and the report says it could not be compared
+        if busy:
+            raise BackupError(f"{db_path}: a process has it open (is the hub still running?); stop the hub, then restore")
+    report = RestoreReport(db=str(db_path), backup=info)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    tmp = db_path.with_name(f".{db_path.name}.restore-{os.getpid()}")
+    src = _ro(backup)
+    try:
+        _new_private(tmp)
+        new = sqlite3.connect(tmp, isolation_level=None)
+        try:
+            src.backup(new)
+            new.execute("BEGIN IMMEDIATE")
+            new.execute(f"DROP TABLE IF EXISTS {MARKER_TABLE}")
+            report.result_seq = new.execute("SELECT COALESCE(MAX(seq), 0) FROM results").fetchone()[0]
+            if exists:
+                try:
+                    old = _ro(db_path)
+                    try:
+                        _check_hub_db(old, db_path)
+                        _compare(old, new, report)
+                        report.compared = True
+                    finally:
+                        old.close()
+                except (sqlite3.Error, BackupError) as exc:
+                    report.not_compared_why = f"the replaced database is not readable ({exc})"
+            else:
+                report.not_compared_why = f"there was no database at {db_path} to compare with"
+            if not report.compared:
+                report.result_seq += _SEQ_JUMP_UNKNOWN
+            # The next result gets a cursor above every one a client may have read before.
+            new.execute("DELETE FROM sqlite_sequence WHERE name='results'")
+            new.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('results', ?)", (report.result_seq,))
+            new.execute("COMMIT")
+        finally:
+            new.close()
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        if exists:
+            aside = db_path.with_name(f"{db_path.name}.before-restore-{stamp}")
+            for suffix in ("-wal", "-shm", "-journal", ""):  # the main file last: its name is what says "a database is here"
+                side = Path(f"{db_path}{suffix}")
+                if side.exists():
+                    os.rename(side, f"{aside}{suffix}")
+            report.replaced = str(aside)
+        os.replace(tmp, db_path)
+        _fsync_dir(db_path.parent)
+    except sqlite3.Error as exc:
+        raise BackupError(f"restore of {backup} into {db_path} failed: {exc}; {db_path} was not changed") from None
+    except OSError as exc:
+        raise BackupError(f"restore into {db_path} failed: {exc}") from None
+    finally:
+        src.close()
+        for leftover in (tmp, Path(f"{tmp}-journal")):
+            leftover.unlink(missing_ok=True)
+    return report
+
+
+def write_report(report: RestoreReport, path: Path) -> Path:
+    """Save the report as JSON, 0600 (it lists task and endpoint ids)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(report.as_json(), f, indent=1)
+    return path
