@@ -56,6 +56,11 @@ class HubConfig(BaseModel):
     site_hold_s: float = Field(3600.0, gt=0, description="a task leased ahead to a site gateway (docs/sites.md) and not acked by its device by then is re-queued: the bound on work stranded at a dead gateway")
     max_payload_bytes: int = Field(10 * 2**20, ge=1024, description="largest function body or argument blob")
     max_batch: int = Field(50_000, ge=1)
+    # Embedded store (docs/data.md): a Redis subset on its own port for multiprocessing and refs when no Redis is configured.
+    kv_host: str | None = Field("127.0.0.1", description="where the embedded store listens; '' = off")
+    kv_port: int = Field(0, ge=0, le=65535, description="its port (0: any free one; GET /v1/kv tells clients)")
+    kv_public_host: str | None = Field(None, description="the host endpoints reach it at (default kv_host)")
+    kv_max_bytes: int = Field(256 << 20, ge=1 << 20, description="its memory budget; a write past it is refused whole")
     task_ttl_s: float = Field(30 * 86400, gt=0, description="default expiry of a task that never ran")
     result_ttl_s: float = Field(7 * 86400, gt=0)
     frame_ttl_s: float = Field(120.0, gt=0, description="lifetime of one signed message")
@@ -70,7 +75,7 @@ class HubConfig(BaseModel):
     globus_users: dict[str, str] = Field(default_factory=dict, description="Globus username -> hub user name")
     globus_cache_s: float = Field(60.0, ge=0, description="how long an introspection answer is reused")
 
-    @field_validator("mqtt_host", "zmq_bind", "database_url", mode="before")
+    @field_validator("mqtt_host", "zmq_bind", "database_url", "kv_host", mode="before")
     @classmethod
     def _empty_is_none(cls, v: object) -> object:
         """``--mqtt-host ''`` / ``MESH_HUB_MQTT_HOST=`` mean "no MQTT at all", never "the default broker"."""

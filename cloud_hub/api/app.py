@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from cloud_hub import __version__
 from cloud_hub.api import access as access_api
 from cloud_hub.api import fl as fl_api
+from cloud_hub.api import kv as kv_api
 from cloud_hub.api import scheduler as scheduler_api
 from cloud_hub.api import task_groups as task_groups_api
 from cloud_hub.api.task_groups import CODE_METHODS, checked_functions, function_writer
@@ -345,6 +346,7 @@ def create_app(cfg: HubConfig) -> FastAPI:
         return {"cursor": await h.store.last_result_seq(user)}
 
     app.include_router(fl_api.router)
+    app.include_router(kv_api.router)  # /v1/kv and the embedded store's lifespan (cloud_hub/api/kv.py)
     return app
 
 

@@ -1,0 +1,57 @@
+"""``GET /v1/kv``: the address of the hub's embedded store for the signed-in user (docs/data.md).
+
+Why an API route: the SDK asks for it when no Redis is configured, so a deployment without Redis
+needs no setting at all. The URL carries a credential that opens only this user's key space
+(cloud_hub.kv.server), never the API token, so it may travel in task arguments to endpoints.
+The store starts with the hub (this router's lifespan) unless ``kv_host`` is empty.
+"""
+
+from __future__ import annotations
+
+import secrets
+import ssl
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, FastAPI, HTTPException
+
+from cloud_hub.api.deps import ERRORS, HubDep, UserDep
+from cloud_hub.kv.server import KVServer
+
+__all__ = ["router"]
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    hub = app.state.hub
+    cfg = hub.cfg
+    server = None
+    if cfg.kv_host:
+        ctx = None
+        if cfg.tls_cert_file and cfg.tls_key_file:
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.load_cert_chain(str(cfg.tls_cert_file), str(cfg.tls_key_file))
+        server = KVServer(cfg.kv_host, cfg.kv_port, secret=secrets.token_bytes(32), max_bytes=cfg.kv_max_bytes,
+                          ssl_context=ctx, public_host=cfg.kv_public_host)
+        await server.start()
+    hub.kv = server
+    try:
+        yield
+    finally:
+        hub.kv = None
+        if server is not None:
+            await server.stop()
+
+
+router = APIRouter(lifespan=_lifespan)
+
+
+@router.get("/v1/kv", responses=ERRORS)
+async def kv_address(h: HubDep, user: UserDep) -> dict[str, Any]:
+    """This user's URL for the embedded store (redis:// or rediss://), its limits, and that it
+    is the hub's memory (a hub restart loses its data)."""
+    server = getattr(h, "kv", None)
+    if server is None:
+        raise HTTPException(404, "this hub runs no embedded store (kv_host is empty): configure a Redis (MESH_REDIS_URL)")
+    return {"url": server.url(user), "max_bytes": server.keys.max_bytes, "max_value_bytes": server.keys.max_value_bytes,
+            "durable": False}

@@ -1,0 +1,138 @@
+"""The hub's embedded store (cloud_hub.kv): the pure key space with an injected clock, and the
+real server over redis-py: per-user scoping, credentials, expiry, the byte budget, BLPOP handoff,
+and bad input that changes nothing."""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+import pytest
+
+from cloud_hub.kv.keyspace import Block, Keyspace, KVError, Status
+
+redis = pytest.importorskip("redis")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_keyspace_expiry_is_exact_with_the_clock() -> None:
+    c = Clock()
+    ks = Keyspace(clock=c)
+    assert ks.execute("u", [b"SET", b"k", b"v", b"PX", b"1500"]) == Status("OK")
+    c.t += 1.4
+    assert ks.execute("u", [b"GET", b"k"]) == b"v"
+    assert ks.execute("u", [b"PTTL", b"k"]) == 100
+    c.t += 0.2
+    assert ks.execute("u", [b"GET", b"k"]) is None
+    assert ks.used == 0 and ks.dbsize("u") == 0
+
+
+def test_keyspace_users_are_separate_and_types_are_checked() -> None:
+    ks = Keyspace(clock=Clock())
+    ks.execute("alice", [b"RPUSH", b"q", b"1", b"2"])
+    assert ks.execute("bob", [b"LLEN", b"q"]) == 0
+    assert ks.execute("bob", [b"KEYS", b"*"]) == []
+    with pytest.raises(KVError, match="WRONGTYPE"):
+        ks.execute("alice", [b"GET", b"q"])
+    assert ks.execute("alice", [b"BLPOP", b"empty", b"0"]) == Block((b"empty",), 0.0)
+    assert ks.execute("alice", [b"BLPOP", b"empty", b"q", b"1"]) == [b"q", b"1"]
+
+
+def test_keyspace_budget_refuses_whole_and_changes_nothing() -> None:
+    ks = Keyspace(clock=Clock(), max_bytes=1000, max_value_bytes=600)
+    ks.execute("u", [b"SET", b"a", b"x" * 500])
+    used = ks.used
+    with pytest.raises(KVError, match="OOM .* full"):
+        ks.execute("u", [b"RPUSH", b"l", b"y" * 250, b"z" * 250])
+    with pytest.raises(KVError, match="OOM value of 701 bytes"):
+        ks.execute("u", [b"SET", b"b", b"y" * 700])
+    assert ks.used == used and ks.execute("u", [b"EXISTS", b"l", b"b"]) == 0
+    ks.execute("u", [b"DEL", b"a"])
+    assert ks.used == 0
+
+
+def test_keyspace_bad_commands_are_clear_errors() -> None:
+    ks = Keyspace(clock=Clock())
+    with pytest.raises(KVError, match="unknown command 'FLUSHALL'"):
+        ks.execute("u", [b"FLUSHALL"])
+    with pytest.raises(KVError, match="wrong number of arguments for 'get'"):
+        ks.execute("u", [b"GET"])
+    with pytest.raises(KVError, match="NOSCRIPT .* only the mesh's own scripts"):
+        ks.execute("u", [b"EVAL", b"return 1", b"0"])
+    with pytest.raises(KVError, match="not an integer"):
+        ks.execute("u", [b"EXPIRE", b"k", b"soon"])
+    assert ks.dbsize("u") == 0
+
+
+@pytest.fixture(scope="module")
+def kv() -> Iterator[object]:
+    from tests.kv_thread import KVThread
+
+    t = KVThread(max_bytes=1 << 20, max_value_bytes=256 << 10)
+    try:
+        yield t
+    finally:
+        t.stop()
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_server_speaks_redis_to_redis_py(kv: object, protocol: int) -> None:
+    r = redis.Redis.from_url(kv.url("alice"), protocol=protocol)  # type: ignore[attr-defined]
+    p = r.pipeline()
+    p.set("k", b"v", ex=60).hset("h", mapping={"a": "1"}).sadd("s", "x").rpush("l", "a", "b")
+    assert p.execute() == [True, 1, 1, 2]
+    assert r.get("k") == b"v" and r.hgetall("h") == {b"a": b"1"} and r.smembers("s") == {b"x"}
+    assert r.lrange("l", 0, -1) == [b"a", b"b"] and 0 < r.ttl("k") <= 60
+    r.delete("k", "h", "s", "l")
+
+
+def test_server_scopes_users_and_refuses_bad_credentials(kv: object) -> None:
+    a = redis.Redis.from_url(kv.url("alice"))  # type: ignore[attr-defined]
+    b = redis.Redis.from_url(kv.url("bob"))  # type: ignore[attr-defined]
+    a.set("mesh:ref:secret", b"alice's")
+    assert b.get("mesh:ref:secret") is None and b.keys("*") == []
+    forged = kv.url("bob").replace("bob:", "alice:")  # type: ignore[attr-defined]
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(forged).get("mesh:ref:secret")
+    assert a.get("mesh:ref:secret") == b"alice's"
+    a.delete("mesh:ref:secret")
+
+
+def test_server_budget_error_reaches_the_client_and_stores_nothing(kv: object) -> None:
+    r = redis.Redis.from_url(kv.url("carol"))  # type: ignore[attr-defined]
+    with pytest.raises(redis.ResponseError, match="value of 307203 bytes is over the embedded store.s limit"):
+        r.set("big", b"x" * (300 << 10))
+    assert r.dbsize() == 0
+
+
+def test_blpop_wakes_in_arrival_order_and_times_out(kv: object) -> None:
+    url = kv.url("dave")  # type: ignore[attr-defined]
+    got: list[object] = []
+
+    def waiter(i: int) -> None:
+        got.append((i, redis.Redis.from_url(url).blpop(["q"], timeout=30)))
+
+    ts = [threading.Thread(target=waiter, args=(i,)) for i in range(2)]
+    ts[0].start()
+    r = redis.Redis.from_url(url)
+    for _ in range(500):  # bounded: until the first waiter is parked
+        if kv.server._waiters:  # type: ignore[attr-defined]
+            break
+        threading.Event().wait(0.01)
+    ts[1].start()
+    for _ in range(500):
+        if len(kv.server._waiters.get(("dave", b"q"), ())) == 2:  # type: ignore[attr-defined]
+            break
+        threading.Event().wait(0.01)
+    r.rpush("q", "first", "second")
+    for t in ts:
+        t.join(30)
+    assert sorted(got) == [(0, (b"q", b"first")), (1, (b"q", b"second"))]
+    assert r.blpop(["q"], timeout=0.1) is None
