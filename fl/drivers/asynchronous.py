@@ -6,6 +6,12 @@ A task not back within ``deadline_s`` makes its client a straggler and frees it 
 task; if the old task's update still arrives it is used, weighted by its staleness (and refused
 past the strategy's ``max_staleness``). If no new model appears within ``deadline_s * (1 +
 max_extensions)`` a skipped record is written, so a run with no live clients still ends.
+
+Failing loudly, as in sync mode: when every client failed its warm-up nobody can ever train, so
+each record is written at once (skipped, the warm-up errors as ``dropped``) instead of after the
+give-up time; and when every ready client has failed since the last record with no update back,
+the record is closed then (skipped, ``reason`` says so) rather than after the give-up time. Both
+count towards ``max_failed_rounds`` (:meth:`RoundDriver.note_failures`) like sync rounds do.
 """
 
 from __future__ import annotations
@@ -56,7 +62,17 @@ class AsyncDriver(RoundDriver):
             busy = {c for c, _, at in in_flight.values() if now - at < run.deadline_s}
             rows = self.endpoint_rows()
             self.refresh(rows)
-            idle = [c for c in self.ready(rows) if c not in busy]
+            excluded = self.all_excluded(rows)
+            if excluded:  # every client failed its warm-up: nobody can ever train, do not wait
+                rec = RoundRecord(r, None, None, [], [], excluded, now - last_t,
+                                  {"version": version, "skipped": True, "reason": "every client failed its warm-up"})
+                last_t = now
+                if not self.finish_round(history, rec, weights, {"version": version}):
+                    break
+                r += 1
+                continue
+            ready = self.ready(rows)
+            idle = [c for c in ready if c not in busy]
             if idle:
                 base = self.encode_global(r, weights, version)
                 payloads = [(ins.client_id, self.train_payload(ins, r, base, version)) for ins in self.select(r, idle)]
@@ -91,12 +107,16 @@ class AsyncDriver(RoundDriver):
                     accepted = list(rep.accepted) if rep is not None else [client]
                     break  # one record per model; the other results stay at the hub for the next pass
             now = time.monotonic()
-            if accepted is None and now - last_t < give_up:
+            # every client that could train failed since the last record and none sent an update:
+            # waiting out the give-up time would only repeat the failure (a missing key, module, ...)
+            all_failed = accepted is None and bool(ready) and not infos and set(ready) <= set(dropped)
+            if accepted is None and not all_failed and now - last_t < give_up:
                 continue
             extra: Dict[str, Any] = {"version": version, "buffered": int(getattr(strat, "buffered", 0))}
             if accepted is None:
-                extra.update({"skipped": True, "reason": f"no new global model within {give_up:.0f}s",
-                              "staleness": dict(staleness)})
+                reason = ("every client failed since the last model" if all_failed
+                          else f"no new global model within {give_up:.0f}s")
+                extra.update({"skipped": True, "reason": reason, "staleness": dict(staleness)})
                 extra.update(self.traffic_extra(down, infos, sorted(set(down) | set(infos))))
                 rec = RoundRecord(r, None, None, [], list(stragglers), dict(dropped), now - last_t, extra)
             else:

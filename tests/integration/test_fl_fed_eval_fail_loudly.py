@@ -22,7 +22,7 @@ import pytest
 
 from cloud_hub.broker import find_mosquitto
 from cloud_hub.localmesh import AgentProcess, LocalMesh
-from fl import FedAvg, Federation
+from fl import FedAsync, FedAvg, Federation
 from fl.client import FunctionClientApp, local_split
 from fl.data import load_client_data
 from fl.drivers import FederationError
@@ -145,6 +145,53 @@ def test_app_that_fails_to_load_fails_the_run_after_max_failed_rounds(fl_mesh: _
     run1 = client.fl_run(fed1.run_id)
     assert run1["status"] == "failed" and "BrokenOnDevice cannot be built" in (run1["error"] or "")
     assert run1["rounds_done"] == 1
+
+
+def test_async_app_that_fails_to_load_fails_fast(fl_mesh: _Mesh) -> None:
+    """Async mode (issue 17): every client failing its warm-up ends the run at once, after
+    max_failed_rounds records, instead of one record per ``deadline_s * (1 + max_extensions)``
+    (here 15 minutes each: without the fix this test would run past an hour)."""
+    client = fl_mesh.mesh.client
+    fed = Federation(client, fl_mesh.ids)
+    with pytest.raises(FederationError, match="BrokenOnDevice cannot be built") as err:
+        fed.fit(BrokenOnDevice(), "digits", rounds=6, strategy=FedAsync(), deadline_s=300, max_extensions=2,
+                min_clients=1, trainer=TRAINER, max_failed_rounds=2, warmup_s=120, name="broken-app-async-test")
+    assert "2 round(s) in a row" in str(err.value)
+    assert set(fed.driver._excluded) == set(fl_mesh.ids) and not fed.driver._warm_info
+    run = client.fl_run(fed.run_id)
+    assert run["mode"] == "async" and run["status"] == "failed"
+    assert "BrokenOnDevice cannot be built" in (run["error"] or "")
+    assert [r["round"] for r in run["rounds"]] == [1, 2]
+    for r in run["rounds"]:
+        # written because nobody can train, not because the give-up time passed
+        assert r["extra"]["reason"] == "every client failed its warm-up", r["extra"]
+        assert sorted(r["dropped"]) == sorted(fl_mesh.ids) and not r["participants"] and not r["stragglers"]
+
+
+def _train_needs_penalty(weights: Any, data: Any, config: Dict[str, Any]) -> Any:
+    """Fails on every device the same way, as an app whose run_config lacks a key does."""
+    return weights, len(data[1]), {"penalty": config["penalty"]}
+
+
+def test_async_same_error_every_client_stops_after_max_failed_rounds(fl_mesh: _Mesh) -> None:
+    """Async mode (issue 17): when every client's training fails with one error, a record is
+    closed as soon as all have failed (not after the give-up time) and the run stops after
+    max_failed_rounds such records, ``failed`` in the hub, as in sync mode."""
+    client = fl_mesh.mesh.client
+    app = FunctionClientApp(_train_needs_penalty, initial_weights=[np.zeros(3, np.float32)])
+    fed = Federation(client, fl_mesh.ids)
+    with pytest.raises(FederationError, match="penalty") as err:
+        fed.fit(app, "digits", rounds=8, strategy=FedAsync(), deadline_s=300, max_extensions=2, min_clients=1,
+                max_failed_rounds=3, warmup_s=120, name="same-error-async-test")
+    assert "3 round(s) in a row" in str(err.value) and "KeyError" in str(err.value)
+    assert set(fed.driver._warm_info) == set(fl_mesh.ids)  # the app loads: the warm-up passed
+    run = client.fl_run(fed.run_id)
+    assert run["mode"] == "async" and run["status"] == "failed" and "penalty" in (run["error"] or "")
+    assert [r["round"] for r in run["rounds"]] == [1, 2, 3]
+    for r in run["rounds"]:
+        assert r["extra"]["reason"] == "every client failed since the last model", r["extra"]
+        assert sorted(r["dropped"]) == sorted(fl_mesh.ids) and not r["participants"]
+        assert len(set(r["dropped"].values())) == 1 and "penalty" in next(iter(r["dropped"].values()))
 
 
 def _train(weights: Any, data: Any, config: Dict[str, Any]) -> Any:
