@@ -72,6 +72,8 @@ _LAZY = {
     "TrainerConfig": "fl.client",
     "FlowerClientApp": "fl.flower",
     "FlowerStrategy": "fl.flower",
+    "DPConfig": "fl.privacy",
+    "SecAggConfig": "fl.secagg",
 }
 __all__ += list(_LAZY)
 

@@ -39,7 +39,8 @@ from cloud_hub.client import Client
 from fl.client import ClientApp, TorchClientApp, TrainerConfig
 from fl.compression import check_downlink
 from fl.compression import parse as parse_compression
-from fl.drivers import RoundDriver, RunParams, driver_for, mode_of
+from fl.drivers import RoundDriver, RunParams, SyncDriver, driver_for, mode_of
+from fl.drivers.features import FeatureSyncDriver, Features
 from fl.drivers._base import FederationError, to_update
 from fl.drivers._base import json_safe
 from fl.history import History, RoundRecord
@@ -58,6 +59,17 @@ class Federation:
     ``endpoints``: fixed client endpoint ids; ``tags``: every endpoint of yours carrying all
     these tags (resolved each round, so new devices join); ``gateways``: ``{gateway_endpoint:
     [client endpoints]}`` for hierarchical runs (its clients join the federation).
+
+    Synchronous runs can add (``fl.drivers.features``; checked here, so a bad value is a
+    ``ValueError`` before anything reaches the hub):
+
+    * ``selection``: ``"strategy"`` (default: the strategy's own ``configure_round``),
+      ``"predicted"`` (the hub's scheduler predicts each client's round time and availability;
+      clients likely to report before the deadline are picked, with a fairness floor of
+      ``fairness_rounds``) or ``"random"``; ``clients_per_round`` seats for the latter two;
+    * ``secagg``: secure aggregation, an ``fl.secagg.SecAggConfig`` (or ``{"threshold": t}``);
+    * ``dp``: client-level differential privacy, an ``fl.privacy.DPConfig`` (or its fields as
+      a dict), with epsilon from the RDP accountant in every round's record.
     """
 
     def __init__(
@@ -69,9 +81,16 @@ class Federation:
         gateways: Optional[Mapping[str, Sequence[str]]] = None,
         hub_wait_s: float = 300.0,
         poll_s: float = 5.0,
+        selection: str = "strategy",
+        clients_per_round: Optional[int] = None,
+        fairness_rounds: int = 5,
+        secagg: Any = None,
+        dp: Any = None,
     ) -> None:
         if endpoints is None and tags is None and not gateways:
             raise ValueError("give endpoints=[...], tags=[...] or gateways={...}")
+        self.features = Features(secagg=secagg, dp=dp, selection=selection, clients_per_round=clients_per_round,
+                                 fairness_rounds=fairness_rounds)
         self.client = client
         self.endpoints = list(dict.fromkeys(endpoints or []))
         self.tags = set(tags or [])
@@ -200,6 +219,19 @@ class Federation:
             raise ValueError("Federation(gateways=...) needs strategy=Hierarchical(...)")
         app = model if isinstance(model, ClientApp) else TorchClientApp(model, trainer)
         driver_cls = driver_for(driver if driver is not None else mode_of(strategy))
+        options: Dict[str, Any] = {}
+        if self.features.active:
+            # selection, secure aggregation and DP are layered on synchronous rounds
+            if driver_cls.mode != "sync":
+                raise ValueError(f"Federation(selection=/secagg=/dp=) needs synchronous rounds; this run's mode is "
+                                 f"{driver_cls.mode!r} (strategy {strategy.name})")
+            if issubclass(driver_cls, FeatureSyncDriver) and driver_cls.features is not None:
+                raise ValueError("give selection/secagg/dp either to Federation(...) or in fit(driver=sync_with(...)), not both")
+            if not issubclass(driver_cls, FeatureSyncDriver):
+                if driver_cls is not SyncDriver:
+                    raise ValueError(f"Federation(selection=/secagg=/dp=) runs on the built-in sync driver, not {driver_cls.__name__}")
+                driver_cls = FeatureSyncDriver
+            options["features"] = self.features
         mode = driver_cls.mode
         ext_s = float(extension_s if extension_s is not None else deadline_s)
         run = RunParams(
@@ -213,7 +245,7 @@ class Federation:
             warmup_s=float(warmup_s if warmup_s is not None else max(60.0, deadline_s)),
             compression=comp, downlink=down, fed_eval_every=int(fed_eval_every),
             fed_eval_fraction=float(fed_eval_fraction), fed_eval_holdout=float(fed_eval_holdout),
-            max_failed_rounds=int(max_failed_rounds),
+            max_failed_rounds=int(max_failed_rounds), options=options,
         )
         self.driver = driver_cls(self, run)
         history, weights = self.driver.fit(name, resume, initial_weights)

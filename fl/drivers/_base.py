@@ -416,6 +416,19 @@ class RoundDriver:
                 self._late_seen.append({"client": client, "round": rnd})
         return out
 
+    def gather(self, pending: Mapping[str, str], timeout_s: float) -> Tuple[Dict[str, Arrival], Dict[str, str]]:
+        """Answers to ``pending`` (task id -> client) until all are back or ``timeout_s``
+        passes: (client -> its arrival, the task id -> client of those not back)."""
+        pending = dict(pending)
+        got: Dict[str, Arrival] = {}
+        deadline = time.monotonic() + timeout_s
+        while pending and time.monotonic() < deadline:
+            for tid, arr in self.wait(list(pending), min(self.poll_s, max(0.0, deadline - time.monotonic()))):
+                c = pending.pop(tid, None)
+                if c is not None:
+                    got[c] = arr
+        return got, pending
+
     def drain_late(self) -> List[Dict[str, Any]]:
         out, self._late_seen = self._late_seen, []
         return out
@@ -686,21 +699,16 @@ class RoundDriver:
         payloads = [(c, {"v": PROTOCOL, "kind": "evaluate", "run_id": self.run_id, "round": round, "client_id": c,
                          "weights": blob, "dataset": run.dataset, "dataset_kwargs": run.dataset_kwargs,
                          "holdout": run.fed_eval_holdout}) for c in chosen]
-        pending = self.submit(run.fid, payloads, ttl_s=run.deadline_s + 10.0)
+        got, pending = self.gather(self.submit(run.fid, payloads, ttl_s=run.deadline_s + 10.0), run.deadline_s)
         per: Dict[str, Dict[str, Any]] = {}
         failed: Dict[str, str] = {}
-        deadline = time.monotonic() + run.deadline_s
-        while pending and time.monotonic() < deadline:
-            for tid, arr in self.wait(list(pending), min(self.poll_s, max(0.0, deadline - time.monotonic()))):
-                c = pending.pop(tid, None)
-                if c is None:
-                    continue
-                v = arr.value
-                if not arr.ok or not isinstance(v, dict) or v.get("kind") != "evaluation":
-                    failed[c] = arr.error or f"not an evaluation ({type(v).__name__})"
-                    continue
-                m = dict(v.get("metrics") or {})
-                per[c] = {"loss": v.get("loss"), "accuracy": m.get("accuracy"), "num_examples": int(v.get("num_examples", 0))}
+        for c, arr in got.items():
+            v = arr.value
+            if not arr.ok or not isinstance(v, dict) or v.get("kind") != "evaluation":
+                failed[c] = arr.error or f"not an evaluation ({type(v).__name__})"
+                continue
+            m = dict(v.get("metrics") or {})
+            per[c] = {"loss": v.get("loss"), "accuracy": m.get("accuracy"), "num_examples": int(v.get("num_examples", 0))}
         out: Dict[str, Any] = {"fed_eval": per}
         if failed:
             out["fed_eval_failed"] = failed

@@ -1,6 +1,8 @@
 """Secure aggregation, client-level DP and scheduler-predicted selection on synchronous rounds.
 
-:func:`sync_with` builds a synchronous round driver (mode ``sync`` in the hub) with any of:
+:class:`Features` holds a run's settings for these (validated when made, so a bad value is a
+``ValueError`` before anything reaches the hub); ``Federation(..., selection=..., secagg=...,
+dp=...)`` builds one and runs its synchronous rounds with :class:`FeatureSyncDriver`:
 
 * ``secagg`` (:class:`fl.secagg.SecAggConfig`): each round is the four SecAgg+ stages
   (advertise keys, share keys, train + masked input, unmask) as mesh tasks; the hub relays only
@@ -15,29 +17,53 @@
   hub's ``POST /v1/scheduler/predict`` (training function's predicted seconds and P(online)
   per endpoint), with a fairness floor; ``"random"``: uniform. ``clients_per_round`` seats.
 
-Used as ``fed.fit(..., driver=sync_with(secagg=..., dp=..., selection=...))``.
+:func:`sync_with` (the older spelling, ``fit(driver=sync_with(...))``) makes the same driver.
+The round itself is :class:`SyncDriver`'s; only the secure round has its own loop (four stages
+per round instead of one task).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Sequence, Type
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Type
 
 import numpy as np
 
 from fl.history import History, RoundRecord
 from fl.strategies import ClientInstruction, ClientUpdate, Weights
 
-from ._base import Aggregate, Collected, RoundDriver
+from ._base import Aggregate, RoundDriver
 from .sync import SyncDriver
 
-__all__ = ["sync_with", "FeatureSyncDriver"]
+__all__ = ["Features", "SELECTIONS", "sync_with", "FeatureSyncDriver"]
+
+#: client selection policies: the strategy's own, the scheduler's predictions, uniform
+SELECTIONS = ("strategy", "predicted", "random")
 
 
-class FeatureSyncDriver(SyncDriver):
-    """Sync rounds plus the features set as class attributes by :func:`sync_with`."""
+def _config(value: Any, cls: type, what: str) -> Any:
+    """``value`` as a ``cls`` (an instance, or a mapping of its fields), or a clear ValueError."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return cls(**dict(value))
+        except TypeError as exc:  # an unknown or missing field
+            raise ValueError(f"{what}: {exc}") from None
+    raise ValueError(f"{what} must be a {cls.__module__}.{cls.__name__} or a mapping of its fields, not {type(value).__name__}")
 
-    mode = "sync"
+
+@dataclass(frozen=True)
+class Features:
+    """What a synchronous run adds to plain rounds; checked when made (``ValueError``).
+
+    ``secagg``: :class:`fl.secagg.SecAggConfig` (or its fields as a dict); ``dp``:
+    :class:`fl.privacy.DPConfig` (or a dict); ``selection``: one of :data:`SELECTIONS`;
+    ``clients_per_round``: seats per round for ``predicted``/``random`` (default: every ready
+    client); ``fairness_rounds``: a client not asked for this many rounds is asked (predicted);
+    ``weight_cap``: sample-count cap of a client's weight under secure aggregation."""
+
     secagg: Any = None
     dp: Any = None
     selection: str = "strategy"
@@ -45,14 +71,65 @@ class FeatureSyncDriver(SyncDriver):
     fairness_rounds: int = 5
     weight_cap: int = 1000
 
+    def __post_init__(self) -> None:
+        from fl.privacy import DPConfig
+        from fl.secagg import SecAggConfig
+
+        object.__setattr__(self, "secagg", _config(self.secagg, SecAggConfig, "secagg"))
+        object.__setattr__(self, "dp", _config(self.dp, DPConfig, "dp"))
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {', '.join(repr(s) for s in SELECTIONS)}, not {self.selection!r}")
+        if self.clients_per_round is not None:
+            if isinstance(self.clients_per_round, bool) or not isinstance(self.clients_per_round, int) or self.clients_per_round < 1:
+                raise ValueError(f"clients_per_round must be an integer >= 1, not {self.clients_per_round!r}")
+            if self.selection == "strategy":
+                raise ValueError("clients_per_round needs selection='predicted' or 'random' "
+                                 "(with selection='strategy' the strategy picks, e.g. FedAvg(fraction_fit=...))")
+        if isinstance(self.fairness_rounds, bool) or not isinstance(self.fairness_rounds, int) or self.fairness_rounds < 1:
+            raise ValueError(f"fairness_rounds must be an integer >= 1, not {self.fairness_rounds!r}")
+        if isinstance(self.weight_cap, bool) or not isinstance(self.weight_cap, int) or self.weight_cap < 1:
+            raise ValueError(f"weight_cap must be an integer >= 1, not {self.weight_cap!r}")
+
+    @property
+    def active(self) -> bool:
+        """Anything beyond plain synchronous rounds."""
+        return self.secagg is not None or self.dp is not None or self.selection != "strategy"
+
+    def describe(self) -> Dict[str, Any]:
+        """For the run's config in the hub."""
+        out: Dict[str, Any] = {"selection": self.selection}
+        if self.selection != "strategy":
+            out.update(clients_per_round=self.clients_per_round, fairness_rounds=self.fairness_rounds)
+        if self.secagg is not None:
+            out["secagg"] = {"threshold": self.secagg.threshold, "neighbors": self.secagg.neighbors}
+        if self.dp is not None:
+            out["dp"] = {"noise_multiplier": self.dp.noise_multiplier, "clip_norm": self.dp.clip_norm,
+                         "mode": self.dp.mode, "delta": self.dp.delta, "sample_rate": self.dp.sample_rate}
+        return out
+
+
+class FeatureSyncDriver(SyncDriver):
+    """Sync rounds plus a run's :class:`Features` (``run.options["features"]``, else the
+    class's ``features``, which :func:`sync_with` sets)."""
+
+    mode = "sync"
+    features: Optional[Features] = None
+
     def __init__(self, federation: Any, run: Any) -> None:
         super().__init__(federation, run)
         from fl.privacy import PrivacyAccountant
 
+        f = run.options.get("features") or self.features or Features()
+        self.features = f
+        self.secagg, self.dp, self.selection = f.secagg, f.dp, f.selection
+        self.clients_per_round, self.fairness_rounds, self.weight_cap = f.clients_per_round, f.fairness_rounds, f.weight_cap
         self.accountant = None if self.dp is None else PrivacyAccountant(self.dp.noise_multiplier, self.dp.delta)
         self._last_asked: Dict[str, int] = {}
         self._rng = np.random.default_rng(run.seed + 7)
         self._sel_info: Dict[str, Any] = {}
+
+    def run_config(self) -> Dict[str, Any]:
+        return {**super().run_config(), "features": self.features.describe()}
 
     # ------------------------------------------------------------------ app and selection
     def prepare(self) -> None:
@@ -156,31 +233,19 @@ class FeatureSyncDriver(SyncDriver):
         return super().finish_round(history, rec, weights, state)
 
     def _ask(self, round: int):
+        """One SecAgg+ stage: a task per client, answers (value or error text) by the deadline."""
         def ask(stage: str, tasks: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
             pending = self.submit(self.run.fid, list(tasks.items()), self.run.ttl_s)
-            col = Collected()
-            deadline = time.monotonic() + self.run.deadline_s
-            out: Dict[str, Any] = {}
-            while pending and time.monotonic() < deadline:
-                for tid, arr in self.wait(list(pending), min(self.poll_s, max(0.0, deadline - time.monotonic()))):
-                    c = pending.pop(tid, None)
-                    if c is not None:
-                        out[c] = arr.value if arr.ok else (arr.error or "failed")
-            self.retire(pending, round)
-            del col
-            return out
+            got, missing = self.gather(pending, self.run.deadline_s)
+            self.retire(missing, round)
+            return {c: arr.value if arr.ok else (arr.error or "failed") for c, arr in got.items()}
         return ask
 
     def _run_secure(self, history: History, weights: Weights, start_round: int, state: Dict[str, Any]) -> Weights:
         from fl.secagg.rounds import secure_round
 
         run = self.run
-        version = int(history.rounds[-1].extra.get("version", len(history))) if history.rounds else 0
-        init = history.metadata.get("initial_eval") or {}
-        last = (init.get("loss"), init.get("accuracy"))
-        for rec_ in history.rounds:
-            if rec_.accuracy is not None or rec_.loss is not None:
-                last = (rec_.loss, rec_.accuracy)
+        version, last = self.resume_point(history)
         for r in range(start_round, run.rounds + 1):
             t0 = time.monotonic()
             self.outage_s = 0.0
@@ -233,11 +298,8 @@ def round_(x: Any, nd: int = 6) -> Any:
 
 def sync_with(*, secagg: Any = None, dp: Any = None, selection: str = "strategy", clients_per_round: Optional[int] = None,
               fairness_rounds: int = 5, weight_cap: int = 1000) -> Type[RoundDriver]:
-    """A synchronous round driver class with the given features (pass it as ``fit(driver=...)``)."""
-    if selection not in ("strategy", "predicted", "random"):
-        raise ValueError(f"selection must be 'strategy', 'predicted' or 'random', not {selection!r}")
-    if clients_per_round is not None and clients_per_round < 1:
-        raise ValueError("clients_per_round must be >= 1")
-    attrs = {"secagg": secagg, "dp": dp, "selection": selection, "clients_per_round": clients_per_round,
-             "fairness_rounds": int(fairness_rounds), "weight_cap": int(weight_cap)}
-    return type("FeatureSyncDriver", (FeatureSyncDriver,), attrs)
+    """A synchronous round driver class with the given features (pass it as ``fit(driver=...)``;
+    ``Federation(selection=..., secagg=..., dp=...)`` is the same without a driver class)."""
+    f = Features(secagg=secagg, dp=dp, selection=selection, clients_per_round=clients_per_round,
+                 fairness_rounds=fairness_rounds, weight_cap=weight_cap)
+    return type("FeatureSyncDriver", (FeatureSyncDriver,), {"features": f})

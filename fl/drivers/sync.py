@@ -22,15 +22,21 @@ __all__ = ["SyncDriver"]
 class SyncDriver(RoundDriver):
     mode = "sync"
 
-    def run_rounds(self, history: History, weights: Weights, start_round: int, state: Dict[str, Any]) -> Weights:
-        run = self.run
+    @staticmethod
+    def resume_point(history: History) -> Tuple[int, Tuple[Optional[float], Optional[float]]]:
+        """The model version the rounds so far reached, and its last known (loss, accuracy):
+        a skipped round keeps the model, so it reports those."""
         version = int(history.rounds[-1].extra.get("version", len(history))) if history.rounds else 0
-        # a skipped round keeps the model, so it reports the model's last known loss/accuracy
         init = history.metadata.get("initial_eval") or {}
         last: Tuple[Optional[float], Optional[float]] = (init.get("loss"), init.get("accuracy"))
-        for rec_ in history.rounds:
-            if rec_.accuracy is not None or rec_.loss is not None:
-                last = (rec_.loss, rec_.accuracy)
+        for rec in history.rounds:
+            if rec.accuracy is not None or rec.loss is not None:
+                last = (rec.loss, rec.accuracy)
+        return version, last
+
+    def run_rounds(self, history: History, weights: Weights, start_round: int, state: Dict[str, Any]) -> Weights:
+        run = self.run
+        version, last = self.resume_point(history)
         for r in range(start_round, run.rounds + 1):
             t0 = time.monotonic()
             self.outage_s = 0.0

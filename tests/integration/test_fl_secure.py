@@ -12,12 +12,11 @@ import pytest
 from cloud_hub.broker import find_mosquitto
 from cloud_hub.client import HubError
 from cloud_hub.localmesh import LocalMesh
-from fl import FederationError, FedAvg, Federation
+from fl import DPConfig, FedAvg, FedBuff, Federation, FederationError, SecAggConfig
 from fl.data import load_test_data
 from fl.drivers.features import sync_with
 from fl.localmesh import add_digits_agents
-from fl.privacy import DPConfig, PrivacyAccountant
-from fl.secagg import SecAggConfig
+from fl.privacy import PrivacyAccountant
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.integration
@@ -49,16 +48,17 @@ def _mlp():
 def test_secure_aggregation_with_central_dp_on_four_agents(mesh):
     m, agents = mesh
     ids = [a.endpoint_id for a in agents]
-    fed = Federation(m.client, ids, poll_s=0.5)
     # The plumbing is under test here (masked sum, noise added once, the accountant's epsilon), not
     # privacy: noise small enough (std 0.01 x C on the sum of 4) that two rounds surely learn. With
     # z=0.3 and C=5 the noise on the mean was 0.375 per weight and the accuracy check a coin flip.
-    dp = DPConfig(noise_multiplier=0.01, clip_norm=1.0, mode="central")
-    drv = sync_with(secagg=SecAggConfig(threshold=3), dp=dp)
+    # Options as the issue spells them: on Federation itself (a dict works as well as the config class).
+    fed = Federation(m.client, ids, poll_s=0.5, secagg={"threshold": 3},
+                     dp=DPConfig(noise_multiplier=0.01, clip_norm=1.0, mode="central"))
     hist = fed.fit(_mlp(), "digits", rounds=2, strategy=FedAvg(), local_epochs=1, deadline_s=60, min_clients=3,
-                   trainer=TRAINER, eval_data=load_test_data(), driver=drv, warmup_s=120)
+                   trainer=TRAINER, eval_data=load_test_data(), warmup_s=120)
     run = m.client.fl_run(fed.run_id)
-    assert run["status"] == "finished" and run["rounds_done"] == 2
+    assert run["status"] == "finished" and run["rounds_done"] == 2 and run["mode"] == "sync"
+    assert run["config"]["features"]["secagg"]["threshold"] == 3 and run["config"]["features"]["dp"]["noise_multiplier"] == 0.01
     for rec in hist:
         assert rec.extra["secure_aggregation"] is True and not rec.extra.get("skipped"), rec.extra
         assert sorted(rec.participants) == sorted(ids) and rec.extra["dropped_after_masking"] == []
@@ -91,9 +91,9 @@ def test_too_few_clients_for_the_threshold_skip_the_round(mesh):
 def test_predicted_selection_and_the_predict_route(mesh):
     m, agents = mesh
     ids = [a.endpoint_id for a in agents]
-    fed = Federation(m.client, ids, poll_s=0.5)
+    fed = Federation(m.client, ids, poll_s=0.5, selection="predicted", clients_per_round=2, fairness_rounds=2)
     hist = fed.fit(_mlp(), "digits", rounds=3, strategy=FedAvg(), deadline_s=60, min_clients=2, trainer=TRAINER,
-                   driver=sync_with(selection="predicted", clients_per_round=2, fairness_rounds=2), warmup_s=120)
+                   warmup_s=120)
     for rec in hist:
         assert len(rec.extra["asked"]) == 2 and rec.extra["selection"]["policy"] == "predicted"
         assert "error" not in rec.extra["selection"]
@@ -114,3 +114,38 @@ def test_predicted_selection_and_the_predict_route(mesh):
     with pytest.raises(HubError) as e:
         m.client.request("POST", "/v1/scheduler/predict", json={"function_id": fid, "endpoint_ids": []})
     assert e.value.status == 422
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"selection": "fastest"}, "selection must be one of"),
+    ({"selection": "predicted", "clients_per_round": 0}, "clients_per_round must be an integer >= 1"),
+    ({"selection": "random", "clients_per_round": 2.5}, "clients_per_round must be an integer >= 1"),
+    ({"clients_per_round": 2}, "clients_per_round needs selection='predicted' or 'random'"),
+    ({"selection": "predicted", "fairness_rounds": 0}, "fairness_rounds must be an integer >= 1"),
+    ({"secagg": {"threshold": 1}}, "threshold must be >= 2"),
+    ({"secagg": {"treshold": 3}}, "secagg: .*treshold"),
+    ({"secagg": "on"}, "secagg must be a fl.secagg.protocol.SecAggConfig or a mapping"),
+    ({"dp": {"noise_multiplier": -1.0}}, "noise_multiplier must be >= 0"),
+    ({"dp": {"noise_multiplier": 1.0, "mode": "global"}}, "DP mode must be 'central' or 'local'"),
+    ({"dp": 8}, "dp must be a fl.privacy.DPConfig or a mapping"),
+])
+def test_bad_federation_options_are_refused_before_anything_is_stored(mesh, kwargs, match):
+    m, agents = mesh
+    before = len(m.client.fl_runs(limit=500))
+    with pytest.raises(ValueError, match=match):
+        Federation(m.client, [a.endpoint_id for a in agents], **kwargs)
+    assert len(m.client.fl_runs(limit=500)) == before
+
+
+def test_options_that_do_not_fit_the_run_are_refused_in_fit_before_anything_is_stored(mesh):
+    m, agents = mesh
+    ids = [a.endpoint_id for a in agents]
+    before = len(m.client.fl_runs(limit=500))
+    fed = Federation(m.client, ids, dp={"noise_multiplier": 1.0})
+    with pytest.raises(ValueError, match="needs synchronous rounds.*'async'"):
+        fed.fit(_mlp(), "digits", rounds=1, strategy=FedBuff(buffer_size=2), trainer=TRAINER)
+    fed = Federation(m.client, ids, selection="random", clients_per_round=2)
+    with pytest.raises(ValueError, match="either to Federation"):
+        fed.fit(_mlp(), "digits", rounds=1, strategy=FedAvg(), trainer=TRAINER, driver=sync_with(dp={"noise_multiplier": 1.0}))
+    assert fed.run_id is None and fed.driver is None
+    assert len(m.client.fl_runs(limit=500)) == before
