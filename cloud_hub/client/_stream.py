@@ -78,6 +78,7 @@ class HubStream:
         self._waiting: dict[int, _Waiter] = {}
         self._lock = threading.Lock()
         self.connects = 0  # successful connections (1 + reconnects)
+        self.submits = 0  # batches the hub accepted over the stream
 
     @property
     def connected(self) -> bool:
@@ -117,6 +118,7 @@ class HubStream:
             if status == 401:
                 raise AuthError(401, detail)
             raise HubError(status, detail)
+        self.submits += 1
         return w.answer
 
     # ------------------------------------------------------------------ reader side
