@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 from mesh_agent.engine._worker import make_error
 
 if TYPE_CHECKING:
+    from mesh_agent.engine.environments import EnvError, Environments
     from mesh_agent.engine.local import (
+        ENVIRONMENT_ERROR,
         TASK_TIMEOUT,
         WORKER_DIED,
         EngineResult,
@@ -24,6 +26,9 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "ENVIRONMENT_ERROR",
+    "EnvError",
+    "Environments",
     "TASK_TIMEOUT",
     "WORKER_DIED",
     "EngineResult",

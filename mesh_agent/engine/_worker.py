@@ -187,8 +187,8 @@ def _exit_with_parent(parent_pid: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
     except Exception:
         return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(0)
+    if parent_pid > 0 and os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)  # (0: wrapped by bwrap or a container runtime, which dies with the agent instead)
 
 
 def _limit_memory(memory_limit_mb: int) -> None:

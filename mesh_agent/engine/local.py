@@ -25,6 +25,13 @@ Design, and why:
   result arrived (or when it was dispatched to an idle worker). That estimate can only be late,
   so a task is never killed early. A single timer, armed only while tasks run, kills a worker
   whose current task overran.
+* **Warm pools per environment** (docs/environments.md). A task may carry an environment spec
+  (a venv, a container, a sandbox): its workers are a pool of their own kind, built first by
+  :class:`~mesh_agent.engine.environments.Environments` while the task waits. All kinds share
+  the pool size, as OpenWhisk's invokers share memory between containers: the agent's own kind
+  is the prewarmed "stem cell" pool, a kind with queued tasks and no free slot evicts an idle
+  worker of another kind, and workers of an environment stay warm for ``env_idle_s`` after their
+  last task, then are reaped (and, in a warm pool, the default workers come back).
 * **Crash isolation.** A dead worker shows up as EOF on its pipe: its current task fails with
   ``WorkerDied``, the rest of its tasks go back to the front of the queue, and a fresh worker
   takes its place. Nothing a task does can take the engine down.
@@ -50,9 +57,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from mesh_agent.engine.environments import DEFAULT_KIND, EnvError, Environments, WorkerKind
+from mesh_agent.environment import env_id
 from mesh_agent.protocol.serialize import serialize
 
 __all__ = [
+    "ENVIRONMENT_ERROR",
     "TASK_TIMEOUT",
     "WORKER_DIED",
     "EngineResult",
@@ -67,6 +77,7 @@ log = logging.getLogger(__name__)
 
 TASK_TIMEOUT = "mesh_agent.engine.TaskTimeout"
 WORKER_DIED = "mesh_agent.engine.WorkerDied"
+ENVIRONMENT_ERROR = "mesh_agent.engine.EnvError"
 
 _TICK = 0.1  # seconds between timeout checks, only while tasks are running
 _READ_SIZE = 1 << 18
@@ -95,6 +106,7 @@ class EngineTask:
     function_body: bytes  # output of serialize_function(fn)
     args: bytes  # output of serialize((args_tuple, kwargs_dict))
     timeout: float | None = None  # seconds; None -> engine default (which may be None: no limit)
+    env: dict | None = None  # normalized environment spec (mesh_agent.environment); None: the agent's Python
 
 
 @dataclass(slots=True)
@@ -185,6 +197,7 @@ class _Worker:
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     writing: bool = False
+    kind: WorkerKind = DEFAULT_KIND
 
 
 class LocalEngine:
@@ -198,9 +211,14 @@ class LocalEngine:
         memory_limit_mb: int | None = None,
         max_batch: int = 32,
         idle_s: float | None = None,
+        environments: Environments | None = None,
+        env_idle_s: float = 300.0,
     ) -> None:
         """``idle_s``: None keeps the whole pool warm from ``start()`` on (LAN, HPC); a number
-        starts workers on demand and ends those idle that long (small devices)."""
+        starts workers on demand and ends those idle that long (small devices).
+        ``environments``: builds venvs and wraps sandboxes/containers for tasks that ask for
+        them (None: such tasks fail with a clear error); ``env_idle_s``: keep-warm time of
+        an environment's workers after their last task."""
         self._on_results = on_results
         self._size = max(1, workers if workers is not None else (os.cpu_count() or 1))
         self._task_timeout = task_timeout
@@ -209,7 +227,13 @@ class LocalEngine:
         self._idle_s = idle_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._workers: list[_Worker] = []
-        self._queue: deque[EngineTask] = deque()
+        self._queue: deque[EngineTask] = deque()  # the default kind's queue
+        self._queues: dict[str, deque[EngineTask]] = {"": self._queue}  # per worker kind key
+        self._envs = environments
+        self._env_idle_s = max(0.0, env_idle_s)
+        self._kinds: dict[str, WorkerKind] = {}  # spec id -> ready kind
+        self._parked: dict[str, list[EngineTask]] = {}  # spec id -> tasks waiting for its build
+        self._builds: set[asyncio.Task[None]] = set()
         self._exits: dict[_Proc, asyncio.Future[int | None]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._reaper: asyncio.TimerHandle | None = None
@@ -226,6 +250,8 @@ class LocalEngine:
             "timeouts": 0,
             "worker_deaths": 0,
             "workers_reaped": 0,
+            "workers_evicted": 0,
+            "env_failures": 0,
         }
 
     # ------------------------------------------------------------------ public interface
@@ -256,8 +282,19 @@ class LocalEngine:
 
     @property
     def queued(self) -> int:
-        """Tasks waiting in the engine for a worker."""
-        return len(self._queue)
+        """Tasks waiting in the engine for a worker (or for their environment's build)."""
+        return sum(len(q) for q in self._queues.values()) + sum(len(p) for p in self._parked.values())
+
+    def held_environments(self) -> list[str]:
+        """Venv keys this endpoint holds on disk, most recently used first (heartbeats, scheduler)."""
+        return self._envs.held() if self._envs is not None else []
+
+    def warm_environments(self) -> dict[str, int]:
+        """Live workers per environment spec id (the agent's own kind is ``""``)."""
+        out: dict[str, int] = {}
+        for w in self._workers:
+            out[w.kind.key] = out.get(w.kind.key, 0) + 1
+        return out
 
     def warm_functions(self) -> list[str]:
         """Function ids cached in at least one live worker."""
@@ -289,7 +326,11 @@ class LocalEngine:
         if self._stopping:
             return
         self._stopping = True
-        self._queue.clear()
+        for q in self._queues.values():
+            q.clear()
+        self._parked.clear()
+        for b in list(self._builds):
+            b.cancel()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -321,22 +362,86 @@ class LocalEngine:
         """Queue tasks (FIFO) and dispatch what fits; never blocks. Call from the loop thread."""
         if self._stopping:
             raise RuntimeError("engine is stopped")
-        self._queue.extend(tasks)
         self.stats["tasks_submitted"] += len(tasks)
+        failed: list[EngineResult] = []
+        for t in tasks:
+            if t.env is None:
+                self._queue.append(t)
+                continue
+            sid = env_id(t.env)
+            if sid in self._kinds:
+                self._queues.setdefault(sid, deque()).append(t)
+            elif self._envs is None:
+                failed.append(error_result(t.task_id, ENVIRONMENT_ERROR, "this endpoint's engine does not run tasks in "
+                                           "environments (no environments configured)"))
+            elif sid in self._envs.failed:  # failed before: no rebuild until the spec changes
+                self._envs.stats.refused += 1
+                failed.append(self._env_failure(t, self._envs.failed[sid]))
+            else:
+                parked = self._parked.setdefault(sid, [])
+                parked.append(t)
+                if len(parked) == 1:
+                    self._start_build(sid, t.env)
+        self._pump()
+        if failed:
+            self._deliver(failed)
+
+    # ------------------------------------------------------------------ environments
+
+    def _env_failure(self, t: EngineTask, message: str) -> EngineResult:
+        self.stats["env_failures"] += 1
+        return error_result(t.task_id, ENVIRONMENT_ERROR, message, exception=_pickled(EnvError(message)))
+
+    def _start_build(self, sid: str, spec: dict) -> None:
+        assert self._loop is not None
+        build = self._loop.create_task(self._build(sid, spec), name=f"env-{sid}")
+        self._builds.add(build)
+        build.add_done_callback(self._builds.discard)
+
+    async def _build(self, sid: str, spec: dict) -> None:
+        """Prepare a kind while its tasks wait parked; then queue them, or fail them all."""
+        assert self._envs is not None
+        in_use = {w.kind.venv for w in self._workers if w.kind.venv}
+        try:
+            kind = await self._envs.kind(spec, in_use)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # EnvError, or a bug: either way the tasks get the message, the engine lives
+            message = str(exc) if isinstance(exc, EnvError) else f"environment {sid} could not be prepared: {exc!r}"
+            log.warning("environment %s: %s", sid, message)
+            parked = self._parked.pop(sid, [])
+            if not self._stopping and parked:
+                self._deliver([self._env_failure(t, message) for t in parked])
+            return
+        held = set(self._envs.held())
+        for k, v in list(self._kinds.items()):  # kinds whose venv the LRU evicted are built again on next use
+            if v.venv is not None and v.venv not in held:
+                del self._kinds[k]
+        self._kinds[sid] = kind
+        parked = self._parked.pop(sid, [])
+        if self._stopping:
+            return
+        self._queues.setdefault(sid, deque()).extend(parked)
         self._pump()
 
     # ------------------------------------------------------------------ workers
 
-    def _spawn(self) -> _Worker:
+    def _spawn(self, kind: WorkerKind = DEFAULT_KIND) -> _Worker:
         assert self._loop is not None
         parent_sock, child_sock = socket.socketpair()
-        args = {"fd": child_sock.fileno(), "mem": self._memory_limit_mb, "ppid": os.getpid(),
-                "path": [p if p else os.getcwd() for p in sys.path]}
+        path = list(kind.path)
+        if kind.python:  # the agent's interpreter or a venv's: our import path behind the venv's own
+            path += [p if p else os.getcwd() for p in sys.path]
+        # Wrapped (bwrap, a container): our pid is not the worker's parent; the wrapper dies with us instead.
+        args = {"fd": child_sock.fileno(), "mem": self._memory_limit_mb, "ppid": 0 if kind.wrap else os.getpid(), "path": path}
+        argv = [*kind.wrap, *([kind.python] if kind.python else []), "-c", _BOOT, json.dumps(args)]
         try:
             popen = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, json.dumps(args)],
+                argv,
                 pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL,
                 start_new_session=False,  # same process group: a kill of the agent's group ends workers too
+                env={**os.environ, **dict(kind.env)} if kind.env else None,
+                cwd=kind.cwd if kind.cwd and not kind.wrap else None,
             )
         except BaseException:
             parent_sock.close()
@@ -346,24 +451,50 @@ class LocalEngine:
         proc = _Proc(popen)
         fd = parent_sock.fileno()
         os.set_blocking(fd, False)
-        w = _Worker(proc, parent_sock, fd, proc.pid, self._loop.create_future(), self._watch_exit(proc))
+        w = _Worker(proc, parent_sock, fd, proc.pid, self._loop.create_future(), self._watch_exit(proc), kind=kind)
         self._workers.append(w)
         self._loop.add_reader(fd, self._on_readable, w)
         self.stats["workers_spawned"] += 1
         return w
 
     def _grow(self) -> None:
-        """On demand: start workers for queued tasks, up to the pool size."""
-        if not self.on_demand or self._stopping or not self._started:
+        """Start workers of each kind with queued tasks, within the pool size; when the pool is
+        full, an idle worker of another kind makes room (OpenWhisk's eviction of idle containers).
+        A warm default pool is full from ``start()``: it only grows back into room it gave up."""
+        if self._stopping or not self._started:
             return
-        idle = sum(1 for w in self._workers if not w.inflight)
-        want = min(self._size, len(self._workers) + max(0, len(self._queue) - idle))
-        for _ in range(want - len(self._workers)):
-            self._spawn()
+        for key, queue in list(self._queues.items()):
+            if not queue:
+                continue
+            if key and key not in self._kinds:
+                continue  # evicted meanwhile: rebuilt on its next submit
+            idle = sum(1 for w in self._workers if w.kind.key == key and not w.inflight)
+            need = len(queue) - idle
+            while need > 0 and (len(self._workers) < self._size or self._evict_idle(key)):
+                self._spawn(self._kinds[key] if key else DEFAULT_KIND)
+                need -= 1
+
+    def _evict_idle(self, key: str) -> bool:
+        """End one idle ready worker of a kind other than ``key``, longest idle first."""
+        idle = [w for w in self._workers if w.kind.key != key and w.is_ready and not w.inflight]
+        if not idle:
+            return False
+        w = min(idle, key=lambda x: self._idle_since.get(x, math.inf))
+        self._detach(w)
+        self.stats["workers_evicted"] += 1
+        log.info("engine worker %d (%s) ended to make room for environment %s", w.pid, w.kind.key or "default", key or "default")
+        return True
+
+    def _keep_warm(self, w: _Worker) -> float | None:
+        """How long ``w`` may idle before it is reaped; None: never (a warm default pool)."""
+        if w.kind.key:
+            return max(self._env_idle_s, float(self._idle_s or 0.0))
+        return self._idle_s
 
     def _note_idle(self) -> None:
-        """Track how long each ready worker has had nothing to do; arm the reaper (on demand only)."""
-        if not self.on_demand or self._stopping or self._loop is None:
+        """Track how long each ready worker has had nothing to do; arm the reaper for those that
+        may be reaped (on demand, and any environment's workers)."""
+        if self._stopping or self._loop is None:
             return
         now = time.monotonic()
         for w in self._workers:
@@ -371,9 +502,9 @@ class LocalEngine:
                 self._idle_since.setdefault(w, now)
             else:
                 self._idle_since.pop(w, None)
-        if self._idle_since and self._reaper is None:
-            due = min(self._idle_since.values()) + float(self._idle_s or 0.0)
-            self._reaper = self._loop.call_at(self._loop.time() + max(0.0, due - now), self._reap)
+        dues = [since + limit for w, since in self._idle_since.items() if (limit := self._keep_warm(w)) is not None]
+        if dues and self._reaper is None:
+            self._reaper = self._loop.call_at(self._loop.time() + max(0.0, min(dues) - now), self._reap)
 
     def _reap(self) -> None:
         """End workers idle for ``idle_s``. Only workers with nothing dispatched are ended, and only
@@ -383,33 +514,44 @@ class LocalEngine:
             return
         now = time.monotonic()
         for w, since in list(self._idle_since.items()):
+            limit = self._keep_warm(w)
             if not w.alive or w.inflight or not w.is_ready:
                 self._idle_since.pop(w, None)
-            elif now - since >= float(self._idle_s or 0.0):
+            elif limit is not None and now - since >= limit:
                 self._idle_since.pop(w, None)
                 self._detach(w)  # closing our end is EOF for the worker: it exits by itself
                 self.stats["workers_reaped"] += 1
-                log.info("engine worker %d idle for %.0fs: ended", w.pid, now - since)
+                log.info("engine worker %d (%s) idle for %.0fs: ended", w.pid, w.kind.key or "default", now - since)
+        self._refill()
         self._note_idle()
+
+    def _refill(self) -> None:
+        """A warm pool prewarms its default workers back into slots environments gave up."""
+        if self.on_demand or self._stopping or not self._started:
+            return
+        while len(self._workers) < self._size and not any(q for k, q in self._queues.items() if k):
+            self._spawn()
 
     def _replace(self, lost: _Worker) -> None:
         """Keep the pool at full size; a worker that never got ready is replaced after a pause."""
         if self._stopping or not self._started or self._loop is None:
             return
-        if self.on_demand:  # replaced when tasks need one (now, if some wait)
+        if self.on_demand or lost.kind.key:  # replaced when tasks need one (now, if some wait)
             if lost.is_ready:
                 self._grow()
             else:
                 self._loop.call_later(_RESPAWN_DELAY, self._grow)
             return
         if lost.is_ready:
-            self._spawn()
+            self._grow()
+            self._refill()
         else:
             self._loop.call_later(_RESPAWN_DELAY, self._replace_late)
 
     def _replace_late(self) -> None:
-        if not self._stopping and len(self._workers) < self._size:
-            self._spawn()
+        if not self._stopping:
+            self._grow()
+            self._refill()
 
     def _watch_exit(self, proc: _Proc) -> asyncio.Future[int | None]:
         """A future for the exit code, set from the event loop once the process has exited.
@@ -465,7 +607,7 @@ class LocalEngine:
         with contextlib.suppress(Exception):
             w.process.kill()  # no-op if it already died; ends one that merely closed its pipe
         head = w.inflight.popleft() if w.inflight else None
-        self._queue.extendleft(reversed(w.inflight))
+        self._queues.setdefault(w.kind.key, deque()).extendleft(reversed(w.inflight))
         w.inflight.clear()
         return head
 
@@ -585,12 +727,20 @@ class LocalEngine:
     # ------------------------------------------------------------------ scheduling
 
     def _pump(self) -> None:
-        """Dispatch queued tasks: chunks to the least-loaded ready worker while they fit."""
-        queue = self._queue
-        if not queue or self._stopping:
+        """Dispatch queued tasks: chunks to the least-loaded ready worker of their kind while they fit."""
+        if self._stopping:
             return
-        self._grow()
-        ready = [w for w in self._workers if w.is_ready]
+        if self._queue and len(self._queues) == 1:  # the common case: one kind, no per-kind lists
+            self._grow()
+            self._pump_kind(self._queue, [w for w in self._workers if w.is_ready])
+        elif any(self._queues.values()):
+            self._grow()
+            for key, queue in self._queues.items():
+                if queue:
+                    self._pump_kind(queue, [w for w in self._workers if w.is_ready and w.kind.key == key])
+        self._arm_timer()
+
+    def _pump_kind(self, queue: deque[EngineTask], ready: list[_Worker]) -> None:
         if not ready:
             return
         max_batch = self._max_batch
@@ -601,11 +751,10 @@ class LocalEngine:
             if len(w.inflight) + n > limit:
                 break
             self._dispatch(w, n)
-        self._arm_timer()
 
     def _dispatch(self, w: _Worker, n: int) -> None:
         self._idle_since.pop(w, None)
-        queue, cached, inflight = self._queue, w.cached, w.inflight
+        queue, cached, inflight = self._queues[w.kind.key], w.cached, w.inflight
         if not inflight:
             w.head_started = time.monotonic()
         chunk = []

@@ -1,0 +1,441 @@
+"""Where a worker runs: the agent's Python, a cached virtualenv, a container, a bubblewrap sandbox.
+
+The engine asks :meth:`Environments.kind` for a :class:`WorkerKind` (interpreter, extra import
+path, variables, and the argv prefix that wraps it: ``bwrap ...`` or ``apptainer exec ...``) and
+keeps warm workers per kind (mesh_agent/engine/local.py). Why each choice (docs/environments.md):
+
+* **uv, not pip.** uv resolves and installs in one static binary, links files from its cache
+  instead of copying them (hard links on one filesystem: a second venv with the same wheels costs
+  directory entries, not megabytes of SD-card writes), and works offline with ``--no-index
+  --find-links``. The operator picks the index (``environments.index_url``/``find_links`` in
+  the agent config); a task's spec can only name requirements.
+* **Cached by what was resolved.** A spec's requirements are resolved once (``uv pip compile``)
+  and the venv is keyed by the pins + the Python ABI + the platform, so ``numpy`` and
+  ``numpy>=1`` share one venv when they resolve alike, and a spec is not resolved again while
+  its venv lives.
+* **LRU within a disk budget.** After each build the least recently used venvs with no live
+  worker are deleted until the total fits ``disk_budget_mb``.
+* **Failures stick.** A spec that cannot be built (a requirement no index has, a missing image) is
+  remembered by its id, with uv's or the runtime's message, and later tasks with the same spec
+  fail at once: no rebuild loop on a metered link. A changed spec has a new id and is tried.
+* **Sandbox = bubblewrap.** Read-only root, private /tmp (the scratch space, and the working
+  directory), the agent's data directory and key directory replaced by empty tmpfs, new PID/IPC
+  namespaces, and a new network namespace (loopback only, and down) unless the spec grants
+  ``network``.
+
+Stdlib only; the builds run uv as a subprocess from the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from mesh_agent.environment import encode, env_id, requirement_name
+
+__all__ = ["EnvError", "WorkerKind", "DEFAULT_KIND", "Environments", "bwrap_argv", "container_argv", "abi_tag"]
+
+log = logging.getLogger(__name__)
+
+_BUILD_TIMEOUT_S = 900.0  # a Pi on LTE building numpy from wheels; a hung index must still end
+
+
+class EnvError(Exception):
+    """An environment cannot be prepared on this endpoint; the message names the package or image."""
+
+    __module__ = "mesh_agent.engine"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerKind:
+    """How to start a worker: ``wrap + [python, "-c", boot, args]`` with ``path`` in front of the
+    agent's import path and ``env`` added to its environment. ``key`` names the warm pool."""
+
+    key: str = ""
+    python: str = sys.executable
+    path: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    wrap: tuple[str, ...] = ()
+    cwd: str | None = None
+    venv: str | None = None  # the venv key this kind keeps in use (not evicted while workers live)
+
+
+DEFAULT_KIND = WorkerKind()
+
+
+def abi_tag() -> str:
+    """Python ABI + platform, part of every venv key: a venv is only valid for the interpreter it was built for."""
+    return f"{sys.implementation.cache_tag}-{sysconfig.get_platform()}"
+
+
+def bwrap_argv(hidden: Iterable[Path], ro_binds: Iterable[Path] = (), network: bool = False, bwrap: str = "bwrap") -> list[str]:
+    """The bubblewrap prefix for a sandboxed worker (pure). Later mounts go on top of earlier
+    ones, so a venv under the hidden data directory is bound back read-only after the tmpfs."""
+    argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--chdir", "/tmp"]
+    if not network:
+        argv.append("--unshare-net")
+    for p in sorted({str(Path(h)) for h in hidden}):
+        argv += ["--tmpfs", p]
+    for p in ro_binds:
+        argv += ["--ro-bind", str(p), str(p)]
+    argv.append("--")
+    return argv
+
+
+def container_argv(runtime: str, image: str, bootstrap: Sequence[str], network: bool = False) -> list[str]:
+    """The prefix that runs ``python3`` inside an image with the worker bootstrap bind-mounted
+    read-only (pure). Apptainer/Singularity exec in place, so the worker's socket fd passes through."""
+    name = Path(runtime).name
+    if name in ("apptainer", "singularity"):
+        argv = [runtime, "exec", "--cleanenv", "--no-home", "--contain"]
+        if not network:
+            argv += ["--net", "--network", "none"]
+        for b in bootstrap:
+            argv += ["--bind", f"{b}:{b}:ro"]
+        return argv + [image, "python3"]
+    if name == "podman":
+        argv = [runtime, "run", "--rm", "-i", "--network", "slirp4netns" if network else "none"]
+        for b in bootstrap:
+            argv += ["-v", f"{b}:{b}:ro"]
+        return argv + [image, "python3"]
+    raise EnvError(f"unknown container runtime {runtime!r}")
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                st = os.lstat(os.path.join(root, f))
+            except OSError:
+                continue
+            total += st.st_blocks * 512  # hard links into uv's cache counted whole: what eviction + prune frees
+    return total
+
+
+@dataclass(slots=True)
+class _Venv:
+    key: str
+    pins: list[str]
+    bytes: int
+    last_used: float
+    build_s: float
+
+
+@dataclass(slots=True)
+class BuildStats:
+    builds: int = 0
+    build_s: float = 0.0
+    resolves: int = 0
+    hits: int = 0
+    evicted: int = 0
+    failures: int = 0
+    refused: int = 0  # tasks failed at once because their spec had failed before
+    last_build_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Environments:
+    """Builds and caches venvs, wraps workers in sandboxes or containers, remembers failures.
+
+    ``root``: a directory of the agent's own (``<data_dir>/envs``); ``hidden``: paths a sandboxed
+    worker must not see (the data directory, the key's directory)."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        hidden: Iterable[Path] = (),
+        disk_budget_mb: int = 2048,
+        index_url: str | None = None,
+        find_links: Sequence[str] = (),
+        no_index: bool = False,
+        uv: str | None = None,
+        bwrap: str | None = None,
+        container_runtime: str | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.hidden = [Path(h) for h in hidden]
+        self.budget = max(1, disk_budget_mb) * 2**20
+        self.index_url = index_url
+        self.find_links = list(find_links)
+        self.no_index = no_index
+        self._uv = uv
+        self._bwrap = bwrap
+        self._runtime = container_runtime
+        self._index_path = self.root / "index.json"
+        self._requests: dict[str, str] = {}  # request key -> venv key
+        self._venvs: dict[str, _Venv] = {}
+        self.failed: dict[str, str] = {}  # spec id -> why it could not be built
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.stats = BuildStats()
+        self._loaded = False
+        self._load()  # one small file: what is held and what failed is known before the first task
+
+    # ------------------------------------------------------------------ public
+
+    def held(self) -> list[str]:
+        """Venv keys on disk, most recently used first (what heartbeats report)."""
+        self._load()
+        return [v.key for v in sorted(self._venvs.values(), key=lambda v: -v.last_used)]
+
+    def held_bytes(self) -> int:
+        self._load()
+        return sum(v.bytes for v in self._venvs.values())
+
+    async def kind(self, spec: Mapping[str, Any], in_use: Iterable[str] = ()) -> WorkerKind:
+        """The worker kind for a normalized spec, building its venv first if needed.
+
+        Raises :class:`EnvError` (and remembers it for this spec id) when it cannot be built."""
+        self._load()
+        sid = env_id(spec)
+        if sid in self.failed:
+            self.stats.refused += 1
+            raise EnvError(self.failed[sid])
+        lock = self._locks.setdefault(sid, asyncio.Lock())
+        async with lock:
+            if sid in self.failed:
+                raise EnvError(self.failed[sid])
+            try:
+                return await self._kind(sid, spec, set(in_use))
+            except EnvError as exc:
+                self.failed[sid] = str(exc)
+                self.stats.failures += 1
+                self._save()
+                raise
+
+    def forget_failure(self, sid: str) -> None:
+        """Let a spec that failed be tried again (an operator fixed the index or staged the image)."""
+        if self.failed.pop(sid, None) is not None:
+            self._save()
+
+    # ------------------------------------------------------------------ building
+
+    async def _kind(self, sid: str, spec: Mapping[str, Any], in_use: set[str]) -> WorkerKind:
+        env = tuple(sorted((spec.get("env_vars") or {}).items()))
+        path: tuple[str, ...] = ()
+        python = sys.executable
+        venv_key: str | None = None
+        venv_dir: Path | None = None
+        if spec.get("pip"):
+            venv_key = await self._venv(list(spec["pip"]), in_use)
+            venv_dir = self._venv_dir(venv_key)
+            python = str(venv_dir / "bin" / "python")
+            path = (str(self._site_packages(venv_dir)),)
+        wrap: tuple[str, ...] = ()
+        cwd = None
+        image = spec.get("container")
+        if image is not None:
+            if not (image.startswith(("docker://", "oras://", "library://")) or Path(image).exists()):
+                raise EnvError(f"container image {image!r} not found on this endpoint (stage the SIF/OCI archive or rootfs "
+                               "there, or name a registry image with docker://)")
+            runtime = self._container_runtime()
+            boot = _bootstrap_dirs()
+            wrap = tuple(container_argv(runtime, image, boot, network=bool(spec.get("network"))))
+            python, path = "", tuple(boot)  # the prefix ends with the image's python3
+            await self._probe(wrap, f"container image {image!r}")
+        elif spec.get("sandbox"):
+            bwrap = self._bwrap_path()
+            wrap = tuple(bwrap_argv(self.hidden, [venv_dir] if venv_dir is not None else [], bool(spec.get("network")), bwrap))
+            cwd = "/tmp"
+        return WorkerKind(sid, python, path, env, wrap, cwd, venv_key)
+
+    def _bwrap_path(self) -> str:
+        found = self._bwrap or shutil.which("bwrap")
+        if not found:
+            raise EnvError("sandbox requested but bubblewrap (bwrap) is not installed on this endpoint (apt install bubblewrap)")
+        return found
+
+    def _container_runtime(self) -> str:
+        if self._runtime:
+            return self._runtime
+        for name in ("apptainer", "singularity", "podman"):
+            found = shutil.which(name)
+            if found:
+                return found
+        raise EnvError("container requested but no container runtime (apptainer, singularity or podman) is installed on this endpoint")
+
+    async def _probe(self, wrap: Sequence[str], what: str) -> None:
+        """Start the image's python once: a runtime that cannot start here fails the spec with its own words."""
+        code, out = await self._run([*wrap, "-c", "print('ok')"], timeout=300)
+        if code != 0 or "ok" not in out:
+            raise EnvError(f"{what} cannot start on this endpoint: {_tail(out)}")
+
+    def _uv_path(self) -> str:
+        if self._uv:
+            return self._uv
+        here = Path(sys.executable).parent / "uv"
+        found = str(here) if here.exists() else shutil.which("uv")
+        if not found:
+            raise EnvError("pip environment requested but uv is not installed on this endpoint (pip install uv)")
+        return found
+
+    def _index_args(self) -> list[str]:
+        args: list[str] = []
+        if self.no_index:
+            args.append("--no-index")
+        elif self.index_url:
+            args += ["--index-url", self.index_url]
+        for link in self.find_links:
+            args += ["--find-links", link]
+        return args
+
+    async def _venv(self, reqs: list[str], in_use: set[str]) -> str:
+        rkey = hashlib.sha256(json.dumps([reqs, self._index_args(), abi_tag()]).encode()).hexdigest()[:16]
+        vkey = self._requests.get(rkey)
+        if vkey is not None and vkey in self._venvs and (self._venv_dir(vkey) / ".ok").exists():
+            self._venvs[vkey].last_used = time.time()
+            self.stats.hits += 1
+            return vkey
+        uv = self._uv_path()
+        pins = await self._resolve(uv, reqs)
+        vkey = hashlib.sha256(json.dumps([pins, abi_tag()]).encode()).hexdigest()[:16]
+        self._requests[rkey] = vkey
+        async with self._locks.setdefault(f"venv:{vkey}", asyncio.Lock()):  # two specs, one venv: one build
+            if vkey in self._venvs and (self._venv_dir(vkey) / ".ok").exists():
+                self._venvs[vkey].last_used = time.time()
+                self.stats.hits += 1
+                self._save()
+                return vkey
+            await self._build(uv, vkey, pins, reqs)
+        if self._evict(in_use | {vkey}):
+            await self._run([uv, "cache", "prune", "--quiet"], timeout=120)  # drop wheels no venv links to any more
+        self._save()
+        return vkey
+
+    async def _resolve(self, uv: str, reqs: list[str]) -> list[str]:
+        self.stats.resolves += 1
+        req_file = self.root / f".req-{os.getpid()}-{time.monotonic_ns()}.in"
+        self.root.mkdir(parents=True, exist_ok=True)
+        req_file.write_text("\n".join(reqs) + "\n")
+        try:
+            code, out = await self._run([uv, "pip", "compile", str(req_file), "--python", sys.executable, "--no-header",
+                                         "--quiet", "--no-annotate", *self._index_args()])
+        finally:
+            req_file.unlink(missing_ok=True)
+        if code != 0:
+            raise EnvError(self._explain(reqs, out, "resolved"))
+        return sorted(line.strip() for line in out.splitlines() if line.strip() and not line.lstrip().startswith("#"))
+
+    async def _build(self, uv: str, vkey: str, pins: list[str], reqs: list[str]) -> None:
+        target = self._venv_dir(vkey)
+        if target.exists():
+            shutil.rmtree(target, ignore_errors=True)  # a build cut short (crash, power loss)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        code, out = await self._run([uv, "venv", "--quiet", "--python", sys.executable, str(target)])
+        if code == 0:
+            pin_file = target / "requirements.txt"
+            pin_file.write_text("\n".join(pins) + "\n")
+            code, out = await self._run([uv, "pip", "install", "--quiet", "--python", str(target / "bin" / "python"),
+                                         "-r", str(pin_file), *self._index_args()])
+        if code != 0:
+            shutil.rmtree(target, ignore_errors=True)
+            raise EnvError(self._explain(reqs, out, "installed"))
+        (target / ".ok").write_text(encode({"pins": pins, "abi": abi_tag()}))
+        took = time.monotonic() - started
+        self._venvs[vkey] = _Venv(vkey, pins, _tree_bytes(target), time.time(), took)
+        self.stats.builds += 1
+        self.stats.build_s += took
+        self.stats.last_build_s = took
+        log.info("environment venv %s built in %.1fs (%d packages, %.1f MB)", vkey, took, len(pins),
+                 self._venvs[vkey].bytes / 2**20)
+
+    def _evict(self, keep: set[str]) -> int:
+        """Delete least recently used venvs with no live worker until the total fits the budget."""
+        total = sum(v.bytes for v in self._venvs.values())
+        evicted = 0
+        for v in sorted(self._venvs.values(), key=lambda v: v.last_used):
+            if total <= self.budget:
+                break
+            if v.key in keep:
+                continue
+            shutil.rmtree(self._venv_dir(v.key), ignore_errors=True)
+            del self._venvs[v.key]
+            for r, k in list(self._requests.items()):
+                if k == v.key:
+                    del self._requests[r]
+            total -= v.bytes
+            evicted += 1
+            self.stats.evicted += 1
+            log.info("environment venv %s evicted (LRU, disk budget %d MB)", v.key, self.budget // 2**20)
+        return evicted
+
+    def _explain(self, reqs: list[str], out: str, step: str) -> str:
+        """uv's error, led by the requirement(s) it names: what a user needs to fix their spec."""
+        low = out.lower()
+        named = [r for r in reqs if requirement_name(r) in low.replace("_", "-")]
+        lead = (f"pip requirement {', '.join(repr(r) for r in named)} cannot be installed on this endpoint"
+                if named else f"pip requirements {reqs!r} cannot be {step} on this endpoint")
+        return f"{lead}: {_tail(out)}"
+
+    async def _run(self, argv: list[str], timeout: float = _BUILD_TIMEOUT_S) -> tuple[int, str]:
+        env = {**os.environ, "UV_CACHE_DIR": str(self.root / "uv-cache"), "UV_NO_PROGRESS": "1", "NO_COLOR": "1",
+               "UV_PYTHON_DOWNLOADS": "never"}
+        try:
+            proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                                                        stderr=asyncio.subprocess.STDOUT, env=env)
+        except OSError as exc:
+            return 127, f"{argv[0]}: {exc.strerror or exc}"
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+            return 124, f"{Path(argv[0]).name} did not finish within {timeout:.0f}s"
+        return proc.returncode or 0, out.decode(errors="replace")
+
+    # ------------------------------------------------------------------ persistence
+
+    def _venv_dir(self, vkey: str) -> Path:
+        return self.root / "venvs" / vkey
+
+    @staticmethod
+    def _site_packages(venv: Path) -> Path:
+        return venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        try:
+            data = json.loads(self._index_path.read_text())
+        except (OSError, ValueError):
+            return
+        self._requests = {str(k): str(v) for k, v in (data.get("requests") or {}).items()}
+        for k, v in (data.get("venvs") or {}).items():
+            if (self._venv_dir(k) / ".ok").exists():
+                self._venvs[k] = _Venv(k, list(v.get("pins", [])), int(v.get("bytes", 0)), float(v.get("last_used", 0)),
+                                       float(v.get("build_s", 0)))
+        self.failed = {str(k): str(v) for k, v in (data.get("failed") or {}).items()}
+
+    def _save(self) -> None:
+        """One small file, written on builds, evictions and failures only (not per task: SD cards)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        data = {"requests": self._requests, "failed": self.failed,
+                "venvs": {k: {"pins": v.pins, "bytes": v.bytes, "last_used": v.last_used, "build_s": v.build_s}
+                          for k, v in self._venvs.items()}}
+        tmp = self._index_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self._index_path)
+
+
+def _bootstrap_dirs() -> list[str]:
+    """Directories a worker needs to import ``mesh_agent.engine._worker`` (the package's parent)."""
+    return [str(Path(__file__).resolve().parents[2])]
+
+
+def _tail(out: str, lines: int = 6) -> str:
+    text = [ln.strip() for ln in out.strip().splitlines() if ln.strip()]
+    return " ".join(text[-lines:])[:800] or "(no output)"

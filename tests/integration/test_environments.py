@@ -1,0 +1,319 @@
+"""Execution environments on a real LocalEngine: uv-built venvs from a local wheel (never PyPI),
+shared and LRU-evicted venvs, failures that stick, warm pools per environment, and the bubblewrap
+sandbox (docs/environments.md). Real processes, real uv, real bwrap; nothing faked."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import pytest
+
+from mesh_agent.engine import ENVIRONMENT_ERROR, LocalEngine
+from mesh_agent.engine.environments import Environments
+from mesh_agent.environment import env_id, normalize
+from tests.fixtures.wheels import build_wheel
+from tests.unit.test_engine_local import Collector, error, task, value, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+# ---------------------------------------------------------------- task functions (module level)
+
+
+def toy_version() -> tuple[str, str]:
+    import meshtoy  # only in the environment's venv
+
+    return meshtoy.VERSION, sys.prefix
+
+
+def read_file(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def write_file(path: str, text: str) -> str:
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def connect(port: int) -> str:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"x")
+    return "connected"
+
+
+def getenv(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def whoami() -> int:
+    return os.getpid()
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture
+def wheels(tmp_path: Path) -> Path:
+    d = tmp_path / "wheels"
+    build_wheel(d, "meshtoy", "1.0")
+    return d
+
+
+def make_envs(tmp_path: Path, wheels: Path, **kw: Any) -> Environments:
+    data = tmp_path / "agent-data"
+    data.mkdir(exist_ok=True)
+    return Environments(data / "envs", hidden=[data], no_index=True, find_links=[str(wheels)], **kw)
+
+
+@pytest.fixture
+async def started() -> AsyncIterator[list[LocalEngine]]:
+    engines: list[LocalEngine] = []
+    try:
+        yield engines
+    finally:
+        for e in engines:
+            await e.stop(grace=1.0)
+
+
+async def start(started: list[LocalEngine], sink: Collector, envs: Environments | None, **kw: Any) -> LocalEngine:
+    eng = LocalEngine(sink, workers=kw.pop("workers", 2), memory_limit_mb=1024, environments=envs, **kw)
+    await eng.start()
+    started.append(eng)
+    return eng
+
+
+def with_env(t: Any, spec: dict[str, Any] | None) -> Any:
+    t.env = normalize(spec)
+    return t
+
+
+# ---------------------------------------------------------------- venvs
+
+
+async def test_pip_environment_runs_in_its_venv_and_equal_specs_share_it(tmp_path: Path, wheels: Path, started: list[LocalEngine]) -> None:
+    sink = Collector()
+    envs = make_envs(tmp_path, wheels)
+    eng = await start(started, sink, envs)
+    eng.submit([with_env(task("a", toy_version), {"pip": ["meshtoy"], "env_vars": {"TOY_MODE": "x"}}),
+                with_env(task("b", toy_version), {"pip": ["meshtoy>=1.0"]}),
+                with_env(task("v", getenv, "TOY_MODE"), {"pip": ["meshtoy"], "env_vars": {"TOY_MODE": "x"}}),
+                task("plain", toy_version)])
+    res = {r.task_id: r for r in await sink.wait_for(4, timeout=180)}
+    version_a, prefix_a = value(res["a"])
+    version_b, prefix_b = value(res["b"])
+    assert version_a == version_b == "1.0"
+    # Two spellings that resolve alike share one venv, built once.
+    assert prefix_a == prefix_b and prefix_a.startswith(str(envs.root / "venvs"))
+    assert envs.stats.builds == 1 and len(envs.held()) == 1
+    assert value(res["v"]) == "x"
+    # The agent's own Python does not have the package: the venv is not leaking into default workers.
+    assert error(res["plain"])["type"] == "builtins.ModuleNotFoundError"
+    # Both slots went to the two environments (idle default workers made room); they stay warm.
+    assert set(eng.warm_environments()) == {env_id(normalize({"pip": ["meshtoy"], "env_vars": {"TOY_MODE": "x"}})),
+                                            env_id(normalize({"pip": ["meshtoy>=1.0"]}))}
+    # A new agent (restart) finds the venv on disk: no resolve, no build.
+    again = make_envs(tmp_path, wheels)
+    kind = await again.kind(normalize({"pip": ["meshtoy"]}))
+    assert kind.venv == envs.held()[0] and again.stats.builds == 0 and again.stats.resolves == 0
+
+
+async def test_unresolvable_requirement_fails_naming_it_and_is_not_rebuilt(tmp_path: Path, wheels: Path, started: list[LocalEngine]) -> None:
+    sink = Collector()
+    envs = make_envs(tmp_path, wheels)
+    eng = await start(started, sink, envs)
+    bad = {"pip": ["meshtoy", "nosuchpkg-xyz>=2"]}
+    eng.submit([with_env(task(f"bad{i}", toy_version), bad) for i in range(3)])
+    first = await sink.wait_for(3, timeout=120)
+    for r in first:
+        err = error(r)
+        assert err["type"] == ENVIRONMENT_ERROR
+        assert "nosuchpkg-xyz" in err["message"] and "cannot be installed" in err["message"]
+    resolves = envs.stats.resolves
+    # Later tasks with the same spec fail at once, without another resolve or build...
+    eng.submit([with_env(task("bad-again", toy_version), bad)])
+    await sink.wait_for(4, timeout=30)
+    assert error(sink.by_id()["bad-again"])["type"] == ENVIRONMENT_ERROR
+    assert envs.stats.resolves == resolves and envs.stats.builds == 0 and envs.stats.refused >= 1
+    # ...even after a restart (the failure is remembered on disk)...
+    assert env_id(normalize(bad)) in make_envs(tmp_path, wheels).failed
+    # ...while a changed spec is tried, and the engine serves everything else meanwhile.
+    eng.submit([with_env(task("fixed", toy_version), {"pip": ["meshtoy"]}), task("plain", whoami)])
+    await sink.wait_for(6, timeout=120)
+    assert value(sink.by_id()["fixed"])[0] == "1.0"
+    assert sink.by_id()["plain"].ok
+    assert not list((envs.root / "venvs").glob("*")) or len(envs.held()) == 1  # no half-built venv left behind
+
+
+async def test_lru_eviction_within_the_disk_budget(tmp_path: Path, wheels: Path, started: list[LocalEngine]) -> None:
+    for version in ("1.0", "2.0"):  # 600 KB each: one venv fits the 1 MB budget, two do not
+        build_wheel(wheels, "meshtoy", version, padding=600_000)
+    sink = Collector()
+    envs = make_envs(tmp_path, wheels, disk_budget_mb=1)
+    eng = await start(started, sink, envs, env_idle_s=0.0)  # environment workers are reaped as soon as idle
+    eng.submit([with_env(task("v1", toy_version), {"pip": ["meshtoy==1.0"]})])
+    await sink.wait_for(1, timeout=120)
+    first = envs.held()
+    assert len(first) == 1
+    await wait_until(lambda: "" in eng.warm_environments() and len(eng.warm_environments()) == 1, timeout=30)
+    eng.submit([with_env(task("v2", toy_version), {"pip": ["meshtoy==2.0"]})])
+    await sink.wait_for(2, timeout=120)
+    assert value(sink.by_id()["v2"])[0] == "2.0"
+    held = envs.held()
+    assert len(held) == 1 and held != first and envs.stats.evicted == 1
+    assert not (envs.root / "venvs" / first[0]).exists()
+    # The evicted environment is built again when it is next used.
+    await wait_until(lambda: len(eng.warm_environments()) == 1, timeout=30)
+    eng.submit([with_env(task("v1-again", toy_version), {"pip": ["meshtoy==1.0"]})])
+    await sink.wait_for(3, timeout=120)
+    assert value(sink.by_id()["v1-again"])[0] == "1.0" and envs.stats.builds == 3
+
+
+async def test_environment_workers_evict_idle_ones_and_are_reaped_back(tmp_path: Path, wheels: Path, started: list[LocalEngine]) -> None:
+    """One slot, a warm default pool: an environment's task takes the idle default worker's
+    slot, stays warm for env_idle_s, then the default worker is prewarmed back."""
+    sink = Collector()
+    eng = await start(started, sink, make_envs(tmp_path, wheels), workers=1, env_idle_s=1.0)
+    assert eng.warm_environments() == {"": 1}
+    eng.submit([with_env(task("e1", whoami), {"env_vars": {"A": "1"}})])
+    await sink.wait_for(1, timeout=60)
+    assert eng.stats["workers_evicted"] == 1
+    eng.submit([with_env(task("e2", whoami), {"env_vars": {"A": "1"}})])
+    await sink.wait_for(2, timeout=60)
+    assert value(sink.by_id()["e1"]) == value(sink.by_id()["e2"])  # kept warm: same worker
+    await wait_until(lambda: eng.warm_environments() == {"": 1} and eng.worker_pids, timeout=30)
+    assert eng.stats["workers_reaped"] >= 1
+    eng.submit([task("d", whoami)])
+    await sink.wait_for(3, timeout=60)
+    assert sink.by_id()["d"].ok
+
+
+async def test_engine_without_environments_refuses_clearly(started: list[LocalEngine]) -> None:
+    sink = Collector()
+    eng = await start(started, sink, None)
+    eng.submit([with_env(task("x", whoami), {"pip": ["meshtoy"]}), task("y", whoami)])
+    await sink.wait_for(2, timeout=60)
+    err = error(sink.by_id()["x"])
+    assert err["type"] == ENVIRONMENT_ERROR and "no environments configured" in err["message"]
+    assert sink.by_id()["y"].ok
+
+
+# ---------------------------------------------------------------- sandbox
+
+
+@pytest.fixture
+def listener() -> Any:
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.1)
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+@pytest.fixture
+def var_tmp() -> Any:
+    """A directory outside /tmp (the sandbox's /tmp is its own tmpfs, which would hide a path there anyway)."""
+    d = Path(tempfile.mkdtemp(prefix="mesh-envtest-", dir="/var/tmp"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
+async def test_sandboxed_function_cannot_read_keys_write_outside_scratch_or_open_sockets(
+        var_tmp: Path, wheels: Path, started: list[LocalEngine], listener: socket.socket) -> None:
+    sink = Collector()
+    envs = make_envs(var_tmp, wheels)
+    data = var_tmp / "agent-data"
+    key = data / "credentials.json"
+    key.write_text('{"key": "secret"}')
+    outside = var_tmp / "outside.txt"
+    port = listener.getsockname()[1]
+    eng = await start(started, sink, envs)
+    sandbox = {"sandbox": True}
+    eng.submit([
+        task("control-read", read_file, str(key)),  # unsandboxed: the agent's own kind can (the test's baseline)
+        with_env(task("key", read_file, str(key)), sandbox),
+        with_env(task("write", write_file, str(outside), "x"), sandbox),
+        with_env(task("scratch", write_file, "/tmp/ok.txt", "x"), sandbox),
+        with_env(task("socket", connect, port), sandbox),
+        with_env(task("socket-granted", connect, port), {"sandbox": True, "network": True}),
+        with_env(task("venv-in-sandbox", toy_version), {"sandbox": True, "pip": ["meshtoy"]}),
+    ])
+    res = {r.task_id: r for r in await sink.wait_for(7, timeout=180)}
+    assert value(res["control-read"]) == '{"key": "secret"}'
+    e = error(res["key"])
+    assert e["type"] == "builtins.FileNotFoundError" and str(key) in e["message"]
+    e = error(res["write"])
+    assert e["type"] == "builtins.OSError" and "Read-only file system" in e["message"]
+    assert not outside.exists()
+    assert value(res["scratch"]) == "/tmp/ok.txt"  # its scratch space is writable
+    e = error(res["socket"])
+    # Its own network namespace: only its own loopback, where nothing listens; the host's port is out of reach.
+    assert e["type"] == "builtins.ConnectionRefusedError" and "Connection refused" in e["message"]
+    assert value(res["socket-granted"]) == "connected"
+    conn, _ = listener.accept()  # exactly one connection reached the host: the granted one
+    conn.close()
+    with pytest.raises(socket.timeout):
+        listener.accept()
+    assert value(res["venv-in-sandbox"])[0] == "1.0"
+    # The agent is untouched: its key is intact and it keeps serving, sandboxed or not.
+    assert key.read_text() == '{"key": "secret"}'
+    eng.submit([task("after", whoami), with_env(task("after-sbx", whoami), sandbox)])
+    await sink.wait_for(9, timeout=60)
+    assert sink.by_id()["after"].ok and sink.by_id()["after-sbx"].ok
+
+
+async def test_scratch_is_private_per_sandbox(tmp_path: Path, wheels: Path, started: list[LocalEngine]) -> None:
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap not installed")
+    sink = Collector()
+    eng = await start(started, sink, make_envs(tmp_path, wheels))
+    marker = f"/tmp/mesh-scratch-{os.getpid()}.txt"
+    eng.submit([with_env(task("w", write_file, marker, "inside"), {"sandbox": True})])
+    await sink.wait_for(1, timeout=60)
+    assert value(sink.by_id()["w"]) == marker
+    assert not Path(marker).exists()  # the sandbox's /tmp is its own tmpfs
+
+
+# ---------------------------------------------------------------- containers
+
+
+async def test_missing_container_image_fails_naming_it(tmp_path: Path, wheels: Path, started: list[LocalEngine]) -> None:
+    sink = Collector()
+    envs = make_envs(tmp_path, wheels)
+    eng = await start(started, sink, envs)
+    image = str(tmp_path / "no-such-image.sif")
+    eng.submit([with_env(task("c", whoami), {"container": image}), with_env(task("c2", whoami), {"container": image})])
+    await sink.wait_for(2, timeout=60)
+    for r in sink.results:
+        e = error(r)
+        assert e["type"] == ENVIRONMENT_ERROR and image in e["message"] and "not found" in e["message"]
+    assert envs.stats.failures == 1  # the second task did not try again
+
+
+async def test_container_runs_where_a_runtime_works(tmp_path: Path, wheels: Path, started: list[LocalEngine]) -> None:
+    """Runs a worker in a rootfs image with Apptainer or podman where one is installed and can
+    start here; otherwise skips with the runtime's own words."""
+    runtime = next((r for r in ("apptainer", "singularity", "podman") if shutil.which(r)), None)
+    if runtime is None:
+        pytest.skip("no container runtime installed (apptainer, singularity, podman): container path not exercised here")
+    sink = Collector()
+    envs = make_envs(tmp_path, wheels)
+    eng = await start(started, sink, envs)
+    image = "docker://python:3.11-slim"
+    eng.submit([with_env(task("c", whoami), {"container": image})])
+    await sink.wait_for(1, timeout=240)
+    r = sink.results[0]
+    if not r.ok:
+        pytest.skip(f"{runtime} cannot start a container here: {error(r)['message']}")
+    assert isinstance(value(r), int)

@@ -1,0 +1,81 @@
+"""Environment specs (mesh_agent.environment): canonical form, ids, and clear errors for bad input;
+the bubblewrap and container argv builders (pure)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mesh_agent.engine.environments import bwrap_argv, container_argv
+from mesh_agent.environment import EnvSpecError, decode, encode, env_id, normalize, requirement_name
+
+
+def test_canonical_form_and_id_ignore_spelling_order_and_empty_parts() -> None:
+    a = normalize({"pip": ["scipy", "numpy>=1.26", "numpy>=1.26"], "env_vars": {"B": "2", "A": "1"}, "sandbox": False})
+    b = normalize({"uv": ["numpy>=1.26", " scipy "], "env_vars": {"A": "1", "B": "2"}})
+    assert a == b == {"pip": ["numpy>=1.26", "scipy"], "env_vars": {"A": "1", "B": "2"}}
+    assert env_id(a) == env_id(b) and len(env_id(a)) == 16
+    assert encode(a) == '{"env_vars":{"A":"1","B":"2"},"pip":["numpy>=1.26","scipy"]}'
+    assert normalize(None) is None and normalize({}) is None and normalize({"pip": [], "sandbox": False}) is None
+    assert decode(encode(a)) == a and decode(None) is None
+
+
+def test_keywords_override_and_network_needs_sandbox() -> None:
+    assert normalize({"container": "a.sif"}, container="b.sif") == {"container": "b.sif"}
+    assert normalize(None, sandbox=True) == {"sandbox": True}
+    assert normalize({"network": True}) is None  # unsandboxed workers have the network anyway
+    assert normalize({"network": True, "sandbox": True}) == {"network": True, "sandbox": True}
+    assert env_id(normalize(None, sandbox=True)) != env_id(normalize({"sandbox": True, "network": True}))
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("numpy", "environment must be a map"),
+    ({"conda": ["numpy"]}, "unknown environment key 'conda'"),
+    ({"pip": "numpy"}, "environment.pip must be a list"),
+    ({"pip": [3]}, "environment.pip[0] must be a string"),
+    ({"pip": ["--index-url=http://evil/simple"]}, "environment.pip[0]: '--index-url"),
+    ({"pip": ["pkg @ https://example.org/pkg.whl"]}, "no URLs, paths or pip options"),
+    ({"pip": ["./local/dir"]}, "environment.pip[0]"),
+    ({"pip": ["numpy; python_version>'3' --find-links ."]}, "environment.pip[0]"),
+    ({"pip": ["x"] * 101}, "at most 100"),
+    ({"env_vars": {"1BAD": "x"}}, "is not a variable name"),
+    ({"env_vars": {"PYTHONPATH": "/x"}}, "PYTHONPATH is reserved"),
+    ({"env_vars": {"MESH_DATASETS": "x"}}, "MESH_DATASETS is reserved"),
+    ({"env_vars": {"A": 1}}, "environment.env_vars['A'] must be a string"),
+    ({"container": ""}, "environment.container must be"),
+    ({"container": "--privileged"}, "environment.container must be"),
+    ({"sandbox": "yes"}, "environment.sandbox must be true or false"),
+])
+def test_bad_specs_are_refused_with_the_key_named(spec: object, words: str) -> None:
+    with pytest.raises(EnvSpecError) as exc:
+        normalize(spec)  # type: ignore[arg-type]
+    assert words in str(exc.value)
+
+
+def test_decode_refuses_bad_json() -> None:
+    with pytest.raises(EnvSpecError, match="not JSON"):
+        decode("{pip")
+
+
+def test_requirement_names_are_canonical() -> None:
+    assert requirement_name("Foo_Bar[x]>=1,<2") == "foo-bar"
+    assert requirement_name("numpy; python_version>'3.8'") == "numpy"
+
+
+def test_bwrap_argv_hides_state_binds_venv_back_and_cuts_network() -> None:
+    argv = bwrap_argv([Path("/var/lib/mesh"), Path("/etc/mesh")], [Path("/var/lib/mesh/envs/venvs/abc")], network=False, bwrap="/usr/bin/bwrap")
+    assert argv[:5] == ["/usr/bin/bwrap", "--ro-bind", "/", "/", "--dev"] and argv[-1] == "--"
+    assert "--unshare-net" in argv and "--die-with-parent" in argv
+    s = " ".join(argv)
+    assert "--tmpfs /tmp" in s and "--tmpfs /var/lib/mesh" in s and "--tmpfs /etc/mesh" in s
+    # the venv is bound back after (on top of) the tmpfs that hides the data directory
+    assert s.index("--ro-bind /var/lib/mesh/envs/venvs/abc") > s.index("--tmpfs /var/lib/mesh")
+    assert "--unshare-net" not in bwrap_argv([], network=True)
+
+
+def test_container_argv_binds_the_bootstrap_read_only() -> None:
+    a = container_argv("/usr/bin/apptainer", "/img/fl.sif", ["/opt/mesh"])
+    assert a[:2] == ["/usr/bin/apptainer", "exec"] and "/opt/mesh:/opt/mesh:ro" in a and a[-2:] == ["/img/fl.sif", "python3"]
+    p = container_argv("podman", "img", ["/opt/mesh"], network=False)
+    assert p[:2] == ["podman", "run"] and "none" in p and "/opt/mesh:/opt/mesh:ro" in p
