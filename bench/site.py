@@ -20,8 +20,16 @@ Measured, per setup:
   device's clock): tasks finished while the uplink was down. Without a gateway a device can only
   work off what it already held (workers + prefetch); with one, also what the hub leased ahead to
   the gateway (``--hold`` for the site).
-* FL uplink bytes per round, flat against hierarchical: **not measured** (hierarchical FL through a
-  gateway's LAN is not built; docs/sites.md says what is missing).
+* **FL uplink bytes per round, flat against hierarchical** (setups ``fl_flat`` and ``fl_site``, and
+  with ``--fl-compression`` also ``fl_flat_<spec>``/``fl_site_<spec>``): the same N devices, each
+  declaring its own non-IID share of the digits, train the same MLP with the same seeds for
+  ``--fl-rounds`` rounds; flat: FedAvg, every device through the uplink proxy; hierarchical:
+  ``Hierarchical(FedAvg, FedAvg)`` with the devices behind one gateway (``fl.sites``: the model
+  is staged once per site, updates stay on the LAN, one aggregated update comes up). Uplink bytes
+  of each round (both directions, everything on the wire: frames, heartbeats, MQTT) are taken
+  between the driver's ``on_round`` callbacks; the first round also carries warm-up, so the
+  figure is the median of rounds 2..R. Accuracy of both is reported (the comparison is at equal
+  accuracy: FedAvg of one site's FedAvg is FedAvg).
 
 Every loop is bounded; all processes are stopped on the way out.
 """
@@ -172,6 +180,68 @@ def run_setup(gateway: bool, args: argparse.Namespace, root: Path) -> dict[str, 
     return out
 
 
+def run_fl(site: bool, compression: str | None, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """One FL run of ``--fl-rounds`` rounds on a fresh mesh of N digits devices: flat through the
+    uplink, or behind a gateway (hierarchical on the site's LAN)."""
+    import statistics
+
+    import torch
+
+    from cloud_hub.localmesh import AgentConfig, LocalMesh
+    from fl import FedAvg, Federation, Hierarchical
+    from fl.data import load_test_data
+    from fl.localmesh import add_digits_agents, add_digits_site
+    from fl.models import MLP
+
+    name = ("fl_site" if site else "fl_flat") + (f"_{compression}" if compression else "")
+    out: dict[str, Any] = {"setup": name, "devices": args.devices, "rounds": args.fl_rounds, "compression": compression}
+    trainer = {"threads": 1, "lr": 0.05, "batch_size": 32}
+    with LocalMesh(root / name, heartbeat_s=5.0, lost_after_s=30.0, lease_s=30.0) as mesh:
+        up = Uplink(("127.0.0.1", mesh.broker.port))
+        try:
+            metered = {"profile": "metered"}
+            if site:
+                gw = mesh.add_gateway("gw", hold=args.hold, uplink_port=up.port, workers=1, **metered)
+                mesh.wait_online(gw, timeout=60)
+                devs = add_digits_site(mesh, gw, args.devices, alpha=0.5, seed=0, workers=1, **metered)
+            else:
+                devs = add_digits_agents(mesh, args.devices, alpha=0.5, seed=0, start=False)
+                for d in devs:
+                    cfg = AgentConfig.model_validate({**d.cfg.model_dump(), **metered,
+                                                      "mqtt": {**d.cfg.mqtt.model_dump(), "port": up.port}})
+                    cfg.save(d.config_path)
+                    d.cfg = cfg
+                    d.start()
+            mesh.wait_online(*devs, timeout=180)
+            c.log(f"{name}: {len(devs)} devices online; fit {args.fl_rounds} rounds")
+            snaps: list[dict[str, int]] = [up.snapshot()]
+            torch.manual_seed(0)
+            ids = [d.endpoint_id for d in devs]
+            fed = Federation(mesh.client, gateways={gw.endpoint_id: ids}) if site else Federation(mesh.client, ids)
+            strategy = Hierarchical(FedAvg(), FedAvg()) if site else FedAvg()
+            hist = fed.fit(MLP(), "digits", rounds=args.fl_rounds, strategy=strategy, local_epochs=2, deadline_s=600,
+                           min_clients=args.devices, trainer=trainer, eval_data=load_test_data(), seed=0, name=name,
+                           compression=compression, on_round=lambda rec, w: snaps.append(up.snapshot()))
+            per = [{k: b[k] - a.get(k, 0) for k in ("bytes_up", "bytes_down")} for a, b in zip(snaps, snaps[1:])]
+            tot = [p["bytes_up"] + p["bytes_down"] for p in per]
+            steady = tot[1:] or tot
+            out.update({
+                "uplink_bytes_per_round": tot,
+                "uplink_bytes_to_hub_per_round": [p["bytes_up"] for p in per],
+                "uplink_bytes_from_hub_per_round": [p["bytes_down"] for p in per],
+                "uplink_bytes_per_round_median_after_first": statistics.median(steady),
+                "accuracy_per_round": [None if r.accuracy is None else round(r.accuracy, 4) for r in hist],
+                "final_accuracy": None if hist[-1].accuracy is None else round(hist[-1].accuracy, 4),
+                "participants_per_round": [len(r.participants) for r in hist],
+            })
+            if site:
+                out["site_lan_bytes_per_round"] = [sum(v.get("bytes_lan", 0) for v in (r.extra.get("site_lan") or {}).values()) for r in hist]
+            c.log(f"{name}: {out['uplink_bytes_per_round']} B per round, accuracy {out['accuracy_per_round']}")
+        finally:
+            up.close()
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--devices", type=int, default=10)
@@ -185,13 +255,17 @@ def main() -> None:
     p.add_argument("--prefetch", type=int, default=4)
     p.add_argument("--hold", type=int, default=200, help="tasks the hub may lease ahead to the gateway")
     p.add_argument("--quick", action="store_true", help="3 devices, short windows: a smoke run")
-    p.add_argument("--setups", default="no_gateway,gateway", help="comma-separated: no_gateway,gateway (default both, in one run)")
+    p.add_argument("--setups", default="no_gateway,gateway,fl",
+                   help="comma-separated: no_gateway,gateway,fl (fl: flat and hierarchical FL; default all, in one run)")
+    p.add_argument("--fl-rounds", type=int, default=5)
+    p.add_argument("--fl-compression", default="q8", help="also run flat and hierarchical with this update compression ('' for none)")
     p.add_argument("--keep", action="store_true", help="keep the working directory (logs of every agent and the gateway)")
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--workdir", default=None)
     args = p.parse_args()
     if args.quick:
         args.devices, args.idle_s, args.settle_s, args.outage_s, args.tasks_per_device, args.drain_s = 3, 20.0, 5.0, 30.0, 10, 90.0
+        args.fl_rounds = 3
     started = time.monotonic()
     out = c.header("site", args)
     root = Path(tempfile.mkdtemp(prefix="bench-site-", dir=args.workdir))
@@ -203,22 +277,34 @@ def main() -> None:
             base = out["no_gateway"] = run_setup(False, args, root)
         if "gateway" in setups:
             site = out["gateway"] = run_setup(True, args, root)
+        if "fl" in setups:
+            for comp in [None] + ([args.fl_compression] if args.fl_compression else []):
+                flat = run_fl(False, comp, args, root)
+                hier = run_fl(True, comp, args, root)
+                key = "fl" + (f"_{comp}" if comp else "")
+                out[key] = {"flat": flat, "hierarchical": hier, "uplink_bytes_per_round_ratio": c.ratio(
+                    flat["uplink_bytes_per_round_median_after_first"], hier["uplink_bytes_per_round_median_after_first"]),
+                    "final_accuracy": {"flat": flat["final_accuracy"], "hierarchical": hier["final_accuracy"]}}
+                c.log(f"{key}: flat/hierarchical uplink bytes per round = {out[key]['uplink_bytes_per_round_ratio']}")
     finally:
         if args.keep:
             c.log(f"kept {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
+    out["summary"] = {k: {"flat": out[k]["flat"]["uplink_bytes_per_round_median_after_first"],
+                          "hierarchical": out[k]["hierarchical"]["uplink_bytes_per_round_median_after_first"],
+                          "ratio": out[k]["uplink_bytes_per_round_ratio"], "final_accuracy": out[k]["final_accuracy"]}
+                      for k in list(out) if k.startswith("fl") and isinstance(out[k], dict) and "flat" in out[k]}
     if base is None or site is None:
         c.finish("site", out, args, started)
         return
-    out["summary"] = {
+    out["summary"] |= {
         "idle_uplink_bytes_per_day": {"no_gateway": base["idle"]["uplink_bytes_per_day_incl_tcpip_tls"],
                                       "gateway": site["idle"]["uplink_bytes_per_day_incl_tcpip_tls"],
                                       "ratio": c.ratio(base["idle"]["uplink_bytes_per_day_incl_tcpip_tls"],
                                                        site["idle"]["uplink_bytes_per_day_incl_tcpip_tls"])},
         "tasks_done_during_outage": {"no_gateway": base["outage"]["tasks_done_during_outage"],
                                      "gateway": site["outage"]["tasks_done_during_outage"]},
-        "fl_uplink_bytes_per_round": "not measured: hierarchical FL through a gateway's LAN is not built (docs/sites.md)",
     }
     c.finish("site", out, args, started)
 

@@ -402,6 +402,21 @@ class FunctionClientApp(ClientApp):
         return float(loss), dict(metrics or {})
 
 
+def _group_blob(task: Dict[str, Any], new: Weights, current: Weights) -> Tuple[bytes, Optional[Dict[str, Any]]]:
+    """The site's one update as it goes up: compressed against the staged model when the run
+    compresses with a dense method (q8, fp16; the driver decodes it against the same model);
+    top-k would need an error-feedback memory at the gateway, so it goes up whole."""
+    spec = task.get("uplink")
+    if spec and task.get("current_ref") is not None:
+        from fl import compression as fc
+
+        comp = fc.from_spec(spec)
+        if comp.sparsify is None:
+            blob, enc, _ = fc.encode_update(new, current, comp, seed=zlib.crc32(f"{task.get('gateway_id')}:{task.get('round')}".encode()))
+            return blob, enc
+    return encode_weights(new), None
+
+
 @dataclass
 class GatewayAggregator:
     """Runs on an edge gateway: aggregate the group's updates with the inner strategy first.
@@ -450,13 +465,17 @@ class GatewayAggregator:
         new = self.strategy.aggregate(int(task["round"]), updates, current)
         rep = self.strategy.last_report
         assert rep is not None
-        return {
+        blob, enc = (None, None) if new is None else _group_blob(task, new, current)
+        out = {
             "v": PROTOCOL, "kind": "group", "gateway_id": task.get("gateway_id"), "round": int(task["round"]),
-            "weights": None if new is None else encode_weights(new), "num_samples": int(rep.num_samples),
+            "weights": blob, "num_samples": int(rep.num_samples),
             "accepted": list(rep.accepted), "rejected": rejected + [list(r) for r in rep.rejected],
             "reason": rep.reason, "metrics": self.strategy.aggregate_metrics([u for u in updates if u.client_id in set(rep.accepted)]),
             "aggregate_time_s": time.perf_counter() - t0, "bytes_lan": lan_bytes,
         }
+        if enc is not None:
+            out["encoding"] = enc
+        return out
 
     def _stage(self, task: Dict[str, Any]) -> Dict[str, Any]:
         """Put this round's global model in the site store (it came down the uplink once, in

@@ -46,6 +46,7 @@ class HierarchicalDriver(SyncDriver):
         """The global model's blob, and (once per site) the stage task that puts it in each site
         store: children of a staged site get its key instead of the model."""
         blob = super().encode_global(round, weights, version)
+        self._staged_base = [w.astype("float32") if w.dtype == "float16" else w for w in decode_weights(blob)]
         self._staged: Dict[str, Tuple[str, str]] = {}
         self._lan_updates: Dict[str, Dict[str, Any]] = {}
         stores = site_stores(self.endpoint_rows(), self.fed.gateways)
@@ -116,6 +117,7 @@ class HierarchicalDriver(SyncDriver):
             if gw in staged:  # on the site's LAN: keys only (a child answered the old way: its weights ride along)
                 payloads.append((gw, {"v": PROTOCOL, "kind": "aggregate", "round": r, "gateway_id": gw, "current_ref": staged[gw][0],
                                       "site_store": staged[gw][1],
+                                      **({"uplink": run.compression.spec()} if run.compression is not None else {}),
                                       "updates": [lan[u.client_id] if u.client_id in lan else
                                                   {"client_id": u.client_id, "weights": encode_weights(u.weights),
                                                    "num_samples": u.num_samples, "metrics": u.metrics} for u in us]}))
@@ -142,7 +144,15 @@ class HierarchicalDriver(SyncDriver):
             ans = answers.get(gw)
             if ans is not None and ans.get("weights") is not None:
                 try:
-                    gw_w = decode_weights(ans["weights"])
+                    if ans.get("encoding") is not None:  # the site's update, compressed against the model it staged
+                        from fl.compression import CompressionError, decode_update
+
+                        try:
+                            gw_w = decode_update(ans["weights"], ans["encoding"], self._staged_base, expected=run.compression)
+                        except CompressionError as exc:
+                            raise WireError(str(exc)) from None
+                    else:
+                        gw_w = decode_weights(ans["weights"])
                 except WireError as exc:
                     ans = None
                     log.warning("gateway %s sent undecodable weights: %s", gw, exc)
