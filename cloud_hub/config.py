@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -61,10 +61,25 @@ class HubConfig(BaseModel):
     kv_port: int = Field(0, ge=0, le=65535, description="its port (0: any free one; GET /v1/kv tells clients)")
     kv_public_host: str | None = Field(None, description="the host endpoints reach it at (default kv_host)")
     kv_max_bytes: int = Field(256 << 20, ge=1 << 20, description="its memory budget; a write past it is refused whole")
+    stream: bool = Field(True, description="offer the SDK's WebSocket stream at /v1/stream (docs/protocol.md); off: SDKs use REST")
+    # Admission control and fair share (cloud_hub/admission.py, docs/operations.md "Limits, shares and 429").
+    limits: dict[str, Any] = Field(default_factory=dict, description='{"user": {"max_queued": N, "max_running": N}, "users": {name: {...}}, '
+                                   '"function": {...}, "functions": {function id: {...}}}; MESH_HUB_LIMITS takes the JSON')
+    shares: dict[str, float] = Field(default_factory=dict, description="user name -> weight on shared endpoints (default 1); MESH_HUB_SHARES=alice=3,bob=1")
+    fair_dispatch: bool = Field(True, description="take turns between users on an endpoint; off: plain arrival order (FIFO)")
+    # Memoization (cloud_hub/memo.py, docs/sdk.md "Memoization").
+    memo_ttl_s: float = Field(86400.0, gt=0, description="how long a cached result answers repeats (at most result_ttl_s: results are pruned then)")
+    memo_max_entries: int = Field(100_000, ge=1, description="cached results kept per user; the least recently used go first")
+    memo_max_result_bytes: int = Field(2**20, ge=0, description="larger results are not cached")
     task_ttl_s: float = Field(30 * 86400, gt=0, description="default expiry of a task that never ran")
     result_ttl_s: float = Field(7 * 86400, gt=0)
     frame_ttl_s: float = Field(120.0, gt=0, description="lifetime of one signed message")
     bootstrap_user: str | None = Field(None, description="create this user at start-up if missing")
+    # Prometheus (cloud_hub/metrics.py, docs/operations.md "Monitoring").
+    metrics: bool = Field(True, description="serve Prometheus metrics at /metrics")
+    metrics_token: str | None = Field(None, description="if set, /metrics wants 'Authorization: Bearer <token>' (it names endpoints)")
+    metrics_endpoint_detail: Literal["alerts", "full"] = Field("alerts", description="alerts: per-endpoint series only for what the shipped alerts need; full: also bytes and device counters per endpoint")
+    metrics_max_functions: int = Field(100, ge=1, description="distinct function labels on task counters; the rest count as function='other'")
     scheduler_policy: str = Field("delta-outage-aware", description="placement policy for endpoint 'auto' / lists / tag selectors")
     scheduler_save_s: float = Field(30.0, gt=0, description="how often learned scheduler profiles are saved (and at shutdown)")
     # Globus Auth (cloud_hub/globus_auth.py): accept Globus access tokens issued for this client.
@@ -114,6 +129,53 @@ class HubConfig(BaseModel):
         first = [(self.mqtt_host, self.mqtt_port)] if self.mqtt_host else []
         rest = [parse_hostport(h, self.mqtt_port) for h in self.mqtt_hosts]
         return first + [b for b in rest if b not in first]
+
+    @field_validator("limits", mode="before")
+    @classmethod
+    def _json_limits(cls, v: object) -> object:
+        """``MESH_HUB_LIMITS='{"user": {"max_queued": 100000}}'``."""
+        if isinstance(v, str):
+            import json
+
+            try:
+                return json.loads(v) if v.strip() else {}
+            except ValueError as exc:
+                raise ValueError(f"limits is not valid JSON: {exc}") from None
+        return v
+
+    @field_validator("shares", mode="before")
+    @classmethod
+    def _share_pairs(cls, v: object) -> object:
+        """``MESH_HUB_SHARES="alice=3,bob=1"`` (or JSON)."""
+        if isinstance(v, str):
+            import json
+
+            if v.strip().startswith("{"):
+                return json.loads(v)
+            out: dict[str, object] = {}
+            for p in (x.strip() for x in v.split(",") if x.strip()):
+                if "=" not in p:
+                    raise ValueError(f"shares: {p!r} is not name=weight")
+                k, w = p.split("=", 1)
+                try:
+                    out[k.strip()] = float(w)
+                except ValueError:
+                    raise ValueError(f"shares: the weight of {k.strip()!r} is not a number: {w!r}") from None
+            return out
+        return v
+
+    @model_validator(mode="after")
+    def _admission(self) -> "HubConfig":
+        """Limits and shares are checked at start-up: a hub never runs with limits it misread."""
+        from cloud_hub.admission import parse_policy
+
+        parse_policy(self.limits, self.shares, self.fair_dispatch)
+        return self
+
+    def admission_policy(self) -> "Any":
+        from cloud_hub.admission import parse_policy
+
+        return parse_policy(self.limits, self.shares, self.fair_dispatch)
 
     @field_validator("globus_allowed_domains", mode="before")
     @classmethod

@@ -412,36 +412,54 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None = None
             "expires": now + (t.ttl_s or h.cfg.task_ttl_s),
             "timeout": t.timeout_s,
             "task_group_id": group,
+            "memo_key": t.cache_key,
         }
         for t in tasks
     ]
+    # Memoization and admission (cloud_hub/api/admit.py): cached results answer their tasks with no
+    # dispatch; the rest must fit under the queue bounds (else 429 + Retry-After, nothing stored).
+    hits = await h.admission.memo_split(user, tasks, now)
+    run = [i for i in range(len(tasks)) if i not in hits]
+    run_tasks, run_rows = [tasks[i] for i in run], [rows[i] for i in run]
+    await h.admission.check(user, run_tasks)
+    for i, hit in hits.items():
+        rows[i]["endpoint_id"] = hit.endpoint_id
     try:
-        decisions = await h.placement.place(user, tasks, rows, now)
+        decisions = await h.placement.place(user, run_tasks, run_rows, now) if run_rows else []
     except PlacementError as exc:
         raise HTTPException(exc.status, str(exc)) from None
-    for i, r in enumerate(rows):  # on the endpoint each task will run on, named or placed
+    for i, r in zip(run, run_rows):  # on the endpoint each task will run on, named or placed
         allowed = h.dispatcher.allow_list(r["endpoint_id"])
         if allowed is not None and r["function_id"] not in allowed:
-            h.placement.retract(r["id"] for r in rows)
+            h.placement.retract(r["id"] for r in run_rows)
             raise HTTPException(403, f"task {i}: function {r['function_id']} is not on endpoint {r['endpoint_id']}'s allow-list")
     write_decisions = h.placement.writer(decisions)
+    misses: dict[str, int] = {}
+    for r in run_rows:
+        if r["memo_key"]:
+            misses[r["function_id"]] = misses.get(r["function_id"], 0) + 1
+    write_memo = h.admission.memo_writer(user, [(rows[i], hit) for i, hit in hits.items()], misses, now)
 
     def also(db: Any) -> None:
         if write_decisions is not None:
             write_decisions(db)
+        if write_memo is not None:
+            write_memo(db)
         if key is not None:
             h.store.put_submit_key(db, user, key, request_hash, [r["id"] for r in rows], [r["endpoint_id"] for r in rows], now)
 
     try:
-        await h.store.insert_tasks(rows, also=also, before=function_writer(user, functions) if functions else None)
+        await h.store.insert_tasks(run_rows, also=also, before=function_writer(user, functions) if functions else None)
     except BaseException:
-        h.placement.retract(r["id"] for r in rows)
+        h.placement.retract(r["id"] for r in run_rows)
         # The same key, submitted concurrently (a client retrying before its first attempt
         # answered), won the race: answer what it made.
         if key is not None and (done := await _replayed(h, user, key, request_hash)) is not None:
             return done
         raise
-    for ep in {r["endpoint_id"] for r in rows}:
+    if hits:
+        h.bus.notify({user})  # their results are stored already
+    for ep in {r["endpoint_id"] for r in run_rows}:
         h.dispatcher.kick(ep)
     return [r["id"] for r in rows], [r["endpoint_id"] for r in rows]
 

@@ -41,7 +41,10 @@ class Hub:
         self.bus = ResultBus()
         self.dispatcher = Dispatcher(cfg, self.store, self.bus)
         self.placement = PlacementService(cfg, self.store, self.dispatcher.kick, self.dispatcher.allow_list)
-        self.dispatcher.observer = self.placement
+        from cloud_hub.api.admit import Admission
+
+        self.admission = Admission(cfg, self.store, self.dispatcher)  # limits, shares, memoization (cloud_hub/api/admit.py)
+        self.dispatcher.observer = self.admission.observer(self.placement)
         self._token_cache: dict[str, str] = {}
         self.bootstrap_token: str | None = None
         self.startup_error: BaseException | None = None

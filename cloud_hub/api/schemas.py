@@ -62,6 +62,9 @@ class TaskIn(BaseModel):
     timeout_s: float | None = Field(None, gt=0, description="per-run limit on the endpoint")
     ttl_s: float | None = Field(None, gt=0, description="give up if not run within this time")
     idempotency_key: IdempotencyKey | None = None
+    cache_key: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = Field(
+        None, description="memoization (docs/sdk.md): the SDK's hash of function, arguments and environment; a live cached "
+                          "result of yours with this key answers the task with no dispatch, and a success is cached under it")
 
 
 class TaskOut(BaseModel):

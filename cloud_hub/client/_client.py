@@ -24,10 +24,12 @@ EndpointSelector = str | Sequence[str] | dict[str, Any]
 class HubError(RuntimeError):
     """The hub refused a request; ``status`` is the HTTP code and the message its explanation."""
 
-    def __init__(self, status: int, detail: str) -> None:
+    def __init__(self, status: int, detail: str, retry_after: float | None = None) -> None:
         super().__init__(f"hub answered {status}: {detail}")
         self.status = status
         self.detail = detail
+        #: Seconds the hub asked us to wait (``Retry-After`` of a 429 or 503), or None.
+        self.retry_after = retry_after
 
 
 class AuthError(HubError):
@@ -178,7 +180,7 @@ class Client(FLRunsMixin):
             if r.status_code == 401:
                 raise AuthError(401, f"the hub at {self.url} refused the token ({detail}): it is wrong, expired or revoked; "
                                      f"run `mesh-hub login` again or set MESH_TOKEN (token from {self.config_source})")
-            raise HubError(r.status_code, detail)
+            raise HubError(r.status_code, detail, _retry_after(r.headers.get("retry-after")))
         if r.content and not is_json:
             raise NotAHub(r.status_code, f"{self.url} does not answer like a Continuum Mesh hub ({method} {path} answered "
                                          f"{r.headers.get('content-type') or 'no content type'}); check the URL (from {self.config_source})")
@@ -370,6 +372,14 @@ class Client(FLRunsMixin):
         out = self.request("GET", "/v1/results/stream", params={"after": after, "timeout_s": timeout_s, "limit": limit},
                            timeout=timeout_s + 30)
         return list(out["results"]), int(out["cursor"])
+
+
+def _retry_after(value: str | None) -> float | None:
+    """``Retry-After`` in seconds (the hub sends whole seconds; an HTTP date is not used here)."""
+    try:
+        return max(0.0, min(3600.0, float(value))) if value else None
+    except ValueError:
+        return None
 
 
 def _reason(exc: BaseException) -> str:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from cloud_hub.client._client import Client, EndpointSelector, HubError, HubUnreachable, constraints_spec, selector
+from cloud_hub.client._memo import ENV_FIELDS, Inflight, MemoOptions, key_for, pop_options
 from cloud_hub.client._results import decode_row
 from cloud_hub.client._stream import FrameTooBig, HubStream
 
@@ -100,9 +101,11 @@ class Executor(_Executor):
         self._lock = threading.Lock()
         self._work = threading.Event()
         self._shutdown = False
+        self._memo_fns: dict[str, tuple[Callable[..., Any], MemoOptions]] = {}  # registered with cache=True
+        self._inflight = Inflight()  # repeats of a cached call still running join it (cloud_hub/client/_memo.py)
         self._cursor = self.client.result_cursor()  # also: a wrong URL or token fails here, in one line
         # One WebSocket for submits and results when the hub offers it (cloud_hub/client/_stream.py); else REST.
-        self._stream: HubStream | None = HubStream(self.client) if stream else None
+        self._stream: HubStream | None = HubStream.first(self.client, self._cursor) if stream else None
         self._submitter = threading.Thread(target=self._submit_loop, name="mesh-submit", daemon=True)
         self._reader = threading.Thread(target=self._result_loop, name="mesh-results", daemon=True)
         self._submitter.start()
@@ -118,16 +121,27 @@ class Executor(_Executor):
 
     # ---------------------------------------------------------------- public API
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> "Future[Any]":
-        """Queue ``fn(*args, **kwargs)``; returns at once (no request is made here)."""
+        """Queue ``fn(*args, **kwargs)``; returns at once (no request is made here).
+
+        ``cache=True`` (and ``ignore_for_cache=[names]``) memoize this call (docs/sdk.md,
+        "Memoization"); they are options, not arguments of ``fn``, unless ``fn`` has a parameter
+        of that name."""
         if self._shutdown:
             raise RuntimeError("cannot submit after shutdown")
+        opts = pop_options(fn, kwargs)
         fid, body = self.client.function_body(fn)
-        return self._enqueue(fid, getattr(fn, "__name__", None) or type(fn).__name__, body, args, kwargs)
+        return self._enqueue(fid, getattr(fn, "__name__", None) or type(fn).__name__, body, args, kwargs, fn=fn, opts=opts)
 
-    def register_function(self, fn: Callable[..., Any], name: str | None = None) -> str:
+    def register_function(self, fn: Callable[..., Any], name: str | None = None, *, cache: bool = False,
+                          ignore_for_cache: Sequence[str] = ()) -> str:
         """Register ``fn`` now (one request per distinct body) and return its id, for
-        :meth:`submit_to_registered_function` here or in another process."""
-        return self.client.register_function(fn, name)
+        :meth:`submit_to_registered_function` here or in another process. ``cache=True``: every
+        call of it through this Executor is memoized (``ignore_for_cache``: argument names left
+        out of the key)."""
+        fid = self.client.register_function(fn, name)
+        if cache or ignore_for_cache:
+            self._memo_fns[fid] = (fn, MemoOptions(cache, ignore_for_cache))
+        return fid
 
     def submit_to_registered_function(self, function_id: str, args: Sequence[Any] | None = None,
                                       kwargs: dict[str, Any] | None = None) -> "Future[Any]":
@@ -136,9 +150,27 @@ class Executor(_Executor):
             raise RuntimeError("cannot submit after shutdown")
         return self._enqueue(function_id, "function", None, tuple(args or ()), dict(kwargs or {}))
 
-    def _enqueue(self, fid: str, name: str, body: bytes | None, args: Sequence[Any], kwargs: dict[str, Any]) -> "Future[Any]":
+    def _enqueue(self, fid: str, name: str, body: bytes | None, args: Sequence[Any], kwargs: dict[str, Any], *,
+                 fn: Callable[..., Any] | None = None, opts: MemoOptions | None = None) -> "Future[Any]":
+        registered = self._memo_fns.get(fid)
+        if opts is None and registered is not None:
+            opts = registered[1]
+        key = None
+        if opts is not None and opts.cache:
+            # The key is computed first, before anything is serialized or queued: an argument that
+            # cannot be hashed fails this call with MemoKeyError and nothing is sent or stored.
+            key = key_for(fn if fn is not None else (registered[0] if registered else None), fid, args, kwargs, opts, {})
         spec = Client.task_spec(self.endpoint, fid, args, kwargs, self.task_timeout_s, self.task_ttl_s, self.constraints)
+        if key is not None:
+            if any(k in spec for k in ENV_FIELDS):  # the environment is part of the call
+                key = key_for(fn if fn is not None else (registered[0] if registered else None), fid, args, kwargs, opts, spec)  # type: ignore[arg-type]
+            joined = self._inflight.join(key)
+            if joined is not None:
+                return joined
+            spec["cache_key"] = key
         fut: Future[Any] = Future()
+        if "cache_key" in spec:
+            self._inflight.lead(spec["cache_key"], fut)
         self._queue.put(_Item(fut, spec, fid, name, body))
         return fut
 
@@ -269,6 +301,8 @@ class Executor(_Executor):
         started = time.monotonic()
         attempt = 0
         resent_bodies = False
+        throttled = 0.0  # time spent waiting as the hub asked (429): not counted against submit_timeout_s
+        refusals = 0
         while True:
             functions = {it.fid: (it.name, it.body) for it in batch if it.body is not None and not self.client.knows(it.fid)}
             try:
@@ -284,9 +318,21 @@ class Executor(_Executor):
                 if isinstance(exc, HubError) and status not in _RETRY_STATUS:
                     self._fail(batch, exc)
                     return
+                if status == 429:
+                    # Over a queue bound (docs/operations.md, "Limits, shares and 429"): the hub
+                    # stored nothing and said when to come back. Wait that long (plus jitter, so
+                    # many clients do not return at once) and resend with the same key. The hub is
+                    # alive and answering, so this does not count against submit_timeout_s.
+                    refusals += 1
+                    delay = (getattr(exc, "retry_after", None) or 1.0) * random.uniform(1.0, 1.25)
+                    if refusals == 1 or refusals % 20 == 0:
+                        log.info("hub is at a queue bound (%s); resubmitting %d task(s) in %.1f s", exc, len(batch), delay)
+                    throttled += delay
+                    time.sleep(delay)
+                    continue
                 attempt += 1
                 delay = random.uniform(0, min(5.0, 0.1 * 2 ** min(attempt, 8)))
-                spent = time.monotonic() - started
+                spent = time.monotonic() - started - throttled
                 if spent + delay > self.submit_timeout_s:
                     self._fail(batch, SubmitTimeout(f"the hub did not accept {len(batch)} task(s) within submit_timeout_s="
                                                     f"{self.submit_timeout_s:g} ({attempt} attempts); last error: {exc}"))

@@ -191,16 +191,26 @@ class PostgresStore(SqliteStore):
         return await self._run(lambda: self._tx(fn, durable=durable, isolation="READ COMMITTED"))
 
     # ------------------------------------------------------------------ hot path without SSI conflicts
-    async def lease(self, endpoint_id: str, n: int, lease_s: float, max_bytes: int) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
+    async def lease(self, endpoint_id: str, n: int, lease_s: float, max_bytes: int,
+                    policy: Any = None) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
         """As SqliteStore.lease; ``FOR UPDATE SKIP LOCKED`` keeps two replicas off the same rows."""
 
         def q(db: _PgConn) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
             now = time.time()
-            rows = db.raw.execute(
-                "SELECT t.id, t.function_id, t.args, t.timeout, t.expires, LENGTH(f.body) FROM tasks t JOIN functions f ON f.id = t.function_id "
-                "WHERE t.endpoint_id = %s AND t.state = 'queued' ORDER BY t.created, t.rowid LIMIT %s FOR UPDATE OF t SKIP LOCKED",
-                (endpoint_id, n),
-            ).fetchall()
+            pol = policy if policy is not None else getattr(self, "admission", None)
+            if pol is None:
+                rows = db.raw.execute(
+                    "SELECT t.id, t.function_id, t.args, t.timeout, t.expires, LENGTH(f.body) FROM tasks t JOIN functions f ON f.id = t.function_id "
+                    "WHERE t.endpoint_id = %s AND t.state = 'queued' ORDER BY t.created, t.rowid LIMIT %s FOR UPDATE OF t SKIP LOCKED",
+                    (endpoint_id, n),
+                ).fetchall()
+            else:  # fair between users (cloud_hub/store/fair.py), the same row locks per flow
+                from cloud_hub.store.sqlite import _fair_rows
+
+                picked = _fair_rows(db, endpoint_id, n, pol, lock=" FOR UPDATE SKIP LOCKED")
+                fids = sorted({r[1] for r in picked})
+                lens = dict(db.raw.execute("SELECT id, LENGTH(body) FROM functions WHERE id = ANY(%s)", (fids,)).fetchall()) if fids else {}
+                rows = [(*r, lens.get(r[1], 0)) for r in picked]
             tasks: list[dict[str, Any]] = []
             seen: set[str] = set()
             size = 0

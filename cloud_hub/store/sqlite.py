@@ -18,9 +18,13 @@ import urllib.parse
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
 from cloud_hub.store.migrations import MIGRATIONS
+
+if TYPE_CHECKING:
+    from cloud_hub.admission import AdmissionPolicy
+    from cloud_hub.store.memo import MemoSettings
 
 __all__ = ["SqliteStore", "StoreError", "hash_token"]
 
@@ -76,6 +80,10 @@ class SqliteStore:
         self._db: sqlite3.Connection | None = None
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hub-db-read")
         self._rdb: sqlite3.Connection | None = None
+        #: Limits and shares for leases (cloud_hub/admission.py); None: plain arrival order. The hub sets it.
+        self.admission: "AdmissionPolicy | None" = None
+        #: Memoization settings (cloud_hub/store/memo.py); None: results are not remembered. The hub sets it.
+        self.memo: "MemoSettings | None" = None
 
     # ------------------------------------------------------------------ plumbing
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -416,11 +424,12 @@ class SqliteStore:
         def q(db: sqlite3.Connection) -> None:
             if before is not None:
                 before(db)
-            for r in rows:  # optional: the SDK's task group (Executor.reload_tasks)
+            for r in rows:  # optional: the SDK's task group (Executor.reload_tasks), the cache key (cache=True)
                 r.setdefault("task_group_id", None)  # type: ignore[attr-defined]
+                r.setdefault("memo_key", None)  # type: ignore[attr-defined]
             db.executemany(
-                "INSERT INTO tasks (id, user_id, endpoint_id, function_id, args, state, created, expires, timeout, attempts, task_group_id) "
-                "VALUES (:id, :user_id, :endpoint_id, :function_id, :args, 'queued', :created, :expires, :timeout, 0, :task_group_id)",
+                "INSERT INTO tasks (id, user_id, endpoint_id, function_id, args, state, created, expires, timeout, attempts, task_group_id, memo_key) "
+                "VALUES (:id, :user_id, :endpoint_id, :function_id, :args, 'queued', :created, :expires, :timeout, 0, :task_group_id, :memo_key)",
                 rows,
             )
             if also is not None:
@@ -442,16 +451,22 @@ class SqliteStore:
         db.execute("INSERT INTO submit_keys (user_id, key, request_hash, task_ids, endpoint_ids, created) VALUES (?, ?, ?, ?, ?, ?)",
                    (user_id, key, request_hash, json.dumps(task_ids), json.dumps(endpoint_ids), now))
 
-    async def lease(self, endpoint_id: str, n: int, lease_s: float, max_bytes: int) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
-        """Take up to ``n`` queued tasks of an endpoint (oldest first) and the function bodies they need."""
+    async def lease(self, endpoint_id: str, n: int, lease_s: float, max_bytes: int,
+                    policy: "AdmissionPolicy | None" = None) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
+        """Take up to ``n`` queued tasks of an endpoint and the function bodies they need: oldest
+        first, or with a ``policy`` fair between users under its limits (cloud_hub/store/fair.py)."""
 
         def q(db: sqlite3.Connection) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
             now = time.time()
-            rows = db.execute(
-                "SELECT id, function_id, args, timeout, expires FROM tasks WHERE endpoint_id=? AND state='queued' "
-                "ORDER BY created, rowid LIMIT ?",
-                (endpoint_id, n),
-            ).fetchall()
+            pol = policy if policy is not None else self.admission
+            if pol is None:
+                rows = db.execute(
+                    "SELECT id, function_id, args, timeout, expires FROM tasks WHERE endpoint_id=? AND state='queued' "
+                    "ORDER BY created, rowid LIMIT ?",
+                    (endpoint_id, n),
+                ).fetchall()
+            else:
+                rows = _fair_rows(db, endpoint_id, n, pol)
             tasks: list[dict[str, Any]] = []
             sizes: dict[str, int] = {}
             size = 0
@@ -642,6 +657,10 @@ class SqliteStore:
                 [(r["id"], owners[r["id"]], int(bool(r["ok"])), r["data"], r.get("started"), r.get("finished"), now, r.get("pid")) for r in fresh],
             )
             db.executemany("UPDATE tasks SET state='done', done=?, args=NULL WHERE id=?", [(now, r["id"]) for r in fresh])
+            if getattr(self, "memo", None) is not None and fresh:  # results of tasks submitted with cache=True answer repeats (cloud_hub/store/memo.py)
+                from cloud_hub.store import memo
+
+                memo.record(db, fresh, self.memo, now)  # type: ignore[arg-type]
             return [(r["id"], owners[r["id"]]) for r in fresh]
 
         return await self.tx(q)
@@ -719,6 +738,7 @@ class SqliteStore:
             db.executemany("DELETE FROM results WHERE task_id=?", old)
             db.executemany("DELETE FROM tasks WHERE id=?", old)
             db.execute("DELETE FROM submit_keys WHERE created < ?", (older_than,))  # kept as long as results
+            db.execute("DELETE FROM memo WHERE expires < ?", (time.time(),))  # cached results past memo_ttl_s
             return len(old)
 
         return await self.tx(q)
@@ -739,6 +759,20 @@ def _result_rows(rows: Iterable[tuple[Any, ...]]) -> list[dict[str, Any]]:
          "endpoint_id": r[6], "own_endpoint": r[6] is None or bool(r[7])}
         for r in rows
     ]
+
+
+def _fair_rows(db: Any, endpoint_id: str, n: int, policy: "AdmissionPolicy", lock: str = "") -> list[tuple[Any, ...]]:
+    """The tasks a fair lease takes, in the order the agent should run them (cloud_hub/store/fair.py)."""
+    from cloud_hub.store import fair
+
+    picked: dict[str, list[tuple[Any, ...]]] = {}
+    for user, fid, k in fair.plan(db, endpoint_id, n, policy):
+        picked.setdefault(user, []).extend(db.execute(fair.select_sql(lock), (endpoint_id, user, fid, k)).fetchall())
+    for ts in picked.values():
+        ts.sort(key=lambda t: t[5])
+    names = dict(db.execute(f"SELECT id, name FROM users WHERE id IN ({','.join('?' * len(picked))})", list(picked)).fetchall()) if picked else {}
+    rows = fair.interleave(picked, lambda u: policy.share(u, names.get(u)), policy.fair, lambda t: t[5])
+    return [r[:5] for r in rows]
 
 
 def _statements(sql: str) -> list[str]:

@@ -1,0 +1,161 @@
+"""The submit path's admission control and memoization, and the hooks they need in the dispatcher.
+
+``_accept`` (cloud_hub/api/app.py) calls :meth:`Admission.check` before placing anything, and
+:meth:`Admission.memo_split` to answer cache hits without dispatch. The rules are in
+cloud_hub/admission.py (pure); the memo rows in cloud_hub/store/memo.py. Both REST and any other
+submit path that goes through ``_accept`` get the same answers.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from fastapi import HTTPException
+
+from cloud_hub.admission import AdmissionPolicy, check_queue, too_big
+from cloud_hub.observer import DispatchObserver
+from cloud_hub.store import memo as memo_rows
+from cloud_hub.store.memo import Hit, MemoSettings
+
+if TYPE_CHECKING:
+    from cloud_hub.config import HubConfig
+    from cloud_hub.dispatcher import Dispatcher
+
+__all__ = ["Admission", "TooManyTasks"]
+
+_DRAIN_WINDOW_S = 30.0
+
+
+class TooManyTasks(HTTPException):
+    """429 with Retry-After: nothing was stored; retry the same request (same idempotency key) later."""
+
+    def __init__(self, detail: str, retry_after_s: int) -> None:
+        super().__init__(429, detail, headers={"Retry-After": str(retry_after_s)})
+
+
+class _Chain(DispatchObserver):
+    """Forwards every hook to the placement service, and on results lets the dispatcher try the
+    endpoints again when concurrency limits may have held work back (a finished task frees room)."""
+
+    def __init__(self, inner: DispatchObserver, on_results: Callable[[], None]) -> None:
+        self.inner = inner
+        self._on_results = on_results
+
+    def endpoint_online(self, *a: Any) -> None:
+        self.inner.endpoint_online(*a)
+
+    def endpoint_lost(self, *a: Any) -> None:
+        self.inner.endpoint_lost(*a)
+
+    def heartbeat(self, *a: Any) -> None:
+        self.inner.heartbeat(*a)
+
+    def frame_received(self, *a: Any) -> None:
+        self.inner.frame_received(*a)
+
+    def results_stored(self, *a: Any) -> None:
+        try:
+            self.inner.results_stored(*a)
+        finally:
+            self._on_results()
+
+    def tasks_expired(self, *a: Any) -> None:
+        self.inner.tasks_expired(*a)
+
+    def __getattr__(self, name: str) -> Any:  # anything else the placement service offers
+        return getattr(self.inner, name)
+
+
+class Admission:
+    """Limits, shares and the memo settings of one hub."""
+
+    def __init__(self, cfg: "HubConfig", store: Any, dispatcher: "Dispatcher") -> None:
+        self.policy: AdmissionPolicy = cfg.admission_policy()
+        self.memo = MemoSettings(ttl_s=min(cfg.memo_ttl_s, cfg.result_ttl_s), max_entries=cfg.memo_max_entries,
+                                 max_result_bytes=cfg.memo_max_result_bytes)
+        self.store = store
+        self.dispatcher = dispatcher
+        store.admission = self.policy  # leases take turns between users (cloud_hub/store/fair.py)
+        store.memo = self.memo  # results of cached submits are remembered (cloud_hub/store/memo.py)
+        self._drain: dict[str, tuple[float, float]] = {}  # user -> (measured at, tasks/s)
+        self.stats = {"refused": 0, "memo_hits": 0, "memo_misses": 0}
+
+    def observer(self, inner: DispatchObserver) -> DispatchObserver:
+        return _Chain(inner, self._results_arrived)
+
+    def _results_arrived(self) -> None:
+        if self.policy.caps_running:  # work held back by a concurrency limit may go now
+            for ep in list(self.dispatcher._sessions):
+                self.dispatcher.kick(ep)
+
+    # ------------------------------------------------------------------ queue bounds
+    async def check(self, user: str, tasks: Sequence[Any]) -> None:
+        """Raise 429 (with Retry-After) when these tasks would push the user or a function past its
+        queue bound, 413 when the batch alone is larger than the bound. Reads only; stores nothing."""
+        incoming: dict[str, int] = {}
+        for t in tasks:
+            incoming[t.function_id] = incoming.get(t.function_id, 0) + 1
+        pol = self.policy
+        fids = sorted(f for f in incoming if pol.function_limits(f).max_queued is not None)
+
+        def q(db: Any) -> tuple[str | None, int, dict[str, int]]:
+            row = db.execute("SELECT name FROM users WHERE id=?", (user,)).fetchone()
+            name = row[0] if row else None
+            lim = pol.user_limits(user, name)
+            n = 0
+            if lim.max_queued is not None:  # counted no further than the bound needs
+                n = db.execute("SELECT COUNT(*) FROM (SELECT 1 FROM tasks WHERE user_id=? AND state='queued' LIMIT ?) q",
+                               (user, lim.max_queued + 1)).fetchone()[0]
+            per: dict[str, int] = {}
+            for fid in fids:
+                cap = int(pol.function_limits(fid).max_queued or 0)
+                per[fid] = db.execute("SELECT COUNT(*) FROM (SELECT 1 FROM tasks WHERE user_id=? AND state='queued' AND function_id=? LIMIT ?) q",
+                                      (user, fid, cap + 1)).fetchone()[0]
+            return name, int(n), per
+
+        name, queued, per = await self.store.read(q)
+        big = too_big(pol, user, name, incoming)
+        if big is not None:
+            raise HTTPException(413, big)
+        refusal = check_queue(pol, user, name, incoming, queued, per, 0.0)
+        if refusal is None:
+            return
+        refusal = check_queue(pol, user, name, incoming, queued, per, await self._drain_rate(user))
+        self.stats["refused"] += 1
+        assert refusal is not None
+        raise TooManyTasks(refusal.detail, refusal.retry_after_s)
+
+    async def _drain_rate(self, user: str) -> float:
+        """The user's finished tasks per second over the last 30 s (read at most once a second;
+        only a refused submit asks)."""
+        now = time.time()
+        got = self._drain.get(user)
+        if got is not None and now - got[0] < 1.0:
+            return got[1]
+
+        def q(db: Any) -> int:
+            return int(db.execute("SELECT COUNT(*) FROM tasks WHERE user_id=? AND state='done' AND done > ?", (user, now - _DRAIN_WINDOW_S)).fetchone()[0])
+
+        rate = await self.store.read(q) / _DRAIN_WINDOW_S
+        self._drain[user] = (now, rate)
+        return rate
+
+    # ------------------------------------------------------------------ memoization
+    async def memo_split(self, user: str, tasks: Sequence[Any], now: float) -> dict[int, Hit]:
+        """Which tasks (by index) a cached result answers: no placement, no dispatch for those."""
+        keys = [t.cache_key for t in tasks if getattr(t, "cache_key", None)]
+        if not keys:
+            return {}
+        found = await self.store.read(lambda db: memo_rows.lookup(db, user, keys, now))
+        out = {i: found[t.cache_key] for i, t in enumerate(tasks) if getattr(t, "cache_key", None) in found}
+        self.stats["memo_hits"] += len(out)
+        self.stats["memo_misses"] += len(keys) - len(out)
+        return out
+
+    @staticmethod
+    def memo_writer(user: str, hits: Sequence[tuple[dict[str, Any], Hit]], misses: dict[str, int], now: float) -> Callable[[Any], None] | None:
+        """What the submit's transaction writes for cached submits (hit tasks and their results, counters)."""
+        if not hits and not misses:
+            return None
+        return lambda db: memo_rows.write_hits(db, user, hits, misses, now)
