@@ -168,6 +168,7 @@ class Agent:
             self.engine = ParslEngine(self._on_results, cfg.parsl, cfg.data_dir / "parsl", workers=cfg.workers,
                                       task_timeout=cfg.task_timeout, memory_limit_mb=cfg.memory_limit_mb)
         else:
+            envs_cfg = getattr(cfg, "environments", None)
             self.engine = LocalEngine(
                 self._on_results,
                 workers=cfg.workers,
@@ -175,6 +176,8 @@ class Agent:
                 memory_limit_mb=cfg.memory_limit_mb,
                 max_batch=cfg.max_batch,
                 idle_s=self.footprint.worker_idle_s,
+                environments=_environments(cfg) if envs_cfg is None or envs_cfg.enabled else None,
+                env_idle_s=envs_cfg.keep_warm_s if envs_cfg is not None else 300.0,
             )
         self._replay = ReplayGuard()
         self._heartbeat_s = cfg.heartbeat_s
@@ -244,7 +247,7 @@ class Agent:
         if tasks:
             log.info("resuming %d stored tasks", len(tasks))
             bodies = await self.store.function_bodies(t.function_id for t in tasks)
-            self._submit([(t.id, t.function_id, t.args, t.timeout, t.expires) for t in tasks], bodies)
+            self._submit([(t.id, t.function_id, t.args, t.timeout, t.expires, t.env) for t in tasks], bodies)
 
     async def _connect_forever(self, stop: asyncio.Event) -> None:
         attempt = 0
@@ -463,10 +466,20 @@ class Agent:
             "outbox": counts["done"],
             "want": self._want(),
             "warm": self.engine.warm_functions()[:100],
+            **self._held_envs(),
             "cpu": round(cpu) if compact else cpu,
             "mem_used": round(mem.percent) if compact else mem.percent,
             "mem_avail_mb": (mem.available // 2**24) * 16 if compact else mem.available // 2**20,
         }
+
+    def _held_envs(self) -> dict[str, Any]:
+        """``envs``: ids of the environment specs this endpoint can start without a build (16 hex
+        digits each, at most 32, most recent first):
+        the scheduler's cold-start term prefers endpoints that hold a task's environment. Absent
+        when none: no bytes on a metered link for endpoints that never built one."""
+        held = getattr(self.engine, "held_environments", None)
+        envs = held()[:32] if held is not None else []
+        return {"envs": envs} if envs else {}
 
     # ------------------------------------------------------------------ receiving
     async def _read(self, link: AgentLink) -> None:
@@ -612,7 +625,7 @@ class Agent:
                 functions[fid] = self._site_bodies.pop(fid)  # stored with these tasks: no longer held in memory
         self._received_since_fetch += len(tasks)
         by_id = {t["id"]: t for t in tasks}
-        missing: list[tuple[str, str, bytes, float | None, float | None]] = []
+        missing: list[tuple[str, str, bytes, float | None, float | None, str | None]] = []
 
         def start(fresh: list[str]) -> None:
             # Called inside the store's transaction, before its commit: tasks whose function came
@@ -621,7 +634,7 @@ class Agent:
             ready = []
             for i in fresh:
                 t = by_id[i]
-                row = (i, t["fn"], t["args"], t.get("timeout"), t.get("exp"))
+                row = (i, t["fn"], t["args"], t.get("timeout"), t.get("exp"), t.get("env"))
                 (ready if t["fn"] in functions else missing).append(row)
             self._submit(ready, functions)
 
@@ -662,10 +675,10 @@ class Agent:
         log.error("hub refused: %s", body.get("message", body))
 
     # ------------------------------------------------------------------ execution
-    def _submit(self, rows: list[tuple[str, str, bytes, float | None, float | None]], bodies: dict[str, bytes]) -> None:
+    def _submit(self, rows: list[tuple[str, str, bytes, float | None, float | None, str | None]], bodies: dict[str, bytes]) -> None:
         now = self._now()
         batch: list[EngineTask] = []
-        for task_id, fid, args, timeout, exp in rows:
+        for task_id, fid, args, timeout, exp, env_text in rows:
             if task_id in self._in_engine:
                 continue
             refusal = self._refusal(fid)
@@ -677,11 +690,25 @@ class Agent:
                 self._on_results([error_result(task_id, "mesh_agent.FunctionMissing", f"function {fid} not stored")])
             elif exp and now > exp:
                 self._on_results([error_result(task_id, "mesh_agent.TaskExpired", f"task expired {now - exp:.0f}s before it could run")])
+            elif env_text is not None and (bad := self._env_refusal(env_text)) is not None:
+                self._on_results([error_result(task_id, "mesh_agent.engine.EnvError", bad)])
             else:
                 self._in_engine.add(task_id)
-                batch.append(EngineTask(task_id, fid, bodies[fid], args, timeout))
+                batch.append(EngineTask(task_id, fid, bodies[fid], args, timeout, _env_spec(env_text)))
         if batch:
             self.engine.submit(batch)
+
+    def _env_refusal(self, env_text: str) -> str | None:
+        """Why a task's environment spec cannot run here, or None (checked again: a hub is not trusted)."""
+        from mesh_agent.environment import EnvSpecError, decode
+
+        try:
+            decode(env_text)
+        except EnvSpecError as exc:
+            return f"bad environment spec: {exc}"
+        if not isinstance(self.engine, LocalEngine):
+            return f"the {self.cfg.engine} engine does not run tasks in environments (venv, container, sandbox)"
+        return None
 
     def _refusal(self, fid: str) -> str | None:
         """Why this function may not run here (allow-lists), or None. Checked before any code is loaded."""
@@ -784,3 +811,30 @@ _HANDLERS = {
     Kind.RESULT_ACK: Agent._on_result_ack,
     Kind.ERROR: Agent._on_error,
 }
+
+
+def _environments(cfg: Any) -> Any:
+    """The engine's environment builder (mesh_agent/engine/environments.py) under ``<data_dir>/envs``.
+    A sandboxed worker sees neither the data directory nor the directory of the key file."""
+    from pathlib import Path
+
+    from mesh_agent.engine.environments import Environments
+
+    envs = getattr(cfg, "environments", None)
+    return Environments(
+        Path(cfg.data_dir) / "envs",
+        hidden=[Path(cfg.data_dir), Path(cfg.credentials_file).parent],
+        disk_budget_mb=envs.disk_budget_mb if envs is not None else 2048,
+        index_url=envs.index_url if envs is not None else None,
+        find_links=list(envs.find_links) if envs is not None else [],
+        no_index=envs.no_index if envs is not None else False,
+    )
+
+
+def _env_spec(env_text: str | None) -> dict[str, Any] | None:
+    """The normalized spec of a stored task (already checked by ``_env_refusal``)."""
+    if env_text is None:
+        return None
+    from mesh_agent.environment import decode
+
+    return decode(env_text)

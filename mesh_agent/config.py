@@ -163,6 +163,19 @@ class SiteSettings(BaseModel):
                                    "(hierarchical FL: models and updates, mesh_agent/site_store.py); default listen_port + 1, 0: off")
 
 
+class EnvironmentsSettings(BaseModel):
+    """``environments:`` how this endpoint builds the environments tasks ask for (docs/environments.md).
+    The package index is the operator's choice, never a task's: point it at your own mirror."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = Field(True, description="run tasks that name an environment (venv, container, sandbox); off: they fail with a clear error")
+    index_url: str | None = Field(None, description="package index uv installs from (default: uv's, PyPI); e.g. a site mirror")
+    find_links: list[str] = Field(default_factory=list, max_length=16, description="directories or URLs of wheels (uv --find-links)")
+    no_index: bool = Field(False, description="install only from find_links (offline endpoints)")
+    disk_budget_mb: int = Field(2048, ge=1, description="venvs are evicted least recently used first beyond this")
+    keep_warm_s: float = Field(300.0, ge=0, description="an environment's workers stay warm this long after their last task")
+
+
 class AgentConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -209,6 +222,7 @@ class AgentConfig(BaseModel):
     insecure_plaintext: bool = Field(
         False, description="allow plaintext MQTT and http:// to a host that is not this machine (traffic crosses the network in clear)"
     )
+    environments: EnvironmentsSettings = EnvironmentsSettings()
 
     @property
     def queue_path(self) -> Path:

@@ -38,7 +38,8 @@ CREATE TABLE IF NOT EXISTS tasks (
     result BLOB,
     started REAL,
     finished REAL,
-    worker_pid INTEGER
+    worker_pid INTEGER,
+    env TEXT  -- the environment spec from the signed task (canonical JSON, mesh_agent/environment.py), or NULL
 );
 CREATE INDEX IF NOT EXISTS tasks_state ON tasks (state, received);
 -- A site gateway's store-and-forward queues (mesh_agent/gateway.py, docs/sites.md): whole signed
@@ -85,6 +86,7 @@ class QueuedTask:
     args: bytes
     timeout: float | None
     expires: float | None
+    env: str | None = None  # canonical JSON of the task's environment spec
 
 
 @dataclass(slots=True)
@@ -125,6 +127,9 @@ class AgentStore:
             if row is None or row[0] != "ok":
                 raise sqlite3.DatabaseError(f"integrity check failed: {row[0] if row else 'no answer'}")
             await db.executescript(_SCHEMA)
+            cols = {r[1] for r in await (await db.execute("PRAGMA table_info(tasks)")).fetchall()}
+            if "env" not in cols:  # a queue written by an agent before environments (issue 16)
+                await db.execute("ALTER TABLE tasks ADD COLUMN env TEXT")
             cur = await db.execute("SELECT value FROM meta WHERE key='schema_version'")
             found = await cur.fetchone()
             if found is None:
@@ -200,9 +205,9 @@ class AgentStore:
                         [(fid, body, now) for fid, body in functions.items()],
                     )
                 conn.executemany(
-                    "INSERT OR IGNORE INTO tasks (id, function_id, args, timeout, expires, state, received) "
-                    "VALUES (?, ?, ?, ?, ?, 'queued', ?)",
-                    [(t["id"], t["fn"], t["args"], t.get("timeout"), t.get("exp"), now) for t in fresh],
+                    "INSERT OR IGNORE INTO tasks (id, function_id, args, timeout, expires, state, received, env) "
+                    "VALUES (?, ?, ?, ?, ?, 'queued', ?, ?)",
+                    [(t["id"], t["fn"], t["args"], t.get("timeout"), t.get("exp"), now, t.get("env")) for t in fresh],
                 )
                 conn.execute("COMMIT")
             except BaseException:
@@ -251,7 +256,7 @@ class AgentStore:
         """Tasks stored but without a result: after a restart these run (again)."""
         skip = set(exclude)
         cur = await self.db.execute(
-            "SELECT id, function_id, args, timeout, expires FROM tasks WHERE state='queued' ORDER BY received, rowid"
+            "SELECT id, function_id, args, timeout, expires, env FROM tasks WHERE state='queued' ORDER BY received, rowid"
         )
         return [QueuedTask(*r) for r in await cur.fetchall() if r[0] not in skip]
 

@@ -178,6 +178,7 @@ class Environments:
         self._requests: dict[str, str] = {}  # request key -> venv key
         self._venvs: dict[str, _Venv] = {}
         self.failed: dict[str, str] = {}  # spec id -> why it could not be built
+        self.specs: dict[str, str | None] = {}  # spec id -> its venv key (None: no venv), for held_specs()
         self._locks: dict[str, asyncio.Lock] = {}
         self.stats = BuildStats()
         self._loaded = False
@@ -189,6 +190,14 @@ class Environments:
         """Venv keys on disk, most recently used first (what heartbeats report)."""
         self._load()
         return [v.key for v in sorted(self._venvs.values(), key=lambda v: -v.last_used)]
+
+    def held_specs(self) -> list[str]:
+        """Spec ids this endpoint could start a worker for without a build or pull, most recently
+        used venvs first: what the hub's scheduler compares with a task's spec id."""
+        self._load()
+        order = {k: -v.last_used for k, v in self._venvs.items()}
+        live = [sid for sid, vk in self.specs.items() if vk is None or vk in self._venvs]
+        return sorted(live, key=lambda sid: order.get(self.specs[sid] or "", 0.0))
 
     def held_bytes(self) -> int:
         self._load()
@@ -208,7 +217,11 @@ class Environments:
             if sid in self.failed:
                 raise EnvError(self.failed[sid])
             try:
-                return await self._kind(sid, spec, set(in_use))
+                kind = await self._kind(sid, spec, set(in_use))
+                if self.specs.get(sid, "?") != kind.venv:
+                    self.specs[sid] = kind.venv
+                    self._save()
+                return kind
             except EnvError as exc:
                 self.failed[sid] = str(exc)
                 self.stats.failures += 1
@@ -419,11 +432,12 @@ class Environments:
                 self._venvs[k] = _Venv(k, list(v.get("pins", [])), int(v.get("bytes", 0)), float(v.get("last_used", 0)),
                                        float(v.get("build_s", 0)))
         self.failed = {str(k): str(v) for k, v in (data.get("failed") or {}).items()}
+        self.specs = {str(k): (str(v) if v else None) for k, v in (data.get("specs") or {}).items()}
 
     def _save(self) -> None:
         """One small file, written on builds, evictions and failures only (not per task: SD cards)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        data = {"requests": self._requests, "failed": self.failed,
+        data = {"requests": self._requests, "failed": self.failed, "specs": self.specs,
                 "venvs": {k: {"pins": v.pins, "bytes": v.bytes, "last_used": v.last_used, "build_s": v.build_s}
                           for k, v in self._venvs.items()}}
         tmp = self._index_path.with_suffix(".tmp")

@@ -286,8 +286,8 @@ class LocalEngine:
         return sum(len(q) for q in self._queues.values()) + sum(len(p) for p in self._parked.values())
 
     def held_environments(self) -> list[str]:
-        """Venv keys this endpoint holds on disk, most recently used first (heartbeats, scheduler)."""
-        return self._envs.held() if self._envs is not None else []
+        """Spec ids whose venv this endpoint holds (no build needed), most recently used first (heartbeats, scheduler)."""
+        return self._envs.held_specs() if self._envs is not None else []
 
     def warm_environments(self) -> dict[str, int]:
         """Live workers per environment spec id (the agent's own kind is ``""``)."""

@@ -20,6 +20,7 @@ __all__ = ["validate_body", "MAX_IDS"]
 #: Upper bound for any id list (``have`` in a hello is capped at 100,000 by the agent).
 MAX_IDS = 200_000
 _MAX_ID_LEN = 256
+_MAX_ENV = 32_768  # canonical JSON of an environment spec (mesh_agent/environment.py): 100 requirements, 64 variables
 
 
 def _type(v: Any) -> str:
@@ -102,6 +103,8 @@ def _tasks(k: Kind, b: dict[str, Any]) -> None:
             raise _fail(k, f"tasks[{i}].timeout", "null or a number > 0", t["timeout"])
         if not _opt_num(t.get("exp")):
             raise _fail(k, f"tasks[{i}].exp", "null or a finite number", t["exp"])
+        if not (t.get("env") is None or (type(t["env"]) is str and len(t["env"]) <= _MAX_ENV)):
+            raise _fail(k, f"tasks[{i}].env", f"null or an environment spec of at most {_MAX_ENV} characters", t["env"])
     if b.get("allow") is not None:
         _id_list(k, b, "allow")
 
@@ -139,6 +142,10 @@ def _heartbeat(k: Kind, b: dict[str, Any]) -> None:
         warm = _need(k, b, "warm", lambda v: type(v) is list and len(v) <= 1000, "a list of at most 1000 ids")
         if not all(_str_id(x) for x in warm):
             raise BadFrame(f"{k.value} body: warm must hold string ids")
+    if "envs" in b:
+        envs = _need(k, b, "envs", lambda v: type(v) is list and len(v) <= 64, "a list of at most 64 environment ids")
+        if not all(_str_id(x) for x in envs):
+            raise BadFrame(f"{k.value} body: envs must hold string ids")
 
 
 def _error(k: Kind, b: dict[str, Any]) -> None:
