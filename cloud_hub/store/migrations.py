@@ -187,4 +187,13 @@ MIGRATIONS: list[tuple[int, str]] = [
         );
         """,
     ),
+    (
+        11,
+        """
+        -- Execution environments (docs/environments.md): the task's environment spec as canonical
+        -- JSON (mesh_agent/environment.py), NULL for the agent's own Python. It rides in the signed
+        -- task frame, so neither a gateway nor the broker can change it.
+        ALTER TABLE tasks ADD COLUMN env TEXT;
+        """,
+    ),
 ]

@@ -223,6 +223,9 @@ class PostgresStore(SqliteStore):
                     break
                 tasks.append({"id": tid, "fn": fid, "args": args, "timeout": timeout, "exp": exp})
             if tasks:
+                from cloud_hub.store.sqlite import attach_envs
+
+                attach_envs(db, tasks)
                 db.raw.cursor().executemany(
                     "UPDATE tasks SET state='leased', leased_until=%s, attempts=attempts+1, dispatched=%s WHERE id=%s AND state='queued'",
                     [(now + lease_s, now, t["id"]) for t in tasks],

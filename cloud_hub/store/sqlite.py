@@ -68,6 +68,16 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def attach_envs(db: Any, tasks: list[dict[str, Any]]) -> None:
+    """Add ``env`` (the environment spec, docs/environments.md) to the leased tasks that have one.
+    A second query by primary key rather than another column in every lease query: most tasks
+    have none, and the key is left out of their frames entirely (no bytes on a metered link)."""
+    by_id = {t["id"]: t for t in tasks}
+    for chunk in _chunks(list(by_id)):
+        for tid, env in db.execute(f"SELECT id, env FROM tasks WHERE env IS NOT NULL AND id IN ({','.join('?' * len(chunk))})", chunk).fetchall():
+            by_id[tid]["env"] = env
+
+
 def _chunks(seq: Sequence[T], n: int = 500) -> Iterable[Sequence[T]]:
     for i in range(0, len(seq), n):
         yield seq[i : i + n]
@@ -427,9 +437,10 @@ class SqliteStore:
             for r in rows:  # optional: the SDK's task group (Executor.reload_tasks), the cache key (cache=True)
                 r.setdefault("task_group_id", None)  # type: ignore[attr-defined]
                 r.setdefault("memo_key", None)  # type: ignore[attr-defined]
+                r.setdefault("env", None)  # type: ignore[attr-defined]
             db.executemany(
-                "INSERT INTO tasks (id, user_id, endpoint_id, function_id, args, state, created, expires, timeout, attempts, task_group_id, memo_key) "
-                "VALUES (:id, :user_id, :endpoint_id, :function_id, :args, 'queued', :created, :expires, :timeout, 0, :task_group_id, :memo_key)",
+                "INSERT INTO tasks (id, user_id, endpoint_id, function_id, args, state, created, expires, timeout, attempts, task_group_id, memo_key, env) "
+                "VALUES (:id, :user_id, :endpoint_id, :function_id, :args, 'queued', :created, :expires, :timeout, 0, :task_group_id, :memo_key, :env)",
                 rows,
             )
             if also is not None:
@@ -478,6 +489,7 @@ class SqliteStore:
                 if tasks and size > max_bytes:
                     break
                 tasks.append({"id": tid, "fn": fid, "args": args, "timeout": timeout, "exp": exp})
+            attach_envs(db, tasks)
             db.executemany(
                 "UPDATE tasks SET state='leased', leased_until=?, attempts=attempts+1, dispatched=?, site=NULL WHERE id=?",
                 [(now + lease_s, now, t["id"]) for t in tasks],
@@ -534,6 +546,7 @@ class SqliteStore:
                     break
                 out.setdefault(ep, []).append({"id": tid, "fn": fid, "args": args, "timeout": timeout, "exp": exp})
                 taken += 1
+            attach_envs(db, [t for ts in out.values() for t in ts])
             db.executemany(
                 "UPDATE tasks SET state='leased', leased_until=?, attempts=attempts+1, dispatched=?, site=? WHERE id=?",
                 [(now + hold_s, now, gateway_id, t["id"]) for ts in out.values() for t in ts],
