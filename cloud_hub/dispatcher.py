@@ -551,6 +551,8 @@ class Dispatcher:
         if old is not None:
             s.credit = old.credit  # a repeated (or replayed) hello must not starve the agent
         s.info = {k: b.get(k) for k in ("host", "version", "engine", "pid", "prefetch", "tags", "hardware", "gpu", "gpus", "memory_mb")}
+        if self._site_of.get(env.endpoint):  # behind a site gateway: the scheduler models its uplink apart (docs/sites.md)
+            s.info["gateway"] = self._site_of[env.endpoint]
         site = b.get("site")
         if isinstance(site, dict):  # a site gateway (docs/sites.md)
             hold = site.get("hold")
@@ -559,6 +561,9 @@ class Dispatcher:
             if isinstance(where, str) and where.count(":") == 1 and where.rsplit(":", 1)[1].isdigit():
                 s.site_broker = (where.rsplit(":", 1)[0], int(where.rsplit(":", 1)[1]))
             s.info["site"] = {"hold": s.site_hold, "broker": where, "devices": len(self.site_devices(env.endpoint))}
+            blobs = site.get("store")  # the site's blob store on its LAN (hierarchical FL, docs/sites.md)
+            if isinstance(blobs, str) and len(blobs) < 300 and blobs.count(":") == 1 and blobs.rsplit(":", 1)[1].isdigit():
+                s.info["site"]["store"] = blobs
             s.site_cache = site.get("cache") == 1
             have = site.get("functions")
             if isinstance(have, list):
