@@ -299,10 +299,14 @@ class PlacementService(DispatchObserver):
             memory_mb=max(0, _int(info.get("memory_mb"))),
             online=online,
         )
+        gw = info.get("gateway")  # a device behind a site gateway (docs/sites.md): its uplink is modelled apart
+        self.sched.profiles.set_gateway(endpoint_id, gw if isinstance(gw, str) and gw.startswith("ep-") else None)
         nodes = self.sched.fleet.nodes
         old = nodes[endpoint_id].ep if endpoint_id in nodes else None
         if old is None or (old.signature(), old.workers, old.online) != (ep.signature(), ep.workers, ep.online):
             self.sched.add_endpoint(ep, now)
+        elif endpoint_id in nodes:
+            nodes[endpoint_id].avail = self.sched.profiles.availability_view(endpoint_id)
 
     def set_shared(self, endpoint_id: str, users: Iterable[str]) -> None:
         """The users the owner shared this endpoint with (docs/security.md): each gets the owner

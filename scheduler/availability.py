@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 _LN2 = math.log(2.0)
 # A time-of-day bin offline more than this share of the observed days is a recurring
@@ -205,6 +205,28 @@ class Availability:
             return sum(longer) / len(longer)
         return max(self._e_down, d)  # offline longer than ever seen: expect as long again
 
+    def normal_silence(self, now: float, last_seen: float, *, min_outages: int = 3, quantile: float = 0.9) -> float:
+        """Seconds of silence after ``last_seen`` that this endpoint's history calls normal, on top
+        of the liveness bound its heartbeats keep (the hub's alert rule adds the two).
+
+        Why: an operator wants to hear about a device that went quiet *unexpectedly*, not about the
+        solar Pi that sleeps every night. Two patterns count as normal:
+
+        * a scheduled outage: if the silence reaches a recurring offline stretch of the day, the
+          whole stretch (from ``last_seen`` to its end);
+        * random outages: the ``quantile`` of the random outage durations seen, once at least
+          ``min_outages`` were seen (fewer say nothing about what is normal: 0).
+        """
+        allowance = 0.0
+        t_off, _share = self._first_scheduled(last_seen, max(now, last_seen))
+        if t_off is not None:
+            allowance = max(self._stretch_end(t_off) - last_seen, 0.0)
+        rnd = sorted(self._random_durations)
+        if len(rnd) >= min_outages:
+            q = rnd[min(len(rnd) - 1, int(math.ceil(quantile * len(rnd))) - 1)]
+            allowance = max(allowance, q)
+        return allowance
+
     def p_offline(self, now: float, end: float) -> float:
         """Probability that the endpoint is offline at some point in ``[now, end]``."""
         if self.online is False:
@@ -292,3 +314,159 @@ class Availability:
         a.bin_obs = list(d["bin_obs"])
         a._refresh()
         return a
+
+
+# ---------------------------------------------------------------------- sites (docs/sites.md)
+#: A device lost within this many seconds of its gateway (either order) went with the uplink.
+UPLINK_GRACE_S = 30.0
+
+
+class BehindGateway:
+    """Availability of a device behind a site gateway: its own model (power, LAN) and its site's
+    uplink (the gateway's session with the hub), kept apart.
+
+    Why: when a village's uplink drops, every device behind it goes silent at the hub, but they
+    keep working on what the hub leased ahead to their gateway. Fed into one model, those outages
+    would make every device look as flaky as the uplink, and the scheduler would shy away from
+    devices that were working all along. So the device's model learns only its own outages, the
+    uplink's model the uplink's, and the questions combine them:
+
+    * work **already at the gateway** (leased ahead) waits only for the device
+      (:meth:`expected_delay` with ``held=True``, :meth:`can_take_held_work`);
+    * **new** work waits for the uplink to come back to get to the site, then for the device,
+      and its result waits at the gateway while the uplink is down.
+
+    Same query interface as :class:`Availability` (what the scheduler's predictor asks), so the
+    fleet can hold either.
+    """
+
+    __slots__ = ("device", "uplink")
+
+    def __init__(self, device: Availability, uplink: Availability) -> None:
+        self.device, self.uplink = device, uplink
+
+    @property
+    def online(self) -> bool | None:
+        """The device's own state (not the uplink's)."""
+        return self.device.online
+
+    @property
+    def known(self) -> bool:
+        return self.device.known
+
+    def reachable(self) -> bool:
+        """New work from the hub can reach the device now."""
+        return self.device.online is not False and self.uplink.online is not False
+
+    def can_take_held_work(self) -> bool:
+        """Work already at the gateway can run now (the uplink does not matter)."""
+        return self.device.online is not False
+
+    def state(self) -> str:
+        """``online``, ``site-only`` (the uplink is down: the device works on what its gateway
+        holds) or ``offline`` (the device itself is down, as far as anyone knows)."""
+        if self.device.online is False:
+            return "offline"
+        return "site-only" if self.uplink.online is False else "online"
+
+    def share_online(self, now: float) -> float:
+        """Share of time new work could reach the device (both up, taken as independent)."""
+        return self.device.share_online(now) * self.uplink.share_online(now)
+
+    def p_offline(self, now: float, end: float) -> float:
+        """Probability that the device cannot be reached from the hub at some point in ``[now, end]``."""
+        pd, pu = self.device.p_offline(now, end), self.uplink.p_offline(now, end)
+        return 1.0 - (1.0 - pd) * (1.0 - pu)
+
+    def _result_wait(self, now: float, done_at: float) -> float:
+        """Expected seconds a result finished at ``done_at`` waits at the gateway for the uplink."""
+        up = self.uplink
+        if up.online is False:
+            back = now + up.time_until_back(now)
+            if done_at < back:
+                return back - done_at
+        mu, md = up.mean_uptime(), up.mean_outage()
+        return md / (mu + md) * md if mu + md > 0 else 0.0  # down at that moment, then the rest of a mean outage
+
+    def expected_delay(self, now: float, start: float, duration: float, held: bool = False) -> float:
+        """Expected extra seconds outages add to a task queued from ``now`` running ``[start,
+        start + duration]`` on the device, until its result is at the hub. ``held``: the task is
+        already at the gateway (the uplink matters only for the result's way back)."""
+        d_in = 0.0
+        if not held and self.uplink.online is False:
+            d_in = self.uplink.time_until_back(now)
+        d_dev = self.device.expected_delay(now + d_in, start + d_in, duration)
+        return d_in + d_dev + self._result_wait(now, start + d_in + d_dev + duration)
+
+
+class SiteOutages:
+    """Routes what the hub observes about gateways and their devices to the right model.
+
+    The hub sees a device go silent both when the device dies and when its site's uplink drops.
+    A device lost within ``grace`` seconds of its gateway's loss (in either order: the hub's
+    watchdog notices them in any order) is an uplink outage, and the device's own model is not
+    told; one lost while its gateway stays up is the device's. Until the gateway's fate is known
+    the device's loss is held back (``pending``). Pure: every time is an argument.
+    """
+
+    def __init__(self, model: Callable[[str], Availability], grace: float = UPLINK_GRACE_S) -> None:
+        self._model = model  # endpoint id -> Availability (created on first use)
+        self.grace = float(grace)
+        self.gateway_of: dict[str, str] = {}
+        self._pending: dict[str, tuple[float, float]] = {}  # device -> (now, since) of a loss not yet attributed
+        self._gw_lost: dict[str, float] = {}  # gateway -> last seen before its current outage
+
+    def set_gateway(self, device: str, gateway: str | None) -> None:
+        if gateway is None or gateway == device:
+            self.gateway_of.pop(device, None)
+        else:
+            self.gateway_of[device] = gateway
+
+    def devices_of(self, gateway: str) -> list[str]:
+        return sorted(d for d, g in self.gateway_of.items() if g == gateway)
+
+    def view(self, endpoint: str) -> "Availability | BehindGateway":
+        gw = self.gateway_of.get(endpoint)
+        return self._model(endpoint) if gw is None else BehindGateway(self._model(endpoint), self._model(gw))
+
+    def heartbeat(self, endpoint: str, now: float) -> bool:
+        """Heard from ``endpoint``; True if it was believed offline (by the hub: its own model or the uplink)."""
+        pend = self._pending.pop(endpoint, None)
+        if pend is not None:  # lost while its uplink stayed up, back now: that was the device's own outage
+            self._model(endpoint).mark_offline(pend[0], pend[1])
+        self._gw_lost.pop(endpoint, None)
+        back = self._model(endpoint).heartbeat(now)
+        return back or pend is not None
+
+    def mark_offline(self, endpoint: str, now: float, since: float | None = None) -> bool:
+        """The hub's watchdog lost ``endpoint`` at ``now`` (last seen ``since``)."""
+        model = self._model(endpoint)
+        since = model.last_seen if since is None and model.last_seen is not None else (now if since is None else since)
+        if self.devices_of(endpoint):  # a gateway: its uplink
+            self._gw_lost[endpoint] = since
+            for d in self.devices_of(endpoint):  # devices already lost with it: the uplink's outage
+                p = self._pending.get(d)
+                if p is not None and abs(p[1] - since) <= self.grace:
+                    del self._pending[d]
+            return model.mark_offline(now, since)
+        gw = self.gateway_of.get(endpoint)
+        if gw is None:
+            return model.mark_offline(now, since)
+        if self._model(gw).online is False:
+            return False  # the uplink is down: the hub cannot tell anything about the device; its own model is not told
+        if model.online is False or endpoint in self._pending:
+            return False
+        self._pending[endpoint] = (now, since)  # the uplink looks up: the device's, unless the gateway follows within grace
+        return True
+
+    def settle(self, now: float) -> None:
+        """Pending device losses whose gateway stayed up for ``grace`` after them are the devices' own."""
+        for d, (t, since) in list(self._pending.items()):
+            gw = self.gateway_of.get(d)
+            up = self._model(gw) if gw else None
+            if now - since > self.grace and (up is None or up.online is not False):
+                del self._pending[d]
+                self._model(d).mark_offline(t, since)
+
+    def pending(self) -> list[str]:
+        return sorted(self._pending)

@@ -213,7 +213,7 @@ class Fleet:
             node = Node(ep, len(self.by_idx))
             self.by_idx.append(node)
             self.nodes[ep.endpoint_id] = node
-            node.avail = self.profiles.availability(ep.endpoint_id)
+            node.avail = self.profiles.availability_view(ep.endpoint_id)
             node.tp = self.profiles.throughput_of(ep.endpoint_id)
             self._read_link(node)
             self._read_profiles(node)
@@ -221,6 +221,7 @@ class Fleet:
             self._unindex(node)
             node.ep = ep
             node.hot = set(ep.warm_functions)
+            node.avail = self.profiles.availability_view(ep.endpoint_id)  # its gateway may have changed
             self._read_link(node)
         self._index(node)
         self.version += 1

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from .availability import Availability
+from .availability import Availability, BehindGateway, SiteOutages
 from .estimators import DecayedMean, LinkStats, PairStats, RuntimeStats, Throughput
 
 __all__ = ["Profiles", "RuntimeStats", "PairStats", "DecayedMean", "LinkStats", "Throughput"]
@@ -60,6 +60,8 @@ class Profiles:
         self.default_rtt_s = default_rtt_s
         self.default_bandwidth_bps = default_bandwidth_bps
         self.availability_period_s = availability_period_s
+        # per uplink and per device (docs/sites.md): a site's uplink outage is not its devices'
+        self.sites = SiteOutages(self.availability)
         self.hardware: dict[str, str] = {}  # endpoint -> hardware group
         self.speed: dict[str, float] = {}  # endpoint -> relative CPU score hint
         self.pair: dict[tuple[str, str], PairStats] = {}  # (function, endpoint)
@@ -187,11 +189,23 @@ class Profiles:
 
     def heartbeat(self, endpoint_id: str, now: float) -> bool:
         """The endpoint was heard from at ``now``; returns True if it was believed offline."""
-        return self.availability(endpoint_id).heartbeat(now)
+        self.sites.settle(now)
+        return self.sites.heartbeat(endpoint_id, now)
 
     def mark_offline(self, endpoint_id: str, now: float, since: float | None = None) -> bool:
-        """Declare the endpoint offline (silent since ``since``); returns True if it was online."""
-        return self.availability(endpoint_id).mark_offline(now, since)
+        """Declare the endpoint offline (silent since ``since``); returns True if it was online.
+        A device behind a site gateway that went with its uplink is not charged (SiteOutages)."""
+        self.sites.settle(now)
+        return self.sites.mark_offline(endpoint_id, now, since)
+
+    def set_gateway(self, endpoint_id: str, gateway_id: str | None) -> None:
+        """``endpoint_id`` is a device behind the site gateway ``gateway_id`` (None: it is not)."""
+        self.sites.set_gateway(endpoint_id, gateway_id)
+
+    def availability_view(self, endpoint_id: str) -> "Availability | BehindGateway":
+        """What the predictor asks: the endpoint's model, or for a device behind a gateway its own
+        model combined with its site's uplink."""
+        return self.sites.view(endpoint_id)
 
     # ------------------------------------------------------------------ queries
     def link(self, endpoint_id: str) -> LinkStats:

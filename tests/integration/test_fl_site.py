@@ -102,6 +102,13 @@ def test_site_round_stays_on_the_lan_and_learns(site: Site) -> None:
     gw = site.gateway.endpoint_id
     row = {e["id"]: e for e in site.mesh.client.list_endpoints()}[gw]
     assert row["info"]["site"]["store"] == f"127.0.0.1:{site.gateway.cfg.site.store_port}"
+    # the hub's scheduler models the site's uplink apart from each device (scheduler/availability.py)
+    from scheduler.availability import BehindGateway
+
+    rows = {e["id"]: e for e in site.mesh.client.list_endpoints()}
+    assert all(rows[d]["info"].get("gateway") == gw for d in site.ids), [rows[d]["info"] for d in site.ids]
+    nodes = site.mesh.hub.hub.placement.sched.fleet.nodes  # type: ignore[union-attr]
+    assert all(isinstance(nodes[d].avail, BehindGateway) and nodes[d].avail.state() == "online" for d in site.ids)
     fed = Federation(site.mesh.client, gateways={gw: site.ids})
     rounds = 4
     before = site.uplink.bytes()
