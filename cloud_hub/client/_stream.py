@@ -80,6 +80,21 @@ class HubStream:
         self.connects = 0  # successful connections (1 + reconnects)
         self.submits = 0  # batches the hub accepted over the stream
 
+    @classmethod
+    def first(cls, client: "Client", cursor: int) -> "HubStream | None":
+        """A stream with its first connection made here (so the first batch already uses it),
+        None when the hub offers none. A hub that cannot be reached just now gets a stream that
+        the reader connects later, with backoff."""
+        s = cls(client)
+        try:
+            s._connect(cursor)
+        except StreamUnavailable as exc:
+            log.info("the hub at %s offers no stream (%s); using REST", client.url, exc)
+            return None
+        except (HubUnreachable, AuthError) as exc:
+            log.warning("stream to the hub not connected yet (%s); the Executor retries it and uses REST meanwhile", exc)
+        return s
+
     @property
     def connected(self) -> bool:
         return self._ws is not None
@@ -128,7 +143,17 @@ class HubStream:
         backoff = 0.1
         while True:
             if ex._reading_done():
+                self._drop()
                 return True
+            if self._ws is not None:  # connected (by ``first``, or below)
+                try:
+                    self._serve(ex)
+                    return True
+                except HubUnreachable as exc:
+                    log.warning("%s; reconnecting", exc)
+                finally:
+                    self._drop()
+                continue
             try:
                 self._connect(ex._cursor)
             except StreamUnavailable as exc:
@@ -142,13 +167,6 @@ class HubStream:
                 ex._rest_results_once(delay)  # results keep flowing (or this waits out the delay)
                 continue
             backoff = 0.1
-            try:
-                self._serve(ex)
-                return True
-            except HubUnreachable as exc:
-                log.warning("%s; reconnecting", exc)
-            finally:
-                self._drop()
 
     def _serve(self, ex: "Executor") -> None:
         ws = self._ws
@@ -204,14 +222,17 @@ class HubStream:
             raise HubUnreachable(f"cannot open the stream to {self.url} ({exc})") from None
         try:
             ws.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # Nagle + delayed ACK cost 40 ms a frame
+        except OSError:  # already closed by the hub (a refused token): the close frame says why, below
+            pass
+        try:
             ws.send(json.dumps({"op": "hello", "after": cursor}))
             welcome = json.loads(ws.recv(timeout=10))
         except Exception as exc:
             ws.close()
-            reason = _closed_reason(exc, self.client.url)
-            if getattr(getattr(exc, "rcvd", None), "code", None) == CLOSE_AUTH:
-                raise AuthError(401, reason) from None
-            raise HubUnreachable(reason) from None
+            rcvd = getattr(exc, "rcvd", None) or getattr(ws.protocol, "close_rcvd", None)
+            if rcvd is not None and rcvd.code == CLOSE_AUTH:
+                raise AuthError(401, f"the hub at {self.client.url} refused the token on the stream: {rcvd.reason}") from None
+            raise HubUnreachable(_closed_reason(exc, self.client.url)) from None
         if not isinstance(welcome, dict) or welcome.get("op") != "welcome":
             ws.close()
             raise StreamUnavailable(f"the hub answered hello with {str(welcome)[:80]!r}")
