@@ -173,7 +173,11 @@ class _Conn:
         except ValidationError as exc:
             return {"op": "refused", "ref": ref, "status": 422, "detail": _validation_detail(exc)}
         except HTTPException as exc:
-            return {"op": "refused", "ref": ref, "status": exc.status_code, "detail": str(exc.detail)}
+            out = {"op": "refused", "ref": ref, "status": exc.status_code, "detail": str(exc.detail)}
+            retry = (exc.headers or {}).get("Retry-After")
+            if retry is not None:  # 429 at a queue bound: when to send the same batch (same key) again
+                out["retry_after"] = float(retry)
+            return out
         except StoreFull as exc:
             log.error("refused a streamed submit: %s", exc)
             return {"op": "refused", "ref": ref, "status": 507, "detail": str(exc)}

@@ -132,7 +132,8 @@ class HubStream:
             status, detail = int(w.answer.get("status", 500)), str(w.answer.get("detail", ""))
             if status == 401:
                 raise AuthError(401, detail)
-            raise HubError(status, detail)
+            retry = w.answer.get("retry_after")
+            raise HubError(status, detail, float(retry) if isinstance(retry, (int, float)) else None)
         self.submits += 1
         return w.answer
 
