@@ -26,6 +26,7 @@ from cloud_hub.api import access as access_api
 from cloud_hub.api import fl as fl_api
 from cloud_hub.api import kv as kv_api
 from cloud_hub.api import scheduler as scheduler_api
+from cloud_hub.api import stream as stream_api
 from cloud_hub.api import task_groups as task_groups_api
 from cloud_hub.api.task_groups import CODE_METHODS, checked_functions, function_writer
 from cloud_hub.api.deps import ERRORS, HubDep, UserDep
@@ -347,6 +348,7 @@ def create_app(cfg: HubConfig) -> FastAPI:
 
     app.include_router(fl_api.router)
     app.include_router(kv_api.router)  # /v1/kv and the embedded store's lifespan (cloud_hub/api/kv.py)
+    app.include_router(stream_api.router)  # /v1/stream: the SDK's WebSocket (cloud_hub/api/stream.py)
     return app
 
 
