@@ -27,6 +27,11 @@ float32 (today's lossless wire blob, and the raw 4 bytes per weight), and the fi
 to the uncompressed run's over the same rounds (same seeds). Targets: >= 8x fewer uplink bytes
 with <= 1 point of final accuracy lost.
 
+Differential privacy (issue 11, item 3): on the same mesh, the same job with central
+client-level DP (``Federation(dp=...)``) whose noise multiplier dp-accounting calibrates to
+``--dp-epsilon`` (default 8) at ``--dp-delta`` over the run's rounds, clip norm ``--dp-clip``;
+reported: epsilon per round from the accountant, final accuracy next to the run without DP.
+
 Time to accuracy over a shaped link (``--link-kbps 256``; 0 skips it): a second mesh whose
 agents each reach the broker through their own ``sim.emulate.proxy.FaultProxy`` capped at that
 bandwidth per direction (one rural link per device), running ``--tta-rounds`` rounds uncompressed
@@ -38,6 +43,7 @@ One JSON object on stdout and in bench/results/fl-<UTC>.json; progress on stderr
 
     python bench/fl.py [--rounds 5] [--clients 5] [--local-epochs 2] [--quick] [--no-flower]
                        [--compression LIST] [--link-kbps 256] [--tta-rounds 10] [--no-shaped-flower]
+                       [--dp-epsilon 8] [--dp-clip 1.0]
 """
 
 from __future__ import annotations
@@ -109,8 +115,9 @@ def _split(setting: str) -> tuple[str | None, str | None]:
 
 
 def _mesh_job(client: Any, ids: list[str], args: argparse.Namespace, rounds: int, setting: str | None,
-              name: str) -> tuple[Any, dict[str, Any]]:
-    """The benchmark job once on the mesh; returns the history and its timings."""
+              name: str, dp: Any = None) -> tuple[Any, dict[str, Any]]:
+    """The benchmark job once on the mesh (with client-level DP when ``dp`` is an
+    ``fl.privacy.DPConfig``); returns the history and its timings."""
     compression, downlink = _split(setting or "none")
     import torch
 
@@ -126,7 +133,7 @@ def _mesh_job(client: Any, ids: list[str], args: argparse.Namespace, rounds: int
             first_start.append(time.time())
 
     torch.manual_seed(0)
-    fed = Federation(client, ids)
+    fed = Federation(client, ids, dp=dp)
     t0 = time.time()
     hist = fed.fit(MLP(), "digits", rounds=rounds, strategy=FedAvg(min_clients=args.clients),
                    local_epochs=args.local_epochs, deadline_s=600, trainer=TRAINER, eval_data=load_test_data(),
@@ -171,7 +178,38 @@ def run_mesh(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], l
         out["participants_per_round"] = [len(r.participants) for r in hist]
         out.update(_traffic(hist))
         sweep = compression_sweep(args, mesh, ids, out)
+        if args.dp_epsilon > 0:
+            out["dp"] = dp_leg(args, mesh, ids, out)
         return out, ids, sweep
+
+
+def dp_leg(args: argparse.Namespace, mesh: Any, ids: list[str], base: dict[str, Any]) -> dict[str, Any]:
+    """The same job with central client-level DP calibrated to ``--dp-epsilon`` over its rounds
+    (every client every round: sample rate 1), on the same mesh, next to the run without DP."""
+    import numpy as np
+
+    from fl.privacy import DPConfig, noise_for_epsilon
+
+    z = noise_for_epsilon(args.dp_epsilon, args.rounds, 1.0, args.dp_delta)
+    cfg = DPConfig(noise_multiplier=z, clip_norm=args.dp_clip, mode="central", delta=args.dp_delta)
+    c.log(f"mesh: central DP to epsilon {args.dp_epsilon} over {args.rounds} rounds: z={z:.3f}, C={args.dp_clip}")
+    hist, tm = _mesh_job(mesh.client, ids, args, args.rounds, None, "bench-fl-dp", dp=cfg)
+    acc = [round(float(r.accuracy), 4) for r in hist]
+    norms = [float(n) for r in hist for n in (r.extra.get("dp_update_norms") or {}).values()]
+    eps = [r.extra.get("dp", {}).get("epsilon") for r in hist]
+    out = {
+        "target_epsilon": args.dp_epsilon, "delta": args.dp_delta, "mode": "central", "noise_multiplier": round(z, 4),
+        "clip_norm": args.dp_clip, "clients_per_round": len(ids), "sample_rate": 1.0,
+        "noise_std_on_mean_per_weight": round(z * args.dp_clip / max(1, len(ids)), 4),
+        "update_norm_median_before_clip": round(float(np.median(norms)), 4) if norms else None,
+        "epsilon_per_round": eps, "final_epsilon": eps[-1] if eps else None,
+        "final_accuracy": acc[-1] if acc else None, "accuracy_per_round": acc,
+        "no_dp_final_accuracy": base["final_accuracy"], "no_dp_accuracy_per_round": base["accuracy_per_round"],
+        "accuracy_lost_points": round((base["final_accuracy"] - acc[-1]) * 100, 2) if acc else None,
+        "mean_s_per_round": round((tm["t_end"] - tm["first_start"]) / max(1, len(hist)), 3),
+    }
+    c.log(f"  dp: epsilon {out['final_epsilon']}, accuracy {out['final_accuracy']} (no DP {base['final_accuracy']:.4f})")
+    return out
 
 
 def compression_sweep(args: argparse.Namespace, mesh: Any, ids: list[str], base: dict[str, Any]) -> dict[str, Any]:
@@ -546,6 +584,10 @@ def main() -> None:
     p.add_argument("--tta-compression", default="q8,topk:0.25+q8,q8|fp16,topk:0.25+q8|fp16",
                    help="compressed shaped-link legs (UPLINK or UPLINK|DOWNLINK each), after the uncompressed one")
     p.add_argument("--no-shaped-flower", action="store_true", help="skip Flower over the shaped links")
+    p.add_argument("--dp-epsilon", type=float, default=8.0,
+                   help="DP leg: central client-level DP calibrated to this epsilon over --rounds (0: skip it)")
+    p.add_argument("--dp-clip", type=float, default=1.0, help="DP leg: clip norm of each client's model delta")
+    p.add_argument("--dp-delta", type=float, default=1e-5, help="DP leg: delta of (epsilon, delta)-DP")
     p.add_argument("--flower-app", default=None,
                    help="a Flower App directory (e.g. tests/fixtures/flower_apps/quickstart-sklearn): run it unchanged "
                         "on the mesh (mesh-fl's run_app) and on Flower's Deployment Engine instead of the MLP job")
