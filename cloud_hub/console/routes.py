@@ -18,7 +18,7 @@ from urllib.parse import quote, urlparse
 from fastapi import APIRouter, Depends, Form, HTTPException, Request
 from starlette.responses import RedirectResponse, Response, StreamingResponse
 
-from cloud_hub.console import charts, queries
+from cloud_hub.console import capacity, charts, queries
 from cloud_hub.console.blobs import describe_result
 from cloud_hub.console.live import BUCKET_S, Live, TooManyStreams, endpoint_view
 from cloud_hub.console.optional import OPTIONAL_PAGES, Helpers, add_routes, optional_extras
@@ -258,9 +258,13 @@ async def endpoint_detail(request: Request, viewer: ViewerDep, endpoint_id: str,
     fn_names = dict(fns)
     warm = [(f, fn_names.get(f, f)) for f in (e["info"].get("warm") or [])]
     site = await _site_view(request, viewer, e)
+    # Predicted capacity per function: workers x measured rate (cloud_hub/console/capacity.py)
+    rates = await hub.store.read_parallel(capacity.function_rates, viewer.user_id, endpoint_id, time.time() - capacity.WINDOW_S)
+    workers = e["info"].get("capacity")
+    cap = capacity.predicted_capacity(rates, workers if isinstance(workers, int) else None, e["info"].get("warm"))
     ctx = await _ctx(request, viewer, "endpoints", e["name"])
     return render("endpoint.html", **ctx, e=e, transitions=transitions, recent=recent, warm=warm, window=window,
-                  windows=list(_WINDOWS), windows_s=_WINDOWS, start=start, end=end, site=site)
+                  windows=list(_WINDOWS), windows_s=_WINDOWS, start=start, end=end, site=site, capacity=cap)
 
 
 async def _site_view(request: Request, viewer: Viewer, e: dict[str, Any]) -> dict[str, Any] | None:
@@ -357,8 +361,11 @@ def _hops(t: dict[str, Any]) -> list[dict[str, Any]]:
 async def functions(request: Request, viewer: ViewerDep) -> Response:
     hub = _hub(request)
     rows = await hub.store.read_parallel(queries.function_stats, viewer.user_id)
+    memo = await hub.store.read_parallel(capacity.memo_counts, viewer.user_id)  # cache hits and misses (cache=True)
+    for f in rows:
+        f["cache_hits"], f["cache_misses"] = memo.get(f["id"], (0, 0))
     ctx = await _ctx(request, viewer, "functions", "Functions")
-    return render("functions.html", **ctx, functions=rows)
+    return render("functions.html", **ctx, functions=rows, memo=bool(memo))
 
 
 # Optional pages (scheduler, FL) add their routes to this router; see cloud_hub.console.optional.

@@ -156,3 +156,26 @@ def test_a_malformed_cache_key_is_refused_and_stores_nothing(mesh: Any, key: str
         m.client.request("POST", "/v1/tasks", json=spec)
     assert info.value.status == 422 and "cache_key" in str(info.value)
     assert _tasks(m) == before
+
+
+def test_the_console_shows_cache_hits_and_misses_and_predicted_capacity(mesh: Any) -> None:
+    import httpx
+
+    m, agent = mesh
+    with Executor(m.client, endpoint=agent.endpoint_id) as ex:
+        assert [f.result(timeout=60) for f in [ex.submit(slow_square, 21, cache=True)]] == [441]
+        assert ex.submit(slow_square, 21, cache=True).result(timeout=60) == 441
+    with httpx.Client(base_url=m.url, follow_redirects=False, timeout=30) as c:
+        assert c.post("/console/login", data={"token": m.token}).status_code == 303
+        page = c.get("/console/functions").text
+        with _db(m) as db:
+            fid = db.execute("SELECT id FROM functions WHERE name='slow_square'").fetchone()[0]
+            hits, misses = db.execute("SELECT hits, misses FROM memo_counts WHERE function_id=?", (fid,)).fetchone()
+        assert "Cache hits · misses" in page and f"{hits} · {misses}" in page and hits >= 1
+        ep_page = c.get(f"/console/endpoints/{agent.endpoint_id}").text
+        assert "Predicted capacity" in ep_page and "tasks/s" in ep_page
+        # slow_square sleeps 0.3 s: one worker does at most ~3.3 a second, the endpoint's 2 workers ~6.7
+        row = ep_page.split("slow_square", 1)[1].split("</tr>", 1)[0]
+        per_worker = float(row.split("/s</td>", 1)[0].rsplit(">", 1)[1])
+        predicted = float(row.split(" tasks/s", 1)[0].rsplit(">", 1)[1])
+        assert 0 < per_worker <= 3.4 and predicted == pytest.approx(2 * per_worker, abs=0.11)

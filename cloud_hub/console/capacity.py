@@ -1,0 +1,48 @@
+"""What the console shows for admission and memoization: each endpoint's predicted capacity per
+function, and cache hits and misses per function.
+
+Predicted capacity answers the OpenWhisk proposal's wish to "calculate expected TPS
+arithmetically": an endpoint's warm workers times the rate one worker sustains for that function,
+measured from its recent successful runs here (1 / mean run time). It is what the endpoint can
+take before work queues at the hub, and what a concurrency limit should be set against.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+__all__ = ["WINDOW_S", "function_rates", "predicted_capacity", "memo_counts"]
+
+#: Runs older than this do not count (a function's speed changes with its code and its inputs).
+WINDOW_S = 3600.0
+
+
+def function_rates(db: sqlite3.Connection, user_id: str, endpoint_id: str, since: float) -> list[tuple[str, str, int, float]]:
+    """(function id, name, runs, mean run seconds) of the user's functions that ran on the endpoint since ``since``."""
+    rows = db.execute(
+        "SELECT t.function_id, COALESCE(f.name, t.function_id), COUNT(*), AVG(r.finished - r.started) FROM tasks t "
+        "JOIN results r ON r.task_id = t.id LEFT JOIN functions f ON f.id = t.function_id "
+        "WHERE t.endpoint_id=? AND t.state='done' AND t.created > ? AND t.user_id=? AND r.ok = 1 AND r.finished >= r.started "
+        "AND t.dispatched IS NOT NULL GROUP BY t.function_id, f.name ORDER BY COUNT(*) DESC LIMIT 50",
+        (endpoint_id, since, user_id)).fetchall()
+    return [(fid, name, int(n), float(mean)) for fid, name, n, mean in rows if mean is not None]
+
+
+def predicted_capacity(rates: list[tuple[str, str, int, float]], workers: int | None, warm: list[str] | None) -> list[dict[str, Any]]:
+    """Per function: workers x (1 / mean run time) tasks per second. Pure arithmetic."""
+    warm_set = set(warm or ())
+    out = []
+    for fid, name, runs, mean in rates:
+        per_worker = 1.0 / mean if mean > 0 else None
+        out.append({"function_id": fid, "name": name, "runs": runs, "mean_run_s": mean, "per_worker_per_s": per_worker,
+                    "workers": workers, "warm": fid in warm_set,
+                    "tasks_per_s": (workers * per_worker) if (workers and per_worker is not None) else None})
+    return out
+
+
+def memo_counts(db: sqlite3.Connection, user_id: str) -> dict[str, tuple[int, int]]:
+    """function id -> (cache hits, misses) of the user's submits with cache=True."""
+    from cloud_hub.store import memo
+
+    return memo.counts(db, user_id)
