@@ -29,6 +29,7 @@ from cloud_hub.api import scheduler as scheduler_api
 from cloud_hub.api import stream as stream_api
 from cloud_hub.api import task_groups as task_groups_api
 from cloud_hub.api.task_groups import CODE_METHODS, checked_functions, function_writer
+from cloud_hub.api.environments import apply_environments, task_environments
 from cloud_hub.api.deps import ERRORS, HubDep, UserDep
 from cloud_hub.api.hub import Hub, endpoint_out
 from cloud_hub.api.schemas import (
@@ -390,6 +391,7 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None = None
             method_of(t.args)
         except SerializationError as exc:
             raise HTTPException(422, f"task {i} arguments: {exc}") from None
+    env_specs = task_environments(tasks)  # 422 naming the task and key, before anything is stored
     eps: set[str] = set()
     for t in tasks:
         if isinstance(t.endpoint_id, list):
@@ -435,6 +437,7 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None = None
         if allowed is not None and r["function_id"] not in allowed:
             h.placement.retract(r["id"] for r in run_rows)
             raise HTTPException(403, f"task {i}: function {r['function_id']} is not on endpoint {r['endpoint_id']}'s allow-list")
+    await apply_environments(h, user, rows, env_specs)  # after placement: others' endpoints sandbox by default
     write_decisions = h.placement.writer(decisions)
     misses: dict[str, int] = {}
     for r in run_rows:

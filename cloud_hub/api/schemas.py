@@ -65,6 +65,9 @@ class TaskIn(BaseModel):
     cache_key: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = Field(
         None, description="memoization (docs/sdk.md): the SDK's hash of function, arguments and environment; a live cached "
                           "result of yours with this key answers the task with no dispatch, and a success is cached under it")
+    environment: dict[str, Any] | None = Field(
+        None, description='where it runs on the endpoint (docs/environments.md): {"pip": [...], "env_vars": {...}, "container": '
+                          '"...", "sandbox": true, "network": true}; checked and stored canonical, signed into the task frame')
 
 
 class TaskOut(BaseModel):

@@ -23,7 +23,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+from cloud_hub.client import _dataflow
 from cloud_hub.client._client import Client, EndpointSelector, HubError, HubUnreachable, constraints_spec, selector
+from cloud_hub.client._env import env_options, merge_env, pop_env_options
 from cloud_hub.client._memo import ENV_FIELDS, Inflight, MemoOptions, key_for, pop_options
 from cloud_hub.client._results import decode_row
 from cloud_hub.client._stream import FrameTooBig, HubStream
@@ -81,6 +83,9 @@ class Executor(_Executor):
         submit_timeout_s: float = 300.0,
         task_group_id: str | None = None,
         stream: bool = True,
+        environment: dict[str, Any] | None = None,
+        container: str | None = None,
+        sandbox: bool | None = None,
     ) -> None:
         if endpoint is not None and endpoint_id is not None and endpoint != endpoint_id:
             raise ValueError("pass either endpoint= or endpoint_id=, not both")
@@ -88,6 +93,9 @@ class Executor(_Executor):
         self.client = client if client is not None else Client()
         self.endpoint = selector("auto" if where is None else where)
         self.constraints = constraints_spec(constraints)
+        # Where every task runs on its endpoint (docs/environments.md); checked now, not at the first submit.
+        self.environment = env_options(environment, container, sandbox)
+        self._fn_envs: dict[str, dict[str, Any]] = {}  # function id -> its register_function(environment=...)
         self.batch_size = batch_size
         self.batch_interval_s = batch_interval_s
         self.task_timeout_s = task_timeout_s
@@ -128,17 +136,25 @@ class Executor(_Executor):
         of that name."""
         if self._shutdown:
             raise RuntimeError("cannot submit after shutdown")
+        if _dataflow.has_futures(args, kwargs):  # a Future as an argument: sent once it is done (cloud_hub/client/_dataflow.py)
+            return _dataflow.submit_after(self, fn, args, kwargs)
         opts = pop_options(fn, kwargs)
+        env = pop_env_options(fn, kwargs)
         fid, body = self.client.function_body(fn)
-        return self._enqueue(fid, getattr(fn, "__name__", None) or type(fn).__name__, body, args, kwargs, fn=fn, opts=opts)
+        return self._enqueue(fid, getattr(fn, "__name__", None) or type(fn).__name__, body, args, kwargs, fn=fn, opts=opts, env=env)
 
     def register_function(self, fn: Callable[..., Any], name: str | None = None, *, cache: bool = False,
-                          ignore_for_cache: Sequence[str] = ()) -> str:
+                          ignore_for_cache: Sequence[str] = (), environment: dict[str, Any] | None = None,
+                          container: str | None = None, sandbox: bool | None = None) -> str:
         """Register ``fn`` now (one request per distinct body) and return its id, for
         :meth:`submit_to_registered_function` here or in another process. ``cache=True``: every
         call of it through this Executor is memoized (``ignore_for_cache``: argument names left
-        out of the key)."""
+        out of the key). ``environment``/``container``/``sandbox``: where every call of it runs
+        (docs/environments.md), unless a submit says otherwise."""
+        env = env_options(environment, container, sandbox)
         fid = self.client.register_function(fn, name)
+        if env:
+            self._fn_envs[fid] = env
         if cache or ignore_for_cache:
             self._memo_fns[fid] = (fn, MemoOptions(cache, ignore_for_cache))
         return fid
@@ -151,7 +167,8 @@ class Executor(_Executor):
         return self._enqueue(function_id, "function", None, tuple(args or ()), dict(kwargs or {}))
 
     def _enqueue(self, fid: str, name: str, body: bytes | None, args: Sequence[Any], kwargs: dict[str, Any], *,
-                 fn: Callable[..., Any] | None = None, opts: MemoOptions | None = None) -> "Future[Any]":
+                 fn: Callable[..., Any] | None = None, opts: MemoOptions | None = None,
+                 env: dict[str, Any] | None = None) -> "Future[Any]":
         registered = self._memo_fns.get(fid)
         if opts is None and registered is not None:
             opts = registered[1]
@@ -161,6 +178,9 @@ class Executor(_Executor):
             # cannot be hashed fails this call with MemoKeyError and nothing is sent or stored.
             key = key_for(fn if fn is not None else (registered[0] if registered else None), fid, args, kwargs, opts, {})
         spec = Client.task_spec(self.endpoint, fid, args, kwargs, self.task_timeout_s, self.task_ttl_s, self.constraints)
+        environment = merge_env(self.environment, self._fn_envs.get(fid), env)
+        if environment is not None:
+            spec["environment"] = environment
         if key is not None:
             if any(k in spec for k in ENV_FIELDS):  # the environment is part of the call
                 key = key_for(fn if fn is not None else (registered[0] if registered else None), fid, args, kwargs, opts, spec)  # type: ignore[arg-type]

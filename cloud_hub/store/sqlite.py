@@ -424,6 +424,19 @@ class SqliteStore:
 
         return await self._run(q)
 
+    async def endpoint_owners_of(self, endpoint_ids: Iterable[str]) -> dict[str, str]:
+        """endpoint id -> the user who enrolled it (sandbox by default for anyone else's tasks, docs/environments.md)."""
+        eps = list(set(endpoint_ids))
+
+        def q() -> dict[str, str]:
+            db = self._conn()
+            out: dict[str, str] = {}
+            for chunk in _chunks(eps):
+                out.update(db.execute(f"SELECT id, user_id FROM endpoints WHERE id IN ({','.join('?' * len(chunk))})", chunk).fetchall())
+            return out
+
+        return await self._run(q)
+
     # ------------------------------------------------------------------ tasks
     async def insert_tasks(self, rows: Sequence[dict[str, Any]], also: Callable[[sqlite3.Connection], None] | None = None,
                            before: Callable[[sqlite3.Connection], None] | None = None) -> None:

@@ -1,0 +1,46 @@
+"""Execution environments on the submit path (docs/environments.md).
+
+Why here and not in the SDK alone: the hub is where the submitter and the endpoint's owner are
+both known, so it is the hub that turns the sandbox on for a function submitted by a user other
+than the endpoint's owner (the owner's endpoint, shared with them: their code must not read the
+agent's keys or other users' files). The spec is checked again (a client is not trusted), stored
+canonical with the task and sent inside the signed task frame, so neither a gateway nor the
+broker can change it, and the agent checks it a third time before building anything.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+from fastapi import HTTPException
+
+from mesh_agent.environment import EnvSpecError, encode, normalize
+
+if TYPE_CHECKING:
+    from cloud_hub.api.hub import Hub
+    from cloud_hub.api.schemas import TaskIn
+
+__all__ = ["task_environments", "apply_environments"]
+
+
+def task_environments(tasks: Sequence["TaskIn"]) -> list[dict[str, Any] | None]:
+    """Each task's normalized spec (None: the agent's own Python); 422 naming the first bad one."""
+    out: list[dict[str, Any] | None] = []
+    for i, t in enumerate(tasks):
+        try:
+            out.append(normalize(t.environment))
+        except EnvSpecError as exc:
+            raise HTTPException(422, f"task {i}: {exc}") from None
+    return out
+
+
+async def apply_environments(h: "Hub", user: str, rows: list[dict[str, Any]], specs: list[dict[str, Any] | None]) -> None:
+    """Set each row's ``env``: its spec, sandboxed where the endpoint it was placed on belongs to
+    someone else. One indexed query per submit, for the endpoints of this batch only."""
+    eps = {r["endpoint_id"] for r in rows if r["endpoint_id"] is not None}
+    owners = await h.store.endpoint_owners_of(eps) if eps else {}
+    for r, spec in zip(rows, specs):
+        owner = owners.get(r["endpoint_id"])
+        if owner is not None and owner != user and not (spec or {}).get("sandbox"):
+            spec = normalize({**(spec or {}), "sandbox": True})
+        r["env"] = encode(spec) if spec else None
