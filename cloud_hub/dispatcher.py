@@ -649,6 +649,8 @@ class Dispatcher:
         s.info.update({k: body[k] for k in ("running", "queued", "stored", "outbox", "cpu", "mem_used", "mem_avail_mb", "want") if k in body})
         if "warm" in body or "warm" not in s.info:
             s.info["warm"] = body.get("warm", [])
+        if "envs" in body:  # environment ids it holds (docs/environments.md), sent when they change
+            s.info["envs"] = body["envs"]
         if isinstance(body.get("capacity"), int) and not isinstance(body["capacity"], bool):
             s.capacity = body["capacity"]
         self._beat_dirty.add(s.endpoint_id)  # written by the watchdog's next pass (_flush_beats), not one transaction per beat

@@ -350,6 +350,19 @@ class PlacementService(DispatchObserver):
         self._changes += 1
         self._spawn(self._replace_stranded(endpoint_id))
 
+    def _with_environment(self, info: TaskInfo, environment: dict[str, Any]) -> None:
+        """A task whose environment must be built (pip) or pulled (container) costs an endpoint
+        that lacks it that build, and the bytes on its link (scheduler/environments.py)."""
+        from mesh_agent.environment import env_id, normalize
+        from scheduler.environments import EnvCosts
+
+        spec = normalize(environment)
+        if not spec or not (spec.get("pip") or spec.get("container")):
+            return  # variables and the sandbox cost nothing to "build"
+        costs = self.__dict__.setdefault("env_costs", EnvCosts())
+        info.env = env_id(spec)
+        info.env_cost = costs.get(info.env, container=bool(spec.get("container")))
+
     def tasks_expired(self, task_ids: Sequence[str], now: float) -> None:
         self.tasks_ended(task_ids, now)
 
@@ -365,6 +378,12 @@ class PlacementService(DispatchObserver):
         if endpoint_id not in self.sched.fleet:
             return
         warm = info.get("warm")
+        envs = info.get("envs")
+        if isinstance(envs, list):  # environments it holds (docs/environments.md): no build there
+            self.sched.fleet.set_envs(endpoint_id, [e for e in envs if isinstance(e, str)])
+        node = self.sched.fleet.nodes.get(endpoint_id)
+        if node is not None:
+            node.ep.metered = info.get("beats") == "adaptive"  # the metered profile beats on change
         self.sched.heartbeat(
             endpoint_id, now,
             queued=max(0, _int(info.get("queued"))),
@@ -480,7 +499,10 @@ class PlacementService(DispatchObserver):
                 if row["endpoint_id"] in nodes:
                     fixed.append((TaskInfo(row["id"], t.function_id, len(t.args)), row["endpoint_id"]))
                 continue
-            infos.append(req.task_info(user_id, row["id"], t.function_id, len(t.args)))
+            info = req.task_info(user_id, row["id"], t.function_id, len(t.args))
+            if getattr(t, "environment", None):
+                self._with_environment(info, t.environment)
+            infos.append(info)
             reqs[row["id"]] = req
             index[row["id"]] = i
         if infos:

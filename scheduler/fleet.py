@@ -388,6 +388,13 @@ class Fleet:
         for f in new - old:
             self._warm_add(g, f, node)
 
+    def set_envs(self, endpoint_id: str, envs: Iterable[str]) -> None:
+        """Environment spec ids the agent can start without a build (its heartbeats' ``envs``).
+        Read live by the search (no index: few tasks name an environment)."""
+        node = self.nodes.get(endpoint_id)
+        if node is not None:
+            node.ep.envs = frozenset(envs)
+
     def refresh_link(self, endpoint_id: str) -> None:
         node = self.nodes[endpoint_id]
         old_bw = node.bw

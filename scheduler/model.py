@@ -110,6 +110,10 @@ class TaskInfo:
     #: static attributes shared by whole groups of endpoints (the search index prunes by
     #: group), whereas an id list cuts across groups and is checked per member.
     endpoints: frozenset[str] | None = None
+    #: The task's environment spec id (mesh_agent/environment.py) and what building it costs an
+    #: endpoint that lacks it (scheduler/environments.py); None: the agent's own Python.
+    env: str | None = None
+    env_cost: Any = None
 
 
 @dataclass(slots=True, eq=False)
@@ -135,6 +139,10 @@ class EndpointState:
     queued: int = 0
     running: int = 0
     warm_functions: frozenset[str] = EMPTY
+    #: environment spec ids this endpoint can start without a build (its heartbeats' ``envs``)
+    envs: frozenset[str] = EMPTY
+    #: on a metered link (paid per byte): fetching an environment costs more than its seconds
+    metered: bool = False
     last_seen: float | None = None
 
     def signature(self) -> tuple:

@@ -178,10 +178,15 @@ class WarmingAwarePolicy(BasePolicy):
     def choose(self, task, fleet, now):
         nodes = self.eligible(task, fleet)
         f = task.function_id
-        warm = [n for n in nodes if f in n.hot and n.n_out + n.extra < (n.ep.workers or 1)]
+        env = task.env  # warm over environments too (funcX routes over warm containers)
+        warm = [n for n in nodes if f in n.hot and (env is None or env in n.ep.envs) and n.n_out + n.extra < (n.ep.workers or 1)]
         if warm:
             best = min(warm, key=_load)
             return best, "warm with a free worker", (), 0, None
+        if env is not None:
+            held = [n for n in nodes if env in n.ep.envs and n.n_out + n.extra < (n.ep.workers or 1)]
+            if held:
+                return min(held, key=_load), "holds the environment, with a free worker", (), 0, None
         best = min(nodes, key=_load)
         return best, "no warm endpoint free: least loaded", (), 0, None
 

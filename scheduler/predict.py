@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .environments import env_cold_start
 from .fleet import Group, Node
 from .model import Prediction, TaskInfo
 from .profiles import Profiles
@@ -81,7 +82,15 @@ class Predictor:
         s = node.dev.get(f)
         if s is not None:
             r *= s
-        return Prediction(*self.assemble(task, node, now, r, self.cold(f, node), src, outage_aware=outage_aware))
+        return Prediction(*self.assemble(task, node, now, r, self.cold(f, node) + self.env_cold(task, node), src, outage_aware=outage_aware))
+
+    @staticmethod
+    def env_cold(task: TaskInfo, node: Node) -> float:
+        """Build or pull time, and the price of the bytes, of the task's environment where the
+        endpoint does not hold it (scheduler/environments.py); 0 for tasks without one."""
+        if task.env is None or task.env_cost is None or task.env in node.ep.envs:
+            return 0.0
+        return env_cold_start(task.env_cost, False, node.bw, node.ep.metered)
 
     def assemble(self, task: TaskInfo, node: Node, now: float, run: float, cold: float, source: str,
                  *, outage_aware: bool = False, ob: float | None = None) -> tuple:
@@ -160,6 +169,7 @@ class Predictor:
         ob = float(rb) if rb is not None else p.result_bytes(f)
         bo = b + ob
         ids = task.endpoints  # an explicit id list: members outside it are skipped
+        env = task.env if task.env_cost is not None else None  # an environment to build where not held
         skip = skip_offline or ids is not None  # one test per member on the common path
         res = SearchResult()
         res.ob = ob
@@ -255,6 +265,8 @@ class Predictor:
                     cold = node.cold_est.get(f, cg) if node.cold_est else cg
                 else:
                     cold = 0.0
+                if env is not None and env not in node.ep.envs:  # >= 0: the pruning bounds stay lower bounds
+                    cold += env_cold_start(task.env_cost, False, node.bw, node.ep.metered)
                 t = ((node.key + bo / node.bw) + cold) + run
                 if outage_aware:
                     t += node.avail.expected_delay(now, now + node.wait + node.one_way + b / node.bw, cold + run)
@@ -281,6 +293,8 @@ class Predictor:
                     else:
                         run = r
                     cold = node.cold_est.get(f, cg) if node.cold_est else cg
+                    if env is not None and env not in node.ep.envs:
+                        cold += env_cold_start(task.env_cost, False, node.bw, node.ep.metered)
                     t = ((node.key + bo / node.bw) + cold) + run
                     if outage_aware:
                         t += node.avail.expected_delay(now, now + node.wait + node.one_way + b / node.bw, cold + run)
