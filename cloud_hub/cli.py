@@ -41,6 +41,8 @@ def serve(
     zmq_bind: Optional[str] = typer.Option("tcp://127.0.0.1:8701", "--zmq-bind", help="ZeroMQ ROUTER address ('' for none)"),
     broker: str = typer.Option("external", "--broker", help="'embedded' spawns a local mosquitto on --mqtt-port"),
     log_level: str = typer.Option("INFO", "--log-level"),
+    log_format: Optional[str] = typer.Option(None, "--log-format", envvar="MESH_LOG_FORMAT",
+                                             help="text or json (one object per line, with endpoint, task, function and FL run ids)"),
     tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", envvar="MESH_HUB_TLS_CERT_FILE", help="HTTPS: certificate chain (PEM)"),
     tls_key: Optional[Path] = typer.Option(None, "--tls-key", envvar="MESH_HUB_TLS_KEY_FILE", help="HTTPS: private key (PEM)"),
 ) -> None:
@@ -49,7 +51,11 @@ def serve(
 
     from mesh_agent._logs import setup_logging
 
-    setup_logging(log_level)  # repeated warnings (an unreachable broker) are rate-limited
+    try:
+        setup_logging(log_level, fmt=log_format)  # repeated warnings (an unreachable broker) are rate-limited
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
+        raise typer.Exit(2) from None
     from cloud_hub.server import serve as run
 
     try:

@@ -35,6 +35,7 @@ def _server(cfg: HubConfig) -> uvicorn.Server:
         load_server_pair(cfg.tls_cert_file, cfg.tls_key_file)
         tls = {"ssl_certfile": str(cfg.tls_cert_file), "ssl_keyfile": str(cfg.tls_key_file)}
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=3,
+                            log_config=None,  # uvicorn's lines go through the hub's handler: one format (text or json)
                             **tls)  # type: ignore[arg-type]
     return uvicorn.Server(config)
 

@@ -185,16 +185,31 @@ def init(
     console.print(f"enrolled as [bold]{cfg.endpoint_id}[/bold]; config written to {config}")
 
 
+LogFormatOpt = typer.Option(None, "--log-format", help="text or json (one object per line); default: the config's log_format, "
+                            "else MESH_LOG_FORMAT, else text")
+
+
+def _setup_logs(level: str, fmt: Optional[str], fields: Optional[dict[str, str]] = None) -> str:
+    """The shared set-up (mesh_agent/_logs.py); a wrong format is one error line and exit 2."""
+    from mesh_agent._logs import resolve_format, setup_logging
+
+    try:
+        chosen = resolve_format(fmt)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    setup_logging(level, stream=sys.stderr, fmt=chosen, fields=fields)
+    return chosen
+
+
 @app.command()
-def start(config: Path = ConfigOpt, log_level: str = typer.Option("INFO", "--log-level")) -> None:
+def start(config: Path = ConfigOpt, log_level: str = typer.Option("INFO", "--log-level"), log_format: Optional[str] = LogFormatOpt) -> None:
     """Run the agent in the foreground until SIGTERM or SIGINT (systemd: Type=simple).
 
     On first boot (no config file) with ``MESH_HUB_URL`` and ``MESH_ENROLL_TOKEN`` set, the
     device enrolls itself first (see :mod:`mesh_agent.bootstrap`).
     """
-    from mesh_agent._logs import setup_logging
-
-    setup_logging(log_level, stream=sys.stderr)  # connect/disconnect/online lines; repeats rate-limited
+    _setup_logs(log_level, log_format)  # connect/disconnect/online lines; repeats rate-limited
     from mesh_agent.bootstrap import HubUnreachable, ensure_enrolled
 
     try:
@@ -204,6 +219,7 @@ def start(config: Path = ConfigOpt, log_level: str = typer.Option("INFO", "--log
         # 4: try again later (systemd/balena restart us); 2: a human must fix the settings.
         raise typer.Exit(4 if isinstance(exc, HubUnreachable) else 2) from None
     cfg, creds = _load(config)
+    log_format = _setup_logs(log_level, log_format or cfg.log_format)  # the config's format, unless the flag said otherwise
     from mesh_agent.config import runner_payload
     from mesh_agent.datasets import worker_env
     from mesh_agent.run import hand_over
@@ -217,18 +233,18 @@ def start(config: Path = ConfigOpt, log_level: str = typer.Option("INFO", "--log
         raise typer.Exit(2) from None
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "mesh_agent.run", "--settings-fd", str(fd), "--log-level", log_level])
+    os.execv(sys.executable, [sys.executable, "-m", "mesh_agent.run", "--settings-fd", str(fd), "--log-level", log_level,
+                                "--log-format", log_format])
 
 
 @app.command()
-def gateway(config: Path = ConfigOpt, log_level: str = typer.Option("INFO", "--log-level")) -> None:
+def gateway(config: Path = ConfigOpt, log_level: str = typer.Option("INFO", "--log-level"), log_format: Optional[str] = LogFormatOpt) -> None:
     """Run this endpoint as its site's gateway (the config's ``site:`` section; docs/sites.md): the
     site's devices dial its own Mosquitto, it relays their frames over its one uplink and keeps
     work moving while the uplink is down."""
-    from mesh_agent._logs import setup_logging
-
-    setup_logging(log_level, stream=sys.stderr)
+    _setup_logs(log_level, log_format)
     cfg, creds = _load(config)
+    _setup_logs(log_level, log_format or cfg.log_format, fields={"endpoint_id": cfg.endpoint_id})
     if cfg.site is None:
         console.print(f"[red]error:[/red] {config}: no site: section (site.listen_port, site.hold); see docs/sites.md")
         raise typer.Exit(2)

@@ -201,6 +201,9 @@ class AgentConfig(BaseModel):
     heartbeat_min_s: float | None = Field(None, gt=0, description="metered: state changes are reported at most this often; default 30")
     max_batch: int = Field(32, ge=1, description="tasks per chunk handed to one worker")
     durable_sync: Literal["full", "normal"] = "full"
+    log_format: Literal["text", "json"] | None = Field(
+        None, description="text or json (one object per line, with task, endpoint and function ids); "
+        "`mesh-agent start --log-format` wins, default: MESH_LOG_FORMAT, else text")
     gateway_id: str | None = Field(None, pattern=r"^ep-[0-9a-f]+$", description="this device dials the site gateway with this "
                                    "endpoint id on its LAN (docs/sites.md): its results and acks are signed to stay valid while the uplink is down")
     site: "SiteSettings | None" = Field(None, description="run as a site gateway (`mesh-agent gateway`, docs/sites.md)")

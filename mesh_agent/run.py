@@ -84,9 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from mesh_agent._logs import setup_logging
 
-    setup_logging(opts.get("--log-level", "INFO"), stream=sys.stderr)
+    level, fmt = opts.get("--log-level", "INFO"), opts.get("--log-format")
+    setup_logging(level, stream=sys.stderr, fmt=fmt)
     payload = read_settings(int(opts["--settings-fd"]))
     cfg, creds = build(payload["config"], payload["credentials"], payload["shapes"])
+    setup_logging(level, stream=sys.stderr, fmt=fmt, fields={"endpoint_id": cfg.endpoint_id})  # every line names this endpoint
     from mesh_agent.agent import Agent
     from mesh_agent.store import StoreError
 

@@ -9,6 +9,7 @@ late duplicate of the same task is recognised and not run again.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from typing import Any, Callable, Iterable, Sequence
 import aiosqlite
 
 __all__ = ["AgentStore", "StoreError", "StoreFull", "QueuedTask", "StoredResult"]
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 
@@ -193,9 +196,22 @@ class AgentStore:
                 conn.execute("BEGIN IMMEDIATE")
                 ids = [t["id"] for t in tasks]
                 known: set[str] = set()
+                rerun: list[str] = []
                 for i in range(0, len(ids), 500):
                     chunk = ids[i : i + 500]
-                    known.update(r[0] for r in conn.execute(f"SELECT id FROM tasks WHERE id IN ({','.join('?' * len(chunk))})", chunk))
+                    for tid, state in conn.execute(f"SELECT id, state FROM tasks WHERE id IN ({','.join('?' * len(chunk))})", chunk):
+                        # 'acked': the hub acknowledged its result, yet sends the task again, so the hub
+                        # no longer has that result (it was restored from a backup older than it):
+                        # run it again (at least once) rather than ack a task that would never finish.
+                        # A re-send racing its own result's ack costs one extra run; the hub stores one result.
+                        if state == "acked":
+                            rerun.append(tid)
+                        else:
+                            known.add(tid)
+                if rerun:
+                    conn.executemany("DELETE FROM tasks WHERE id=? AND state='acked'", [(t,) for t in rerun])
+                    log.warning("%d tasks sent again after their results were acknowledged (a hub restored from a backup?): "
+                                "running them again", len(rerun))
                 fresh = [t for t in tasks if t["id"] not in known]
                 if on_fresh is not None and fresh:
                     loop.call_soon_threadsafe(on_fresh, [t["id"] for t in fresh])

@@ -46,6 +46,7 @@ from fl.client import PROTOCOL, ClientApp
 from fl.history import History, RoundRecord
 from fl.strategies import ClientInstruction, ClientUpdate, Strategy, Weights
 from fl.wire import WireError, decode_weights, encode_weights
+from mesh_agent._logs import log_context
 
 if TYPE_CHECKING:  # (fl.federation imports this module)
     from fl.compression import Compression
@@ -260,6 +261,8 @@ class RoundDriver:
         history, weights, start_round, state = self.open_run(rows, clients, name, resume, initial)
         self.history: History = history  # also when fit raises: what the failed run recorded
         self._trained_rounds = sum(1 for r in history.rounds if self.trained(r))
+        ids = log_context(fl_run_id=self.run_id)  # structured logs: every line of this run carries its id
+        ids.__enter__()
         try:
             if start_round <= run.rounds:
                 if run.eval_data is not None and "initial_eval" not in history.metadata:
@@ -281,6 +284,8 @@ class RoundDriver:
         except BaseException as exc:  # the run stays resumable: fit(..., resume=run_id)
             self.set_status("failed", short_error(exc))
             raise
+        finally:
+            ids.__exit__(None, None, None)
         return history, weights
 
     def run_rounds(self, history: History, weights: Weights, start_round: int, state: Dict[str, Any]) -> Weights:

@@ -797,7 +797,7 @@ class LocalEngine:
         self._retire(w)
         self.stats["timeouts"] += 1
         message = f"task exceeded its {limit:g} s timeout; worker {w.pid} was killed"
-        log.warning("task %s: %s", task.task_id, message)
+        log.warning("task %s: %s", task.task_id, message, extra={"task_id": task.task_id, "function_id": task.function_id})
         self._replace(w)
         self._pump()
         self._deliver([error_result(task.task_id, TASK_TIMEOUT, message, exception=_pickled(TaskTimeout(message)),
