@@ -16,6 +16,7 @@ the client drops repeats by task id. The frames are JSON text, the REST bodies i
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -186,8 +187,6 @@ class _Conn:
     async def _push(self, cursor: int) -> None:
         """Every result of the user after ``cursor``, as soon as it is stored (woken by the result bus)."""
         h = self.hub
-        from cloud_hub.api.app import _result_out
-
         try:
             while True:
                 ev = h.bus.event(self.user)  # before the query: a result stored in between sets it
@@ -195,7 +194,7 @@ class _Conn:
                 if rows:
                     rows = _fit(rows)
                     cursor = rows[-1]["seq"]
-                    await self.send({"op": "results", "cursor": cursor, "results": [_result_out(r).model_dump(mode="json") for r in rows]})
+                    await self.send({"op": "results", "cursor": cursor, "results": [_row(r) for r in rows]})
                     continue
                 await ev.wait()
         except (asyncio.CancelledError, WebSocketDisconnect):
@@ -204,6 +203,13 @@ class _Conn:
             log.error("result stream of user %s stopped: %s", self.user, exc)
             with contextlib.suppress(Exception):
                 await self.ws.close(1011, _reason(f"hub error while reading results: {exc}"))
+
+
+def _row(r: dict[str, Any]) -> dict[str, Any]:
+    """A result row as REST's ``ResultOut`` has it, built directly (a model per row costs more than
+    the rest of the frame on a busy stream)."""
+    return {"task_id": r["task_id"], "ok": bool(r["ok"]), "data": base64.b64encode(r["data"] or b"").decode(), "started": r["started"],
+            "finished": r["finished"], "endpoint_id": r.get("endpoint_id"), "own_endpoint": bool(r.get("own_endpoint", False))}
 
 
 def _fit(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

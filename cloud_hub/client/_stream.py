@@ -79,6 +79,8 @@ class HubStream:
         self._lock = threading.Lock()
         self.connects = 0  # successful connections (1 + reconnects)
         self.submits = 0  # batches the hub accepted over the stream
+        self.bytes_sent = 0  # frame payloads (WebSocket framing adds 6-14 B per frame, TCP/TLS more)
+        self.bytes_received = 0
 
     @classmethod
     def first(cls, client: "Client", cursor: int) -> "HubStream | None":
@@ -118,6 +120,7 @@ class HubStream:
                 raise FrameTooBig(f"batch frame of {len(text)} bytes is over the hub's {self.max_frame}")
             try:
                 ws.send(text)
+                self.bytes_sent += len(text)
             except Exception as exc:  # ConnectionClosed, OSError: the reader notices and reconnects
                 raise HubUnreachable(f"lost the stream to the hub at {self.client.url} while submitting ({exc})") from None
             if not w.event.wait(timeout_s):
@@ -151,6 +154,8 @@ class HubStream:
                     self._serve(ex)
                     return True
                 except HubUnreachable as exc:
+                    if ex._reading_done():  # shut down meanwhile (the hub stopping with us): nothing to reconnect for
+                        return True
                     log.warning("%s; reconnecting", exc)
                 finally:
                     self._drop()
@@ -180,6 +185,7 @@ class HubStream:
                 continue
             except Exception as exc:
                 raise HubUnreachable(_closed_reason(exc, self.client.url)) from None
+            self.bytes_received += len(text)
             try:
                 msg = json.loads(text)
                 op = msg["op"]

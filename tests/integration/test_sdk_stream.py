@@ -243,3 +243,13 @@ def test_a_hub_without_the_stream_is_used_over_rest(tmp_path: Path) -> None:
             stored = db.execute("SELECT COUNT(*), COUNT(DISTINCT id) FROM tasks WHERE task_group_id='rest-only'").fetchone()
     assert got == [i * i for i in range(50)]
     assert stored == (50, 50)
+
+
+def test_result_rows_on_the_stream_are_the_rest_rows() -> None:
+    """The stream builds result rows directly; they must stay what REST's ResultOut gives."""
+    from cloud_hub.api.app import _result_out
+    from cloud_hub.api.stream import _row
+
+    for r in ({"task_id": "t1", "ok": 1, "data": b"\x01\x02", "started": 1.5, "finished": 2.5, "endpoint_id": "ep-1", "own_endpoint": True},
+              {"task_id": "t2", "ok": 0, "data": None, "started": None, "finished": None}):
+        assert _row(r) == _result_out(r).model_dump(mode="json")
