@@ -724,7 +724,7 @@ class PlacementService(DispatchObserver):
         if lost:  # leased meanwhile (the endpoint came back): those placements never happened
             self.sched.retract(lost)
         self.stats["moved"] += len(moved)
-        log.info("endpoint %s lost: %d queued tasks placed again elsewhere", endpoint_id, len(moved))
+        log.info("endpoint %s lost: %d queued tasks placed again elsewhere", endpoint_id, len(moved), extra={"endpoint_id": endpoint_id})
         for ep in {moves[i].endpoint_id for i in moved}:
             self.kick(ep)
 

@@ -144,7 +144,7 @@ async def set_gateway(endpoint_id: EndpointId, body: GatewayIn, h: HubDep, user:
         raise HTTPException(422, str(exc)) from None
     await h.refresh_broker_auth()  # the new gateway's login may relay it, the old one no longer
     await h.dispatcher.move_site_device(endpoint_id, old, body.gateway_id)
-    log.info("endpoint %s moved from gateway %s to %s (%d tasks re-queued)", endpoint_id, old, body.gateway_id, n)
+    log.info("endpoint %s moved from gateway %s to %s (%d tasks re-queued)", endpoint_id, old, body.gateway_id, n, extra={"endpoint_id": endpoint_id})
     return GatewayOut(endpoint_id=endpoint_id, gateway_id=body.gateway_id, previous=old, requeued_tasks=n)
 
 
@@ -157,7 +157,7 @@ async def revoke(endpoint_id: EndpointId, h: HubDep, user: UserDep) -> Any:
         endpoint_id, lambda tid: _error_blob("cloud_hub.EndpointRevoked", f"endpoint {endpoint_id} was revoked before task {tid} finished")
     )
     h.dispatcher.revoke(endpoint_id)
-    log.info("revoked endpoint %s (by user %s; %d unfinished tasks failed)", endpoint_id, user, len(failed))
+    log.info("revoked endpoint %s (by user %s; %d unfinished tasks failed)", endpoint_id, user, len(failed), extra={"endpoint_id": endpoint_id})
     h.placement.remove(endpoint_id)
     if failed:
         h.placement.tasks_ended([t for t, _ in failed], time.time())
