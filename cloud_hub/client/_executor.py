@@ -6,8 +6,10 @@ a couple of milliseconds and posts them as one batch; a function body the hub ha
 with the first batch that uses it (no registration round trip). Each batch carries a fresh
 idempotency key, so when the hub restarts or a link drops the submitter retries the same batch
 with backoff and jitter for up to ``submit_timeout_s`` and the hub never makes a task twice. The
-reader follows the hub's result stream (one long poll for all outstanding tasks) and completes
-futures; each result completes its future once, however often it is delivered.
+reader follows the hub's result stream and completes futures; each result completes its future
+once, however often it is delivered. Batches and results share one WebSocket to the hub when it
+offers one (cloud_hub/client/_stream.py: no request per batch, no long poll); otherwise, or while
+it is down, they go over REST (one long poll for all outstanding tasks).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class Executor(_Executor):
     restarts and dropped links before its futures fail with :class:`SubmitTimeout`.
     ``task_group_id``: every task submitted here is filed under it (a new uuid4 by default), so a
     later process can :meth:`reload_tasks`. Each future gets ``task_id`` and ``endpoint_id``
-    (where it was placed) once it is submitted.
+    (where it was placed) once it is submitted. ``stream=False``: REST only, never the WebSocket.
     """
 
     def __init__(
