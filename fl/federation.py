@@ -157,6 +157,7 @@ class Federation:
         fed_eval_fraction: float = 1.0,
         fed_eval_holdout: float = 0.2,
         max_failed_rounds: int = 2,
+        late_updates: str = "discard",
     ) -> History:
         """Train ``model`` for ``rounds`` rounds on each client's local dataset ``data``.
 
@@ -181,6 +182,11 @@ class Federation:
         Failing loudly: after ``max_failed_rounds`` rounds in a row in which every client failed
         with the same error, and at the end of a run in which no round trained, the run is
         ``failed`` in the hub and this raises :class:`FederationError`.
+
+        ``late_updates`` (synchronous rounds): ``"discard"`` (default, Flower's semantics) lists
+        an update that comes back after its round in ``late_discarded``; ``"use"`` lets it join
+        the round it arrives in, its weight discounted by its staleness (``late_used``). Async
+        strategies (FedAsync, FedBuff) always use late updates, staleness-weighted.
         """
         if rounds < 1:
             raise ValueError("rounds must be >= 1")
@@ -200,6 +206,8 @@ class Federation:
             raise ValueError("fed_eval_holdout must be in (0, 1)")
         if max_failed_rounds < 1:
             raise ValueError("max_failed_rounds must be >= 1")
+        if late_updates not in ("discard", "use"):
+            raise ValueError(f"late_updates must be 'discard' or 'use', not {late_updates!r}")
         if getattr(model, "evaluate_fn", None) is not None and eval_data is None:
             # central evaluation would be skipped every round without a word
             raise ValueError("the client app has an evaluate function but fit() got no eval_data: pass "
@@ -219,7 +227,7 @@ class Federation:
             raise ValueError("Federation(gateways=...) needs strategy=Hierarchical(...)")
         app = model if isinstance(model, ClientApp) else TorchClientApp(model, trainer)
         driver_cls = driver_for(driver if driver is not None else mode_of(strategy))
-        options: Dict[str, Any] = {}
+        options: Dict[str, Any] = {"late_updates": late_updates}
         if self.features.active:
             # selection, secure aggregation and DP are layered on synchronous rounds
             if driver_cls.mode != "sync":

@@ -418,8 +418,13 @@ class RoundDriver:
                 self._on_warm(self._warming.pop(tid), arr)
             elif tid in self._late:
                 client, rnd = self._late.pop(tid)
-                self._late_seen.append({"client": client, "round": rnd})
+                self.on_late(client, rnd, arr)
         return out
+
+    def on_late(self, client: str, round: int, arr: Arrival) -> None:
+        """A result of round ``round``, which is over, came back. Default (Flower's semantics):
+        not used, listed in the next record's ``late_discarded``."""
+        self._late_seen.append({"client": client, "round": round})
 
     def gather(self, pending: Mapping[str, str], timeout_s: float) -> Tuple[Dict[str, Arrival], Dict[str, str]]:
         """Answers to ``pending`` (task id -> client) until all are back or ``timeout_s``
@@ -471,7 +476,9 @@ class RoundDriver:
                 col.deadline_reached = True
                 break
             before = self.outage_s
-            rows = self.wait(list(pending) + list(self._late), min(self.poll_s, deadline - now))
+            # (wait() watches late tasks itself: naming them here would return them as this
+            # round's and they would never reach on_late)
+            rows = self.wait(list(pending), min(self.poll_s, deadline - now))
             outage = self.outage_s - before
             if outage > 0:  # the coordinator was away: the clients get that time back
                 deadline += outage

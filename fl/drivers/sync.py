@@ -1,8 +1,15 @@
 """Synchronous rounds (FedAvg, FedProx, Flower strategies, ...): select, send, wait until all
 are back or the deadline passes (extended while too few arrived, ``on_insufficient="extend"``),
 aggregate what arrived, evaluate, checkpoint. A round with too few valid updates is skipped,
-keeping the global model, with the reason in its record. Updates of earlier rounds that arrive
-now are discarded and listed (``late_discarded``)."""
+keeping the global model, with the reason in its record.
+
+Updates of earlier rounds that arrive now (a device back from an outage, a straggler) are by
+default discarded and listed (``late_discarded``), as Flower never uses a late reply. With
+``fit(late_updates="use")`` they join the round they arrive in instead (unless the client sent
+a fresh update in it), their sample count scaled by the staleness factor ``(1 + s)^-0.5`` of
+FedAsync/FedBuff (s = model versions since the one they trained on); the record lists them in
+``late_used``. A slow device's data then still counts, at a discount, instead of being lost.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +17,9 @@ import time
 from typing import Any, Dict, Optional, Tuple
 
 from fl.history import History, RoundRecord
-from fl.strategies import Weights
+from fl.strategies import ClientUpdate, Weights, polynomial_staleness
 
-from ._base import Collected, RoundDriver
+from ._base import Arrival, Collected, RoundDriver
 from . import register_driver
 
 __all__ = ["SyncDriver"]
@@ -34,8 +41,39 @@ class SyncDriver(RoundDriver):
                 last = (rec.loss, rec.accuracy)
         return version, last
 
+    def on_late(self, client: str, round: int, arr: Arrival) -> None:
+        if self.run.options.get("late_updates") != "use" or not arr.ok:
+            return super().on_late(client, round, arr)
+        upd, _why, info = self.decode_update(client, arr.value, -1)
+        if upd is None or upd.base_version < 0:
+            return super().on_late(client, round, arr)
+        self._late_updates.append((round, upd, info))
+
+    def use_late(self, col: Collected, version: int) -> list:
+        """Late updates that arrived by now join this round's (``late_updates="use"``): each
+        client's newest, unless it sent a fresh one; the rest are listed as discarded."""
+        late, self._late_updates = list(getattr(self, "_late_updates", [])), []
+        fresh = {u.client_id for u in col.updates}
+        used, newest = [], {}
+        for rnd, upd, info in late:
+            if upd.client_id in fresh or (upd.client_id in newest and newest[upd.client_id][1].base_version >= upd.base_version):
+                col.late.append({"client": upd.client_id, "round": rnd})
+                continue
+            if upd.client_id in newest:
+                col.late.append({"client": upd.client_id, "round": newest[upd.client_id][0]})
+            newest[upd.client_id] = (rnd, upd, info)
+        for rnd, upd, info in newest.values():
+            staleness = max(0, version - upd.base_version)
+            w = max(1, int(round(upd.num_samples * polynomial_staleness(staleness))))
+            col.updates.append(ClientUpdate(upd.client_id, upd.weights, w, base_version=upd.base_version, metrics=upd.metrics))
+            col.info[upd.client_id] = info
+            used.append({"client": upd.client_id, "round": rnd, "staleness": staleness, "num_samples": upd.num_samples,
+                         "weight": w})
+        return used
+
     def run_rounds(self, history: History, weights: Weights, start_round: int, state: Dict[str, Any]) -> Weights:
         run = self.run
+        self._late_updates: list = []  # (round, update, info) that came back after their round (late_updates="use")
         version, last = self.resume_point(history)
         for r in range(start_round, run.rounds + 1):
             t0 = time.monotonic()
@@ -67,6 +105,9 @@ class SyncDriver(RoundDriver):
             self.collect(pending, col, t_sent, r, version)
             col.late += self.drain_late()
             back = set(col.info) | set(col.failed)
+            late_used = self.use_late(col, version) if run.options.get("late_updates") == "use" else []
+            if late_used:
+                extra["late_used"] = late_used
             stragglers = [c for c in asked if c not in back]
             agg = self.aggregate(r, col.updates, weights)
             extra.update(agg.extra)

@@ -226,6 +226,69 @@ def test_fp16_downlink_halves_the_bytes_down_and_clients_train_in_float32(fl_mes
         fed.fit(_app(), "digits", rounds=1, downlink="q8")
 
 
+def _late_train(weights: Weights, data: Any, config: Dict[str, Any]):
+    """``_train``; in round 1 client 2 is slow (past the deadline) and leaves a marker when done;
+    in round 2 client 1 waits for that marker (bounded) and then a little more, so client 2's
+    late round-1 update surely arrives while round 2 is open."""
+    import os
+    import time as _time
+
+    k, rnd, marker = int(config["client_index"]), int(config["round"]), config["marker"]
+    if rnd == 1 and k == 2:
+        _time.sleep(6.0)
+        out = _train(weights, data, config)
+        open(marker, "w").close()
+        return out
+    if rnd == 2 and k == 1:
+        end = _time.monotonic() + 60.0
+        while not os.path.exists(marker) and _time.monotonic() < end:
+            _time.sleep(0.1)
+        _time.sleep(3.0)
+    return _train(weights, data, config)
+
+
+class _LateRounds(_PerClient):
+    """Round 1 asks everyone; round 2 asks clients 0 and 1 only (client 2's task of round 1 is
+    still running there); every client learns the round and the marker path. With a 3 s
+    deadline, min_clients=2 and one 60 s extension: round 1 ends at its deadline with clients 0
+    and 1, round 2 is extended (client 1 waits) until client 1 is back."""
+
+    def __init__(self, ids: Sequence[str], marker: str, **kw: Any) -> None:
+        super().__init__(ids, **kw)
+        self.marker = marker
+
+    def configure_round(self, round, available_clients):
+        pick = list(available_clients) if round == 1 else [c for c in available_clients if self.ids.index(c) < 2]
+        out = super().configure_round(round, pick)
+        for ins in out:
+            ins.config.update(round=round, marker=self.marker)
+        return out
+
+
+@pytest.mark.parametrize("late_updates", ["use", "discard"])
+def test_a_late_update_joins_the_next_round_when_asked_to(fl_mesh: _Mesh, tmp_path, late_updates: str) -> None:
+    client, ids = fl_mesh.mesh.client, fl_mesh.ids
+    marker = str(tmp_path / "client2-done")
+    fed = Federation(client, ids, poll_s=0.05)
+    hist = fed.fit(_app(_late_train), "digits", rounds=2, strategy=_LateRounds(ids, marker), deadline_s=3,
+                   min_clients=2, late_updates=late_updates, max_extensions=1, extension_s=60)
+    r1, r2 = hist
+    assert r1.stragglers == [ids[2]] and sorted(r1.participants) == sorted(ids[:2])
+    assert sorted(r2.extra["asked"]) == sorted(ids[:2]) and not r2.stragglers
+    if late_updates == "use":
+        # client 2's round-1 update (weights 3, 3 samples, one version stale: weight round(3 / sqrt 2) = 2)
+        assert sorted(r2.participants) == sorted(ids)
+        assert r2.extra["late_used"] == [{"client": ids[2], "round": 1, "staleness": 1, "num_samples": 3, "weight": 2}]
+        assert "late_discarded" not in r2.extra
+        assert all(np.allclose(w, (1 * 1 + 2 * 2 + 2 * 3) / 5) for w in fed.final_weights)
+    else:  # Flower's semantics: listed, not used
+        assert sorted(r2.participants) == sorted(ids[:2]) and "late_used" not in r2.extra
+        assert r2.extra["late_discarded"] == [{"client": ids[2], "round": 1}]
+        assert all(np.allclose(w, 5 / 3) for w in fed.final_weights)
+    with pytest.raises(ValueError, match="late_updates must be 'discard' or 'use'"):
+        fed.fit(_app(), "digits", rounds=1, late_updates="keep")
+
+
 def test_straggler_is_recorded_and_the_round_goes_on(fl_mesh: _Mesh) -> None:
     """Last in the module: client 2's worker is still asleep when it ends."""
     client, ids = fl_mesh.mesh.client, fl_mesh.ids
