@@ -223,7 +223,11 @@ class _Exploring(BasePolicy):
             if not profiled(f, hw):
                 pending = True
                 if (f, hw) not in self.probes:
-                    return [x for x in groups if x.hardware == hw]
+                    probe = [x for x in groups if x.hardware == hw]
+                    if task.env is not None and task.env_cost is not None \
+                            and not any(task.env in n.ep.envs for x in probe for n in x.onodes):
+                        return None  # a probe must not first build an environment: a later task without one probes
+                    return probe
         if not pending and all(profiled(f, g.hardware) for g in fleet.groups.values()):
             self._explored[f] = fleet.version
         return None

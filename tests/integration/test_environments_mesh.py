@@ -11,6 +11,7 @@ import os
 import shutil
 import sqlite3
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -151,3 +152,28 @@ def test_another_users_function_is_sandboxed_by_default(mesh: Any) -> None:
     assert "key" in Path(key_file).read_text()
     with Executor(m.client, endpoint=ep) as owner:
         assert owner.submit(pid).result(timeout=60) > 0
+
+
+def test_auto_placement_prefers_the_endpoint_that_holds_the_environment(mesh: Any) -> None:
+    """Two equal endpoints of one user; only the first has built the environment. Its heartbeat
+    says so (``envs``), and the hub's scheduler sends the environment's tasks there rather than
+    pay a build on the other (scheduler/environments.py)."""
+    m, agent = mesh
+    other = m.add_agent("envs-other", "mqtt", workers=2, environments={"no_index": True, "find_links": [str(m.workdir / "wheels")]})
+    m.wait_online(other, timeout=90)
+    spec = {"pip": ["meshtoy==1.0"]}
+    sid = env_id(normalize(spec))
+    with Executor(m.client, endpoint=agent.endpoint_id) as ex:
+        assert ex.submit(toy_version, environment=spec).result(timeout=240) == "1.0"
+    deadline = time.monotonic() + 60
+    while sid not in (m.client.get_endpoint(agent.endpoint_id)["info"].get("envs") or []):
+        assert time.monotonic() < deadline, "the agent's heartbeat never reported the environment"
+        time.sleep(0.5)
+    placed = []
+    with Executor(m.client, endpoint=[agent.endpoint_id, other.endpoint_id]) as ex:
+        for _ in range(4):  # one at a time: both endpoints idle at each decision, only the environment differs
+            f = ex.submit(toy_version, environment=spec)
+            assert f.result(timeout=240) == "1.0"
+            placed.append(f.endpoint_id)  # type: ignore[attr-defined]
+    assert set(placed) == {agent.endpoint_id}
+    assert not (Path(other.cfg.data_dir) / "envs" / "index.json").exists()  # the other never built it

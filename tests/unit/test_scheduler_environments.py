@@ -90,3 +90,19 @@ def test_pruned_search_still_equals_full_scan_with_environments(seed: int) -> No
         return out
 
     assert run(True) == run(False)
+
+
+def test_delta_does_not_probe_where_the_environment_would_have_to_be_built() -> None:
+    """Delta sends a function's first task to an unprofiled hardware class as a probe; a task
+    whose environment that class lacks is not used as the probe (it would pay the build)."""
+    s = Scheduler("delta")
+    s.add_endpoint(EndpointState("a", workers=2, hardware="pi4"), 0.0)
+    s.add_endpoint(EndpointState("b", workers=2, hardware="pi5"), 0.0)
+    for eid in ("a", "b"):
+        s.heartbeat(eid, 0.0, rtt_s=0.02)
+    s.fleet.set_envs("a", ["env1"])
+    [first] = s.place([TaskInfo("t0", "f", 0)], 0.5)  # no environment: may probe either class
+    s.task_completed("t0", 0.6, runtime_s=0.01)
+    env_task = TaskInfo("t1", "f", 0, env="env1", env_cost=EnvCost(30.0, 50 * 2**20))
+    [pl] = s.place([env_task], 1.0)
+    assert pl.endpoint_id == "a" and "probe" not in pl.reason
