@@ -651,6 +651,8 @@ class Dispatcher:
             s.info["warm"] = body.get("warm", [])
         if "envs" in body:  # environment ids it holds (docs/environments.md), sent when they change
             s.info["envs"] = body["envs"]
+        if "eb" in body:  # what its recent environment builds cost: seconds, bytes fetched
+            s.info["eb"] = body["eb"]
         if isinstance(body.get("capacity"), int) and not isinstance(body["capacity"], bool):
             s.capacity = body["capacity"]
         self._beat_dirty.add(s.endpoint_id)  # written by the watchdog's next pass (_flush_beats), not one transaction per beat

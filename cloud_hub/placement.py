@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from cloud_hub.observer import DispatchObserver
 from scheduler import Constraints, EndpointState, NoEligibleEndpoint, Scheduler, TaskInfo
+from scheduler.environments import EnvCosts
 from scheduler.model import Placement, Prediction
 from scheduler.profiles import Profiles
 
@@ -183,6 +184,8 @@ class PlacementService(DispatchObserver):
         self._saver: asyncio.Task[None] | None = None
         self._changes = 0  # observations since the last save
         self.stats = {"placed": 0, "moved": 0, "refused": 0, "saves": 0}
+        self.env_costs = EnvCosts()  # environment id -> build seconds and bytes, learned from agents' heartbeats
+        self._builds_seen: dict[tuple[str, str], Any] = {}  # (endpoint, environment) -> last figure folded in
 
     def _new_scheduler(self, state: dict[str, Any] | None) -> Scheduler:
         kw: dict[str, Any] = {"policy": self.cfg.scheduler_policy, "dead_after_s": self.cfg.lost_after_s, "keep_decisions": 1000}
@@ -354,14 +357,26 @@ class PlacementService(DispatchObserver):
         """A task whose environment must be built (pip) or pulled (container) costs an endpoint
         that lacks it that build, and the bytes on its link (scheduler/environments.py)."""
         from mesh_agent.environment import env_id, normalize
-        from scheduler.environments import EnvCosts
 
         spec = normalize(environment)
         if not spec or not (spec.get("pip") or spec.get("container")):
             return  # variables and the sandbox cost nothing to "build"
-        costs = self.__dict__.setdefault("env_costs", EnvCosts())
         info.env = env_id(spec)
-        info.env_cost = costs.get(info.env, container=bool(spec.get("container")))
+        info.env_cost = self.env_costs.get(info.env, container=bool(spec.get("container")))
+
+    def _learn_builds(self, endpoint_id: str, builds: dict[str, Any]) -> None:
+        """Fold each build an agent reports (once: beats repeat them) into the environment's cost."""
+        costs, seen = self.env_costs, self._builds_seen
+        if len(seen) > 10_000:  # bounded: forgetting only means a figure may be folded in once more
+            seen.clear()
+        for sid, fig in builds.items():
+            if seen.get((endpoint_id, sid)) == fig or not (isinstance(fig, list) and len(fig) == 2):
+                continue
+            seen[(endpoint_id, sid)] = fig
+            try:
+                costs.observe(str(sid), float(fig[0]), int(fig[1]))
+            except (TypeError, ValueError):  # a bad figure teaches nothing (the frame's shape was checked already)
+                continue
 
     def tasks_expired(self, task_ids: Sequence[str], now: float) -> None:
         self.tasks_ended(task_ids, now)
@@ -381,6 +396,9 @@ class PlacementService(DispatchObserver):
         envs = info.get("envs")
         if isinstance(envs, list):  # environments it holds (docs/environments.md): no build there
             self.sched.fleet.set_envs(endpoint_id, [e for e in envs if isinstance(e, str)])
+        builds = info.get("eb")
+        if isinstance(builds, dict):
+            self._learn_builds(endpoint_id, builds)
         node = self.sched.fleet.nodes.get(endpoint_id)
         if node is not None:
             node.ep.metered = info.get("beats") == "adaptive"  # the metered profile beats on change

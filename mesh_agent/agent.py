@@ -479,7 +479,12 @@ class Agent:
         when none: no bytes on a metered link for endpoints that never built one."""
         held = getattr(self.engine, "held_environments", None)
         envs = held()[:32] if held is not None else []
-        return {"envs": envs} if envs else {}
+        out: dict[str, Any] = {"envs": envs} if envs else {}
+        builds = getattr(self.engine, "environment_builds", None)
+        eb = builds() if builds is not None else {}
+        if eb:  # what the recent builds cost (seconds, bytes fetched): the scheduler learns from it
+            out["eb"] = {sid: [round(s, 1), int(b)] for sid, (s, b) in eb.items()}
+        return out
 
     # ------------------------------------------------------------------ receiving
     async def _read(self, link: AgentLink) -> None:

@@ -179,6 +179,10 @@ class Environments:
         self._venvs: dict[str, _Venv] = {}
         self.failed: dict[str, str] = {}  # spec id -> why it could not be built
         self.specs: dict[str, str | None] = {}  # spec id -> its venv key (None: no venv), for held_specs()
+        #: spec id -> (seconds, bytes added to uv's cache) of its last build here, newest last (at most 8):
+        #: what the hub's scheduler learns an environment's cold start from (heartbeat ``eb``)
+        self.builds: dict[str, tuple[float, int]] = {}
+        self._last_build: tuple[float, int] | None = None
         self._locks: dict[str, asyncio.Lock] = {}
         self.stats = BuildStats()
         self._loaded = False
@@ -217,7 +221,13 @@ class Environments:
             if sid in self.failed:
                 raise EnvError(self.failed[sid])
             try:
+                builds = self.stats.builds
                 kind = await self._kind(sid, spec, set(in_use))
+                if self.stats.builds > builds and self._last_build is not None:  # built here: report what it cost
+                    self.builds.pop(sid, None)
+                    self.builds[sid] = self._last_build
+                    while len(self.builds) > 8:
+                        self.builds.pop(next(iter(self.builds)))
                 if self.specs.get(sid, "?") != kind.venv:
                     self.specs[sid] = kind.venv
                     self._save()
@@ -312,6 +322,8 @@ class Environments:
             self.stats.hits += 1
             return vkey
         uv = self._uv_path()
+        started = time.monotonic()
+        cache0 = _tree_bytes(self.root / "uv-cache")  # a miss: what the resolve and build add is what was fetched
         pins = await self._resolve(uv, reqs)
         vkey = hashlib.sha256(json.dumps([pins, abi_tag()]).encode()).hexdigest()[:16]
         self._requests[rkey] = vkey
@@ -322,6 +334,7 @@ class Environments:
                 self._save()
                 return vkey
             await self._build(uv, vkey, pins, reqs)
+            self._last_build = (time.monotonic() - started, max(0, _tree_bytes(self.root / "uv-cache") - cache0))
         if self._evict(in_use | {vkey}):
             await self._run([uv, "cache", "prune", "--quiet"], timeout=120)  # drop wheels no venv links to any more
         self._save()

@@ -146,6 +146,11 @@ def _heartbeat(k: Kind, b: dict[str, Any]) -> None:
         envs = _need(k, b, "envs", lambda v: type(v) is list and len(v) <= 64, "a list of at most 64 environment ids")
         if not all(_str_id(x) for x in envs):
             raise BadFrame(f"{k.value} body: envs must hold string ids")
+    if "eb" in b:
+        eb = _need(k, b, "eb", lambda v: type(v) is dict and len(v) <= 16, "a map of at most 16 environment builds")
+        for sid, v in eb.items():
+            if not _str_id(sid) or type(v) is not list or len(v) != 2 or not all(_num(x) and x >= 0 for x in v):
+                raise BadFrame(f"{k.value} body: eb[{str(sid)[:40]!r}] must be [seconds, bytes], both >= 0")
 
 
 def _error(k: Kind, b: dict[str, Any]) -> None:

@@ -317,3 +317,20 @@ async def test_container_runs_where_a_runtime_works(tmp_path: Path, wheels: Path
     if not r.ok:
         pytest.skip(f"{runtime} cannot start a container here: {error(r)['message']}")
     assert isinstance(value(r), int)
+
+
+async def test_builds_report_their_seconds_and_fetched_bytes(tmp_path: Path, wheels: Path, started: list[LocalEngine]) -> None:
+    build_wheel(wheels, "meshtoy", "3.0", padding=300_000)
+    sink = Collector()
+    envs = make_envs(tmp_path, wheels)
+    eng = await start(started, sink, envs)
+    eng.submit([with_env(task("b", toy_version), {"pip": ["meshtoy==3.0"]})])
+    await sink.wait_for(1, timeout=120)
+    sid = env_id(normalize({"pip": ["meshtoy==3.0"]}))
+    seconds, fetched = eng.environment_builds()[sid]
+    assert 0 < seconds < 120 and fetched >= 300_000  # the padded wheel landed in uv's cache
+    assert eng.held_environments() == [sid]
+    # a cached venv is no build: nothing new to report
+    again = make_envs(tmp_path, wheels)
+    await again.kind(normalize({"pip": ["meshtoy==3.0"]}))
+    assert again.builds == {}

@@ -1,0 +1,50 @@
+"""The hub's placement service and environments: heartbeats' ``envs`` reach the fleet, ``eb`` (what
+an agent's builds cost) teaches the environment's cold start once per figure, bad figures teach
+nothing, and a task's environment reaches the scheduler (docs/environments.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from cloud_hub.api.schemas import TaskIn
+from cloud_hub.config import HubConfig
+from cloud_hub.placement import PlacementService
+from mesh_agent.environment import env_id, normalize
+from scheduler.environments import PIP_PRIOR, EnvCost
+from tests.unit.test_placement_service import ARGS, _rows, _setup
+
+
+def test_heartbeats_teach_held_environments_and_build_costs(tmp_path: Path) -> None:
+    async def main() -> None:
+        store, users, eids, fid = await _setup(tmp_path)
+        svc = PlacementService(HubConfig(db_path=tmp_path / "hub.sqlite3"), store)
+        await svc.start()
+        try:
+            now = time.time()
+            for e in eids:
+                info = {"capacity": 2, "tags": [], "memory_mb": 1024}
+                await store.set_endpoint_state(e, True, now, info)
+                svc.endpoint_online(e, now, info)
+            spec = {"pip": ["numpy>=1.26"]}
+            sid = env_id(normalize(spec))
+            assert svc.env_costs.get(sid) == PIP_PRIOR  # nothing measured yet
+            svc.heartbeat(eids[1], now, {"capacity": 2, "envs": [sid], "eb": {sid: [12.5, 4_000_000]}, "beats": "adaptive"})
+            ep = svc.sched.fleet.nodes[eids[1]].ep
+            assert ep.envs == frozenset({sid}) and ep.metered
+            assert svc.env_costs.get(sid) == EnvCost(12.5, 4_000_000)
+            svc.heartbeat(eids[1], now + 1, {"capacity": 2, "envs": [sid], "eb": {sid: [12.5, 4_000_000]}})  # a repeat
+            assert svc.env_costs.get(sid) == EnvCost(12.5, 4_000_000)
+            svc.heartbeat(eids[0], now + 2, {"capacity": 2, "eb": {sid: ["x", -1], "other": "bad"}})  # teaches nothing
+            assert svc.env_costs.get(sid) == EnvCost(12.5, 4_000_000)
+            # A task naming the environment goes where it is held (all endpoints otherwise equal and idle).
+            tasks = [TaskIn(endpoint_id=eids, function_id=fid, args=ARGS, environment=spec)]
+            rows = _rows(users["alice"], tasks)
+            await svc.place(users["alice"], tasks, rows, now + 3)
+            assert rows[0]["endpoint_id"] == eids[1]
+        finally:
+            await svc.stop()
+            await store.close()
+
+    asyncio.run(main())
