@@ -98,7 +98,7 @@ async def stream(ws: WebSocket) -> None:
     if user is None:
         await ws.close(CLOSE_AUTH, _reason(f"the hub refused the token: {why}"))
         return
-    conn = _Conn(hub, ws, user)
+    conn = _Conn(hub, ws, user, token)
     try:
         await conn.run()
     except _BadFrame as exc:
@@ -113,8 +113,8 @@ async def stream(ws: WebSocket) -> None:
 class _Conn:
     """One client's stream: a reader (submits, in order) and a pusher (results after the cursor)."""
 
-    def __init__(self, hub: Hub, ws: WebSocket, user: str) -> None:
-        self.hub, self.ws, self.user = hub, ws, user
+    def __init__(self, hub: Hub, ws: WebSocket, user: str, token: str) -> None:
+        self.hub, self.ws, self.user, self._token = hub, ws, user, token
         self._send_lock = asyncio.Lock()
 
     async def send(self, msg: dict[str, Any]) -> None:
@@ -155,6 +155,16 @@ class _Conn:
             ref = frame.get("ref")
             if not isinstance(ref, int) or isinstance(ref, bool):
                 raise _BadFrame('a submit needs an integer "ref" to answer it by')
+            # Each submit is authorized as a REST request would be (the token may have been
+            # revoked since the handshake); cached, so this is a dictionary lookup.
+            try:
+                uid, why = await self.hub.auth(self._token)
+            except GlobusUnavailable as exc:  # neither good nor bad yet: REST answers 503, retried with the same key
+                await self.send({"op": "refused", "ref": ref, "status": 503, "detail": str(exc), "retry_after": 5.0})
+                continue
+            if uid != self.user:
+                await self.ws.close(CLOSE_AUTH, _reason(f"the hub refused the token: {why}"))
+                return
             await self.send(await self._submit(ref, frame.get("batch")))
 
     async def _submit(self, ref: int, batch: Any) -> dict[str, Any]:
