@@ -796,9 +796,7 @@ def _fair_rows(db: Any, endpoint_id: str, n: int, policy: "AdmissionPolicy", loc
         picked.setdefault(user, []).extend(db.execute(fair.select_sql(lock), (endpoint_id, user, fid, k)).fetchall())
     for ts in picked.values():
         ts.sort(key=lambda t: t[5])
-    names = dict(db.execute(f"SELECT id, name FROM users WHERE id IN ({','.join('?' * len(picked))})", list(picked)).fetchall()) if picked else {}
-    rows = fair.interleave(picked, lambda u: policy.share(u, names.get(u)), policy.fair, lambda t: t[5])
-    return [r[:5] for r in rows]
+    return [r[:5] for r in fair.frame_order(picked, policy.fair, lambda t: t[5])]
 
 
 def _statements(sql: str) -> list[str]:
