@@ -10,6 +10,7 @@ argument). Spelled the way Ray's ``runtime_env`` users know it::
     {"uv": [...]}                      # Ray's uv spelling: the same as "pip" here (uv builds both)
     {"container": "/images/fl.sif"}    # or container="..." on submit
     {"sandbox": True, "network": False}
+    {"sandbox": True, "tenant": "<user id>"}  # set by the hub: sandboxed workers are per submitter
 
 Requirements are plain names with extras and version specifiers only: no URLs, paths or pip
 options (``--index-url`` in a requirement would let a submitter pick where an endpoint downloads
@@ -30,7 +31,8 @@ _MAX_REQ_LEN = 200
 _MAX_VARS = 64
 _MAX_VALUE = 4096
 _MAX_IMAGE = 500
-_KEYS = ("pip", "uv", "env_vars", "container", "sandbox", "network")
+_KEYS = ("pip", "uv", "env_vars", "container", "sandbox", "network", "tenant")
+_TENANT = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 # PEP 508 subset: name, optional [extras], optional comma-separated version specifiers, optional
 # "; marker" (markers are evaluated by uv). No "@ url", no paths, nothing that starts with "-".
@@ -133,6 +135,12 @@ def normalize(spec: Mapping[str, Any] | None, *, container: str | None = None, s
             out[key] = True
     if out.get("network") and not out.get("sandbox"):
         del out["network"]  # network is a grant inside the sandbox; unsandboxed workers have it anyway
+    tenant = spec.get("tenant")
+    if tenant is not None:
+        if not isinstance(tenant, str) or not _TENANT.match(tenant):
+            raise EnvSpecError(f"environment.tenant must be 1-64 of [A-Za-z0-9_.:-], got {str(tenant)[:80]!r}")
+        if out.get("sandbox"):  # sandboxed workers are never shared between submitters (set by the hub)
+            out["tenant"] = tenant
     return out or None
 
 

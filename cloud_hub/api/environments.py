@@ -42,5 +42,11 @@ async def apply_environments(h: "Hub", user: str, rows: list[dict[str, Any]], sp
     for r, spec in zip(rows, specs):
         owner = owners.get(r["endpoint_id"])
         if owner is not None and owner != user and not (spec or {}).get("sandbox"):
-            spec = normalize({**(spec or {}), "sandbox": True})
+            spec = {**(spec or {}), "sandbox": True}
+        if spec and spec.get("sandbox"):
+            # The submitter, never what a client claims: sandboxed workers of two users are never
+            # the same process (one user's function could read what another's left in memory or /tmp).
+            spec = normalize({**spec, "tenant": user})
+        elif spec:
+            spec = normalize({k: v for k, v in spec.items() if k != "tenant"})
         r["env"] = encode(spec) if spec else None

@@ -334,3 +334,17 @@ async def test_builds_report_their_seconds_and_fetched_bytes(tmp_path: Path, whe
     again = make_envs(tmp_path, wheels)
     await again.kind(normalize({"pip": ["meshtoy==3.0"]}))
     assert again.builds == {}
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
+async def test_sandboxed_workers_are_never_shared_between_tenants(tmp_path: Path, wheels: Path, started: list[LocalEngine]) -> None:
+    sink = Collector()
+    eng = await start(started, sink, make_envs(tmp_path, wheels), workers=2)
+    eng.submit([with_env(task(f"{t}{i}", write_file, "/tmp/mine.txt", t), {"sandbox": True, "tenant": t})
+                for i in range(2) for t in ("alice", "bob")])
+    eng.submit([with_env(task(f"read-{t}", read_file, "/tmp/mine.txt"), {"sandbox": True, "tenant": t}) for t in ("alice", "bob")])
+    await sink.wait_for(6, timeout=120)
+    res = sink.by_id()
+    pids = {t: {res[f"{t}{i}"].worker_pid for i in range(2)} for t in ("alice", "bob")}
+    assert not pids["alice"] & pids["bob"]  # different processes (each tenant its own kind)
+    assert value(res["read-alice"]) == "alice" and value(res["read-bob"]) == "bob"  # and its own /tmp

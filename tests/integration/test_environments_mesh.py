@@ -147,7 +147,7 @@ def test_another_users_function_is_sandboxed_by_default(mesh: Any) -> None:
     with sqlite3.connect(m.hub_cfg.db_path) as c:
         carol_id = c.execute("SELECT id FROM users WHERE name='carol'").fetchone()[0]
         envs = [r[0] for r in c.execute("SELECT env FROM tasks WHERE user_id=?", (carol_id,))]
-    assert envs and all(e is not None and '"sandbox":true' in e for e in envs)
+    assert envs and all(e is not None and '"sandbox":true' in e and f'"tenant":"{carol_id}"' in e for e in envs)
     # The agent is untouched: its key is intact and it serves its owner.
     assert "key" in Path(key_file).read_text()
     with Executor(m.client, endpoint=ep) as owner:

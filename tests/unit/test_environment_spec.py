@@ -53,6 +53,14 @@ def test_bad_specs_are_refused_with_the_key_named(spec: object, words: str) -> N
     assert words in str(exc.value)
 
 
+def test_tenant_only_means_something_in_a_sandbox() -> None:
+    a = normalize({"sandbox": True, "tenant": "u-1"})
+    assert a == {"sandbox": True, "tenant": "u-1"} and env_id(a) != env_id(normalize({"sandbox": True, "tenant": "u-2"}))
+    assert normalize({"tenant": "u-1"}) is None
+    with pytest.raises(EnvSpecError, match="environment.tenant"):
+        normalize({"sandbox": True, "tenant": "a b"})
+
+
 def test_decode_refuses_bad_json() -> None:
     with pytest.raises(EnvSpecError, match="not JSON"):
         decode("{pip")
