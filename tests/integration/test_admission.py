@@ -140,3 +140,19 @@ def test_bad_limits_or_shares_keep_the_hub_from_starting(settings: dict[str, Any
     with pytest.raises(ValidationError) as info:
         HubConfig(**settings)
     assert words in str(info.value)
+
+
+def test_mesh_hub_serve_with_bad_limits_exits_with_one_line_and_creates_nothing(tmp_path: Any) -> None:
+    import os
+    import subprocess
+    import sys
+
+    db = tmp_path / "hub.sqlite3"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESH_")}
+    env["MESH_HUB_LIMITS"] = '{"user": {"max_queued": 0}}'
+    out = subprocess.run([sys.executable, "-m", "cloud_hub.cli", "serve", "--db", str(db), "--port", "0", "--mqtt-host", ""],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode != 0
+    lines = [x for x in (out.stdout + out.stderr).splitlines() if x.strip()]
+    assert len(lines) == 1 and "limits.user.max_queued: must be a whole number >= 1" in lines[0]
+    assert not db.exists()
