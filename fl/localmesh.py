@@ -7,12 +7,15 @@ device's ``agent.yaml`` gets the same ``datasets:`` entry with its own ``index``
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Mapping, Sequence
 
 from cloud_hub.localmesh import AgentProcess, LocalMesh
 from mesh_agent.datasets import DatasetDecl
 
-__all__ = ["declare_datasets", "add_digits_agents", "add_digits_site"]
+__all__ = ["declare_datasets", "add_digits_agents", "add_digits_site", "DigitsMesh", "digits_mesh"]
 
 
 def declare_datasets(agent: AgentProcess, datasets: Dict[str, DatasetDecl]) -> None:
@@ -57,3 +60,39 @@ def add_digits_site(mesh: LocalMesh, gateway: Any, num_clients: int, *, scheme: 
             a.start()
         agents.append(a)
     return agents
+
+
+@dataclass
+class DigitsMesh:
+    """A running mesh with digits clients (``clients``) and any other agents (``others``, by name)."""
+
+    mesh: LocalMesh
+    clients: List[AgentProcess]
+    others: Dict[str, AgentProcess] = field(default_factory=dict)
+
+    @property
+    def ids(self) -> List[str]:
+        return [a.endpoint_id for a in self.clients]
+
+
+@contextmanager
+def digits_mesh(workdir: Path, num_clients: int, *, others: Mapping[str, str] | None = None,
+                heartbeat_s: float = 0.5, lost_after_s: float = 2.5, lease_s: float = 4.0,
+                **agents: Any) -> Iterator[DigitsMesh]:
+    """Mosquitto, the hub and ``num_clients`` digits agents (:func:`add_digits_agents` with
+    ``agents`` as its options), plus ``others`` (name -> transport: one-worker agents without
+    data, e.g. a gateway), all online; stopped on exit. The FL tests' mesh: fast heartbeats so an
+    agent's loss is noticed in seconds."""
+    from cloud_hub.broker import find_mosquitto
+
+    if find_mosquitto() is None:
+        raise RuntimeError("mosquitto is required for FL on a local mesh: run ./taskw setup (apt-get install mosquitto)")
+    m = LocalMesh(Path(workdir), heartbeat_s=heartbeat_s, lost_after_s=lost_after_s, lease_s=lease_s)
+    m.start()
+    try:
+        clients = add_digits_agents(m, num_clients, **agents)
+        extra = {name: m.add_agent(name, transport, workers=1, prefetch=4) for name, transport in (others or {}).items()}
+        m.wait_online(timeout=120)
+        yield DigitsMesh(m, clients, extra)
+    finally:
+        m.stop()

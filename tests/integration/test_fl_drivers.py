@@ -8,17 +8,14 @@ straggler test is last: its slow client is still sleeping in its worker when the
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Dict, Iterator, List, Sequence
 
 import numpy as np
 import pytest
 
-from cloud_hub.broker import find_mosquitto
-from cloud_hub.localmesh import AgentProcess, LocalMesh
 from fl import FedAsync, FedAvg, Federation
 from fl.client import FunctionClientApp
-from fl.localmesh import add_digits_agents
+from fl.localmesh import DigitsMesh, digits_mesh
 from fl.drivers import Aggregate, SyncDriver, register_driver
 from fl.strategies import ClientUpdate, Weights
 from fl.wire import decode_weights, encode_weights
@@ -28,30 +25,15 @@ pytestmark = pytest.mark.integration
 N = 3
 
 
-class _Mesh:
-    def __init__(self, mesh: LocalMesh, agents: List[AgentProcess]) -> None:
-        self.mesh = mesh
-        self.agents = agents
-
-    @property
-    def ids(self) -> List[str]:
-        return [a.endpoint_id for a in self.agents]
+_Mesh = DigitsMesh
 
 
 @pytest.fixture(scope="module")
-def fl_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Mesh]:
-    if find_mosquitto() is None:
-        pytest.fail("mosquitto is required for integration tests: run ./taskw setup (apt-get install mosquitto)")
-    m = LocalMesh(Path(tmp_path_factory.mktemp("fldrivers")), heartbeat_s=0.5, lost_after_s=2.5, lease_s=4.0)
-    m.start()
-    try:
-        # the app loads no data, but an endpoint still refuses a run on a dataset it does not
-        # declare: each agent declares its share of ``digits`` (never loaded here)
-        agents = add_digits_agents(m, N, prefix="drv-client", workers=1)
-        m.wait_online(timeout=120)
-        yield _Mesh(m, agents)
-    finally:
-        m.stop()
+def fl_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DigitsMesh]:
+    # the app loads no data, but an endpoint still refuses a run on a dataset it does not
+    # declare: each agent declares its share of ``digits`` (never loaded here)
+    with digits_mesh(tmp_path_factory.mktemp("fldrivers"), N, prefix="drv-client", workers=1) as dm:
+        yield dm
 
 
 def _train(weights: Weights, data: Any, config: Dict[str, Any]):

@@ -15,19 +15,17 @@ Rounds and clients are kept tiny: the point is the plumbing, not the accuracy.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator
 
 import numpy as np
 import pytest
 
-from cloud_hub.broker import find_mosquitto
-from cloud_hub.localmesh import AgentProcess, LocalMesh
 from fl import FedAsync, FedAvg, Federation
 from fl.client import FunctionClientApp, local_split
 from fl.data import load_client_data
 from fl.drivers import FederationError
 from fl.history import History
-from fl.localmesh import add_digits_agents
+from fl.localmesh import DigitsMesh, digits_mesh
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -38,28 +36,13 @@ N = 3
 TRAINER = {"threads": 1, "lr": 0.05, "batch_size": 32}
 
 
-class _Mesh:
-    def __init__(self, mesh: LocalMesh, clients: List[AgentProcess]) -> None:
-        self.mesh = mesh
-        self.clients = clients
-
-    @property
-    def ids(self) -> List[str]:
-        return [a.endpoint_id for a in self.clients]
+_Mesh = DigitsMesh
 
 
 @pytest.fixture(scope="module")
-def fl_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Mesh]:
-    if find_mosquitto() is None:
-        pytest.fail("mosquitto is required for integration tests: run ./taskw setup (apt-get install mosquitto)")
-    m = LocalMesh(Path(tmp_path_factory.mktemp("flfedeval")), heartbeat_s=0.5, lost_after_s=2.5, lease_s=4.0)
-    m.start()
-    try:
-        clients = add_digits_agents(m, N, scheme="iid", seed=0)
-        m.wait_online(timeout=120)
-        yield _Mesh(m, clients)
-    finally:
-        m.stop()
+def fl_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DigitsMesh]:
+    with digits_mesh(tmp_path_factory.mktemp("flfedeval"), N, scheme="iid", seed=0) as dm:
+        yield dm
 
 
 def _mlp() -> Any:

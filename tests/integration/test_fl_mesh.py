@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
 import numpy as np
 import pytest
 
-from cloud_hub.broker import find_mosquitto
-from cloud_hub.localmesh import AgentProcess, LocalMesh
+from cloud_hub.localmesh import AgentProcess
 from fl import FedAvg, FedBuff, Federation, FederationError, Hierarchical
 from fl.data import load_client_data, load_test_data
-from fl.localmesh import add_digits_agents
+from fl.localmesh import DigitsMesh, digits_mesh
 from fl.strategies import weighted_average
 from fl.wire import decode_weights
 
@@ -31,30 +29,17 @@ N = 5
 TRAINER = {"threads": 1, "lr": 0.05, "batch_size": 32}
 
 
-class _Mesh:
-    def __init__(self, mesh: LocalMesh, clients: List[AgentProcess], gateway: AgentProcess) -> None:
-        self.mesh = mesh
-        self.clients = clients
-        self.gateway = gateway
-
+class _Mesh(DigitsMesh):
     @property
-    def ids(self) -> List[str]:
-        return [a.endpoint_id for a in self.clients]
+    def gateway(self) -> AgentProcess:
+        return self.others["fl-gateway"]
 
 
 @pytest.fixture(scope="module")
 def fl_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Mesh]:
-    if find_mosquitto() is None:
-        pytest.fail("mosquitto is required for integration tests: run ./taskw setup (apt-get install mosquitto)")
-    m = LocalMesh(Path(tmp_path_factory.mktemp("flmesh")), heartbeat_s=0.5, lost_after_s=2.5, lease_s=4.0)
-    m.start()
-    try:
-        clients = add_digits_agents(m, N, scheme="dirichlet", alpha=0.5, seed=0)
-        gateway = m.add_agent("fl-gateway", "zmq", workers=1, prefetch=4)
-        m.wait_online(timeout=120)
-        yield _Mesh(m, clients, gateway)
-    finally:
-        m.stop()
+    with digits_mesh(tmp_path_factory.mktemp("flmesh"), N, scheme="dirichlet", alpha=0.5, seed=0,
+                     others={"fl-gateway": "zmq"}) as dm:
+        yield _Mesh(dm.mesh, dm.clients, dm.others)
 
 
 def _mlp() -> Any:

@@ -9,13 +9,11 @@ from typing import Iterator
 import httpx
 import pytest
 
-from cloud_hub.broker import find_mosquitto
 from cloud_hub.client import HubError
-from cloud_hub.localmesh import LocalMesh
 from fl import DPConfig, FedAvg, FedBuff, Federation, FederationError, SecAggConfig
 from fl.data import load_test_data
 from fl.drivers.features import sync_with
-from fl.localmesh import add_digits_agents
+from fl.localmesh import digits_mesh
 from fl.privacy import PrivacyAccountant
 
 torch = pytest.importorskip("torch")
@@ -26,16 +24,8 @@ TRAINER = {"threads": 1, "lr": 0.05, "batch_size": 32}
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
-    if find_mosquitto() is None:
-        pytest.fail("mosquitto is required for integration tests: run ./taskw setup (apt-get install mosquitto)")
-    m = LocalMesh(Path(tmp_path_factory.mktemp("flsecure")), heartbeat_s=0.5, lost_after_s=2.5, lease_s=4.0)
-    m.start()
-    try:
-        agents = add_digits_agents(m, 4, scheme="dirichlet", alpha=0.5, seed=0)
-        m.wait_online(timeout=120)
-        yield m, agents
-    finally:
-        m.stop()
+    with digits_mesh(tmp_path_factory.mktemp("flsecure"), 4, scheme="dirichlet", alpha=0.5, seed=0) as dm:
+        yield dm.mesh, dm.clients
 
 
 def _mlp():
