@@ -110,6 +110,48 @@ def _case(name: str, fair: bool, flood: int, n_b: int, secs: float, workers: int
     return out
 
 
+def _lease_cost(flood: int, n_lease: int, rounds: int) -> dict[str, Any]:
+    """Milliseconds per lease of ``n_lease`` tasks from a queue of ``flood`` (user A) + 100 (user B)
+    tasks on one endpoint, fair against oldest-first, on the hub's SQLite store (each lease is
+    put back, so every round sees the same queue)."""
+    from cloud_hub.admission import parse_policy
+    from cloud_hub.store import SqliteStore
+
+    async def run() -> dict[str, Any]:
+        with tempfile.TemporaryDirectory(prefix="bench-lease-") as tmp:
+            store = await SqliteStore(Path(tmp) / "hub.sqlite3").open()
+            try:
+                a, b = await store.create_user("a"), await store.create_user("b")
+                fid = "f" * 64
+                await store.put_function(a, fid, b"body", "noop")
+                tok = await store.create_enroll_token(a, 60, 1)
+                ep = (await store.enroll_endpoint(tok, "pi", "zmq", b"k" * 32))["id"]  # type: ignore[index]
+                now = time.time()
+                rows = [{"id": f"a{i:06d}", "user_id": a, "endpoint_id": ep, "function_id": fid, "args": b"x", "created": now + i * 1e-6,
+                         "expires": now + 3600, "timeout": None} for i in range(flood)]
+                rows += [{"id": f"b{i:06d}", "user_id": b, "endpoint_id": ep, "function_id": fid, "args": b"x", "created": now + 1,
+                          "expires": now + 3600, "timeout": None} for i in range(100)]
+                for k in range(0, len(rows), 10_000):
+                    await store.insert_tasks(rows[k : k + 10_000])
+                out: dict[str, Any] = {}
+                for name, policy in (("fifo", None), ("fair", parse_policy())):
+                    times = []
+                    for _ in range(rounds):
+                        t0 = time.perf_counter()
+                        tasks, _ = await store.lease(ep, n_lease, 30.0, 8 << 20, policy=policy)
+                        times.append(time.perf_counter() - t0)
+                        await store.unlease(ep, [t["id"] for t in tasks])
+                    times.sort()
+                    out[f"{name}_lease_ms_p50"] = round(times[len(times) // 2] * 1e3, 3)
+                    out[f"{name}_lease_ms_max"] = round(times[-1] * 1e3, 3)
+                out.update(queue=flood + 100, lease=n_lease, rounds=rounds)
+                return out
+            finally:
+                await store.close()
+
+    return asyncio.run(run())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--flood", type=int, default=50_000)
@@ -126,6 +168,8 @@ def main() -> None:
     for name, fair, flood in cases:
         rows.append(_case(name, fair, flood, a.b_tasks, a.b_task_s, a.workers, a.prefetch, a.timeout))
         log(f"{name}: B p50 {rows[-1].get('p50_ms')} ms, p99 {rows[-1].get('p99_ms')} ms")
+    log("lease cost: fair against oldest-first on the same queue")
+    cost = _lease_cost(a.flood, a.workers + a.prefetch, 200)
     by = {r["case"]: r for r in rows}
     write_result("fairness", {
         "bench": "fairness", "date": started.isoformat(), "machine": machine_info(), "load_before": load_before, "load_after": loadavg(),
@@ -135,6 +179,7 @@ def main() -> None:
         "fifo_over_fair_p50": ratio(by["fifo"].get("p50_ms"), by["fair"].get("p50_ms")),
         "fifo_over_fair_p99": ratio(by["fifo"].get("p99_ms"), by["fair"].get("p99_ms")),
         "fair_over_idle_p99": ratio(by["fair"].get("p99_ms"), by["idle"].get("p99_ms")),
+        "lease_cost": cost,
     })
 
 
