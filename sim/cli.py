@@ -58,6 +58,7 @@ def run(
     """Emulate a scenario with real processes behind fault-injecting proxies; check that every
     accepted task got exactly one result. Exit 0: invariants held; 1: they did not; 2: bad scenario."""
     from sim.emulate import ScenarioError, run_emulation
+    from sim.emulate.flrun import summary as fl_summary
 
     try:
         report = run_emulation(scenario, reduced=reduced, seed=seed, out_dir=out, keep=keep, echo=console.print)
@@ -83,8 +84,7 @@ def run(
         *([("device memory peak / limit MB (OOM kills)", ", ".join(
             f"{n}: {d['peak_mb']}/{d['limit_bytes'] // 2**20} ({d['oom_kills']})" for n, d in report["devices"].items()))]
           if report.get("devices") else []),
-        *([("FL run", f"{report['fl'].get('status', report['fl'].get('error'))}, {report['fl'].get('rounds_done', 0)}/"
-                      f"{report['fl']['rounds_planned']} rounds, accuracy {report['fl'].get('accuracy')}")] if report.get("fl") else []),
+        *([("FL run", fl_summary(report["fl"]))] if report.get("fl") else []),
         ("expectations", ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in report["expectations"].items())),
         ("report / timeline", f"{report['files']['report']} / {report['files'].get('timeline', report.get('timeline_missing'))}"),
     ]

@@ -59,6 +59,8 @@ PROFILES: dict[str, DeviceProfile] = {
     for p in (
         DeviceProfile(name="pi-zero-2w", description="Raspberry Pi Zero 2 W: 1 core at 25 %, 512 MB, SD card fsync 15 ms",
                       cpus=1, cpu_quota=0.25, memory_mb=512, fsync_delay_ms=15.0),
+        DeviceProfile(name="pi-zero-w", description="Raspberry Pi Zero W (first generation, one ARM11 core): 1 core at 10 %, "
+                      "512 MB, SD card fsync 20 ms", cpus=1, cpu_quota=0.10, memory_mb=512, fsync_delay_ms=20.0),
         DeviceProfile(name="pi-4-2g", description="Raspberry Pi 4 (2 GB): 2 cores at 50 % each, 2 GB, SD card fsync 8 ms",
                       cpus=2, cpu_quota=1.0, memory_mb=2048, fsync_delay_ms=8.0),
     )

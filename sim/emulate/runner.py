@@ -39,6 +39,7 @@ from .faults import FaultEvent, FaultSchedule, build_schedule
 from .functions import CATALOG
 from .proxy import FaultProxy, LinkShape
 from .scenario import EmulationScenario
+from .sites import lan_upstream, move_device, site_figures
 from .workload import TaskPlan, payload_of, plan_workload
 
 __all__ = ["Emulation"]
@@ -52,11 +53,15 @@ def _not_sent(exc: BaseException) -> bool:
 
 
 class Emulation:
-    def __init__(self, sc: EmulationScenario, workdir: Path, *, echo: Callable[[str], None] = print) -> None:
+    def __init__(self, sc: EmulationScenario, workdir: Path, *, echo: Callable[[str], None] = print,
+                 without_gateways: bool = False) -> None:
         self.sc = sc
+        self.without_gateways = without_gateways  # the baseline of a site scenario (sim/emulate/sites.py)
+        self.moves: list[tuple[float, str, str, str]] = []  # (when, device, from gateway group, to)
         self.workdir = Path(workdir)
         self.echo = echo
         self.schedule: FaultSchedule = build_schedule(sc)
+        self.site_now = {s.name: g.gateway for g in sc.agents if g.gateway is not None for s in self.schedule.agents if s.group == g.name}
         self.plan: list[TaskPlan] = plan_workload(sc, len(self.schedule.agents))
         self.records = Records(sc.seed, self.plan)
         self.mesh: LocalMesh | None = None
@@ -150,14 +155,14 @@ class Emulation:
             g = groups[slot.group]
             up = ("127.0.0.1", mesh.broker.port if g.transport == "mqtt" else zmq_port)
             if g.gateway is not None:
-                up = ("127.0.0.1", gateways[g.gateway].cfg.site.listen_port)
+                up = lan_upstream(self, g, gateways)
             shape = LinkShape(g.link.latency_ms / 1000, g.link.jitter_ms / 1000, g.link.bandwidth_kbps * 1000 if g.link.bandwidth_kbps else None)
             proxy = await FaultProxy(slot.name, up, shape, seed=self.sc.seed).start()
             self.proxies[slot.name] = proxy
-            if g.site_hold is not None:
+            if g.site_hold is not None and not self.without_gateways:
                 agent = await asyncio.to_thread(mesh.add_gateway, slot.name, hold=g.site_hold, start=False, workers=g.workers, prefetch=g.prefetch)
                 gateways[g.name] = agent
-            elif g.gateway is not None:
+            elif g.gateway is not None and not self.without_gateways:
                 agent = await asyncio.to_thread(mesh.add_site_device, slot.name, gateways[g.gateway], start=False, workers=g.workers,
                                                 prefetch=g.prefetch)
             else:
@@ -237,8 +242,9 @@ class Emulation:
         eps = [self.endpoints[n] for n in self._fl_agents()]
         self.fl_result = await asyncio.to_thread(run_fl, self.mesh.url, self.mesh.token, eps, self.sc.fl, self.sc.seed,
                                                  f"mesh-sim-{self.sc.name}")
-        self.echo(f"  FL run: {self.fl_result.get('status', self.fl_result.get('error'))}, "
-                  f"{self.fl_result.get('rounds_done', 0)}/{self.sc.fl.rounds} rounds, accuracy {self.fl_result.get('accuracy')}")
+        from .flrun import summary
+
+        self.echo(f"  FL run: {summary(self.fl_result)}")
 
     async def _shutdown(self) -> None:
         for p in self.proxies.values():
@@ -287,6 +293,8 @@ class Emulation:
                     self.dead[ev.target].append([t, float("nan")])
                 elif ev.kind == "agent_start":
                     await self._start_agent(ev.target)
+                elif ev.kind == "gateway_move":
+                    await move_device(self, ev.target, ev.cause)
                 elif ev.kind == "hub_stop":
                     self.service_down["hub"].append([time.time(), float("nan")])
                     await asyncio.to_thread(mesh.kill_hub if ev.mode == "kill" else mesh.stop_hub)
@@ -550,6 +558,7 @@ class Emulation:
             "proxies": {n: p.stats for n, p in self.proxies.items()},
             "devices": self.device_stats or None,
             "fl": self.fl_result,
+            "sites": site_figures(self),
             "timeline": {
                 "t0": self.t0,
                 "links": {n: [[round(a, 3), round(b, 3), st] for a, b, st in v] for n, v in iv["links"].items()},

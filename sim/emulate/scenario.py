@@ -91,17 +91,46 @@ class AgentGroup(_Model):
         return v
 
 
+Selection = Literal["strategy", "predicted", "random"]
+
+
 class FLSpec(_Model):
     """A federated-learning run (FedAvg, the demo's MLP on non-IID digits) on the agents of
-    ``groups``, driven by :class:`fl.Federation` alongside the task workload from ``start_s``."""
+    ``groups``, driven by :class:`fl.Federation` alongside the task workload from ``start_s``.
+
+    ``selections`` with more than one entry compares client-selection policies: one run per
+    entry, one after the other on the same fleet (same rounds, seed and initial model), each
+    timed to ``target_accuracy`` (sim/emulate/flrun.py)."""
 
     groups: list[str] | None = Field(None, description="agent groups that are FL clients (default: all MQTT/ZeroMQ agents)")
     rounds: int = Field(3, ge=1, le=1000)
     local_epochs: int = Field(1, ge=1, le=100)
     deadline_s: float = Field(30.0, gt=0, le=3600, description="round deadline")
-    min_clients: int | None = Field(None, ge=1, description="fewest updates a round needs (default: every client)")
+    min_clients: int | None = Field(None, ge=1, description="fewest updates a round needs (default: every client, "
+                                    "or clients_per_round when set)")
+    max_extensions: int = Field(2, ge=0, le=100, description="deadline extensions while too few updates arrived")
     alpha: float = Field(0.5, gt=0, description="Dirichlet alpha of the non-IID split")
     start_s: float = Field(0.0, ge=0, description="seconds after the workload starts")
+    selections: list[Selection] = Field(["strategy"], min_length=1, max_length=3,
+                                        description="client selection per run, in order (Federation(selection=...))")
+    clients_per_round: int | None = Field(None, ge=1, description="seats per round for predicted/random selection")
+    fairness_rounds: int = Field(5, ge=1, le=1000, description="predicted selection: ask a client at least every this many rounds")
+    target_accuracy: float = Field(0.9, gt=0, le=1, description="test accuracy each run is timed to")
+
+    @field_validator("selections")
+    @classmethod
+    def _unique(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("selections must not repeat a policy")
+        return v
+
+    @model_validator(mode="after")
+    def _seats(self) -> "FLSpec":
+        if any(s != "strategy" for s in self.selections) and self.clients_per_round is None:
+            raise ValueError("predicted/random selections need clients_per_round")
+        if self.min_clients is not None and self.clients_per_round is not None and self.min_clients > self.clients_per_round:
+            raise ValueError(f"min_clients ({self.min_clients}) cannot exceed clients_per_round ({self.clients_per_round})")
+        return self
 
 
 class RegionSpec(_Model):
@@ -148,8 +177,17 @@ class ServiceRestarts(_Model):
         return sorted(v)
 
 
+class GatewayMove(_Model):
+    """A device moves to another site's gateway at ``at_s`` (docs/sites.md "Device moves"; sim/emulate/sites.py)."""
+
+    at_s: float = Field(ge=0, description="seconds after the run starts")
+    agent: str = Field(description="the device agent, e.g. farma-1 (group name and index)")
+    to: str = Field(description="the gateway group it moves to")
+
+
 class FaultsSpec(_Model):
     agent_kills: AgentKills | None = None
+    gateway_moves: list[GatewayMove] = []
     hub_restarts: ServiceRestarts | list[ServiceRestarts] | None = None
     broker_restarts: ServiceRestarts | list[ServiceRestarts] | None = None
 
@@ -231,6 +269,8 @@ class EmulationScenario(_Model):
     workload: WorkloadSpec
     fl: FLSpec | None = None
     expect: ExpectSpec = ExpectSpec()
+    compare_without_gateways: bool = Field(False, description="run the same fleet, schedule and workload again without "
+                                           "site gateways and compare uplink bytes and tasks done during uplink outages")
 
     @field_validator("name")
     @classmethod
@@ -261,6 +301,16 @@ class EmulationScenario(_Model):
                 raise ValueError(f"agents[{i}].gateway {g.gateway!r} must name a group of one MQTT agent with site_hold")
             if g.transport != "mqtt" or g.site_hold is not None:
                 raise ValueError(f"agents[{i}]: a device behind a gateway is an MQTT agent, not a gateway itself")
+        for i, m in enumerate(self.faults.gateway_moves):
+            grp, _, idx = m.agent.rpartition("-")
+            g = by_name.get(grp)
+            if g is None or g.gateway is None or not idx.isdigit() or int(idx) >= g.count:
+                raise ValueError(f"faults.gateway_moves[{i}].agent {m.agent!r} is not a device behind a gateway")
+            to = by_name.get(m.to)
+            if to is None or to.site_hold is None:
+                raise ValueError(f"faults.gateway_moves[{i}].to {m.to!r} is not a gateway group (one with site_hold)")
+        if self.compare_without_gateways and not any(g.site_hold is not None for g in self.agents):
+            raise ValueError("compare_without_gateways needs at least one gateway group (site_hold)")
         if self.fl is not None and self.fl.groups:
             for gname in self.fl.groups:
                 if gname not in groups:
