@@ -59,6 +59,17 @@ def run_emulation(
     work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix=f"mesh-sim-{name}-"))
     report = asyncio.run(Emulation(sc, work, echo=echo).run())
     report["reduced"] = reduced
+    if sc.compare_without_gateways:  # the same fleet, schedule and workload without site gateways (sim/emulate/sites.py)
+        from .sites import compare
+
+        echo(f"{sc.name}: again without gateways (the baseline)")
+        base = asyncio.run(Emulation(sc, work / "without-gateways", echo=echo, without_gateways=True).run())
+        inv = base["invariants"]
+        report["without_gateways"] = {k: base[k] for k in ("ok", "invariants", "faults", "sites", "completion_s", "wall_s")}
+        if report.get("sites") and base.get("sites"):
+            report["comparison"] = compare(report["sites"], base["sites"])
+        report["expectations"]["the fleet without gateways also got exactly one result per accepted task"] = bool(inv["ok"])
+        report["ok"] = bool(report["ok"] and inv["ok"])
     if report["ok"] and not keep and own_workdir:
         shutil.rmtree(work, ignore_errors=True)
         report["workdir"] = None

@@ -24,7 +24,8 @@ from .scenario import CutSpec, EmulationScenario
 
 __all__ = ["AgentSlot", "FaultEvent", "FaultSchedule", "build_schedule"]
 
-EventKind = Literal["link_down", "link_up", "agent_kill", "agent_start", "hub_stop", "hub_start", "broker_stop", "broker_start"]
+EventKind = Literal["link_down", "link_up", "agent_kill", "agent_start", "hub_stop", "hub_start", "broker_stop", "broker_start",
+                    "gateway_move"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ class FaultEvent:
     mode: str = ""  # link_down: "reset" | "blackhole"; service stops: "term" | "kill"
 
 
-_ORDER = {"link_up": 0, "agent_start": 1, "hub_start": 2, "broker_start": 3, "link_down": 4, "agent_kill": 5, "hub_stop": 6, "broker_stop": 7}
+_ORDER = {"link_up": 0, "agent_start": 1, "hub_start": 2, "broker_start": 3, "link_down": 4, "agent_kill": 5, "hub_stop": 6, "broker_stop": 7,
+          "gateway_move": 8}
 
 
 @dataclass
@@ -175,5 +177,9 @@ def build_schedule(sc: EmulationScenario) -> FaultSchedule:
             events.append(FaultEvent(t, f"{svc}_stop", svc, "restart", sig))  # type: ignore[arg-type]
             up_at = t + down_s
             events.append(FaultEvent(up_at, f"{svc}_start", svc, "restart"))  # type: ignore[arg-type]
+    # Devices moving to another site's gateway (sim/emulate/sites.py); cause = the gateway group.
+    for m in sc.faults.gateway_moves:
+        if m.at_s < T:
+            events.append(FaultEvent(m.at_s, "gateway_move", m.agent, m.to))
     events.sort(key=lambda e: (e.t, _ORDER[e.kind], e.target, e.cause))
     return FaultSchedule(T, agents, events)

@@ -26,7 +26,10 @@ FAULTS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "hub-restart": lambda r: r["faults"]["hub_restarts"] >= 2,
     "flapping": lambda r: r["faults"]["link_outages"] >= 8,
     # two sites behind gateways (docs/sites.md): uplinks and LAN links cut, gateway A power-cut
-    "village": lambda r: r["faults"]["agent_kills"] >= 1 and r["faults"]["link_outages"] >= 8,
+    # a device moves from site A's gateway to site B's; the same fleet runs again without gateways
+    "village": lambda r: r["faults"]["agent_kills"] >= 1 and r["faults"]["link_outages"] >= 8
+    and [(m["agent"], m["from"], m["to"]) for m in r["sites"]["moves"]] == [("farma-1", "gwa", "gwb")]
+    and r["without_gateways"]["invariants"]["ok"] is True and "comparison" in r,
 }
 
 
@@ -44,5 +47,12 @@ def test_reduced_scenario_delivers_every_task_exactly_once(name: str, tmp_path: 
     assert FAULTS[name](report), report["faults"]
     assert report["ok"] is True, report["expectations"]
     assert report["executions"]["delivered_without_a_logged_run"] == 0
+    if "comparison" in report:  # a site scenario: what the gateways changed, measured against the same fleet without them
+        comp = report["comparison"]
+        base = report["without_gateways"]["invariants"]
+        assert base["accepted"] == base["planned"] and (base["lost"], base["duplicated"], base["wrong_results"]) == (0, 0, 0)
+        assert comp["uplink_bytes"]["gateways"] > 0 and comp["uplink_bytes"]["without_gateways"] > 0
+        assert all(s["gateways"]["uplink_down_share"] > 0 for s in comp["per_site"].values()), comp
+        print(f"{name}: {comp['uplink_bytes']}, tasks done during uplink outages {comp['tasks_done_during_uplink_outage']}")
     png = Path(report["files"]["timeline"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
