@@ -351,7 +351,7 @@ class Dispatcher:
                             await self._send(g, Kind.TASKS, {"tasks": [], "functions": new})
                         except LinkError as exc:
                             n = sum([await self.store.unlease(d, [t["id"] for t in ts]) for d, ts in by_dev.items()])
-                            log.warning("sending bodies to site %s failed (%s); %d tasks re-queued", g.endpoint_id, exc, n)
+                            log.warning("sending bodies to site %s failed (%s); %d tasks re-queued", g.endpoint_id, exc, n, extra={"endpoint_id": g.endpoint_id})
                             return
                         g.site_have.update(new)
                         self.stats["site_bodies"] = self.stats.get("site_bodies", 0) + len(new)
@@ -366,7 +366,7 @@ class Dispatcher:
                         await g.link.send(dev, frame)
                     except LinkError as exc:
                         n = await self.store.unlease(dev, [t["id"] for t in tasks])
-                        log.warning("leasing ahead to site %s failed (%s); %d tasks re-queued", g.endpoint_id, exc, n)
+                        log.warning("leasing ahead to site %s failed (%s); %d tasks re-queued", g.endpoint_id, exc, n, extra={"endpoint_id": g.endpoint_id})
                         return
                     self._count(dev, len(frame), out=True)
                     self.stats["tasks_sent"] += len(tasks)
@@ -407,7 +407,7 @@ class Dispatcher:
                         # the queue now rather than after lease_s; a copy that did get out is
                         # de-duplicated by the agent.
                         n = await self.store.unlease(s.endpoint_id, [t["id"] for t in tasks])
-                        log.warning("sending to %s failed (%s); %d tasks re-queued", s.endpoint_id, exc, n)
+                        log.warning("sending to %s failed (%s); %d tasks re-queued", s.endpoint_id, exc, n, extra={"endpoint_id": s.endpoint_id})
                         # The agent still counts on this credit and, beating only on change, may not
                         # say so for a long time: the watchdog gives it back after a pause.
                         s.retry_credit = max(s.retry_credit, s.credit + len(tasks))
@@ -447,7 +447,7 @@ class Dispatcher:
             env = sealed.open()  # the body is parsed only after MAC, freshness and replay passed
         except ProtocolError as exc:
             self.stats["rejected_frames"] += 1
-            log.warning("rejected frame on %s channel %s: %s: %s", link.name, claimed, exc.reason, exc)
+            log.warning("rejected frame on %s channel %s: %s: %s", link.name, claimed, exc.reason, exc, extra={"endpoint_id": claimed})
             return
         if self.replicated and not await self._holds(endpoint_id):
             return  # another replica answers this endpoint
@@ -499,7 +499,7 @@ class Dispatcher:
             return True
         self._owned.pop(endpoint_id, None)
         if self._sessions.pop(endpoint_id, None) is not None:
-            log.info("endpoint %s is now served by another replica", endpoint_id)
+            log.info("endpoint %s is now served by another replica", endpoint_id, extra={"endpoint_id": endpoint_id})
         self._elsewhere[endpoint_id] = now + min(2.0, self.cfg.lost_after_s / 3)
         return False
 
@@ -532,7 +532,7 @@ class Dispatcher:
             # Ask the agent to say hello to us; its hello re-queues what the old replica leased.
             tmp = _Session(endpoint_id, link, time.time())
             await self._send(tmp, Kind.ERROR, {"code": "hello_required", "message": "this hub replica took the endpoint over; say hello"})
-            log.info("took over endpoint %s released by another replica", endpoint_id)
+            log.info("took over endpoint %s released by another replica", endpoint_id, extra={"endpoint_id": endpoint_id})
         except (LinkError, asyncio.CancelledError):
             pass  # the agent's next frame reaches us (or another replica) and claims it then
         except Exception:
@@ -576,7 +576,7 @@ class Dispatcher:
         await self.store.requeue(endpoint_id=env.endpoint)
         lost = await self.store.requeue(endpoint_id=env.endpoint, not_in=held)
         if lost:
-            log.warning("%s no longer holds %d acked tasks; re-queued", env.endpoint, lost)
+            log.warning("%s no longer holds %d acked tasks; re-queued", env.endpoint, lost, extra={"endpoint_id": env.endpoint})
         await self.store.set_endpoint_state(env.endpoint, True, now, {**s.info, "capacity": s.capacity, **self.traffic_counters(env.endpoint)})
         self._observe("endpoint_online", env.endpoint, now, {**s.info, "capacity": s.capacity})
         if old is None:
@@ -591,7 +591,7 @@ class Dispatcher:
             welcome["site"] = {"devices": await self._site_welcome(env.endpoint), "hold_s": self.cfg.site_hold_s}
         await self._send(s, Kind.WELCOME, welcome, msg_id=b["nonce"])
         self.kick_site(env.endpoint)
-        log.info("endpoint %s online via %s (capacity %d)", env.endpoint, link.name, s.capacity)
+        log.info("endpoint %s online via %s (capacity %d)", env.endpoint, link.name, s.capacity, extra={"endpoint_id": env.endpoint})
 
     async def _on_gone(self, endpoint_id: str, body: dict[str, Any]) -> None:
         """The agent's will (its connection died) or its goodbye (a clean stop). Only the session
@@ -619,7 +619,8 @@ class Dispatcher:
             await self.store.release_endpoint(ep, self.replica_id)
         self._observe("endpoint_lost", ep, now, s.last_seen)
         await self.store.tx(record_transition, ep, False, s.last_seen)
-        log.log(level, "endpoint %s offline: %s (silent %.1fs); %d leased tasks re-queued", ep, why, now - s.last_seen, n)
+        log.log(level, "endpoint %s offline: %s (silent %.1fs); %d leased tasks re-queued", ep, why, now - s.last_seen, n,
+                extra={"endpoint_id": ep})
 
     async def _on_fetch(self, s: _Session, body: dict[str, Any]) -> None:
         s.credit = max(0, int(body.get("want", 0)))

@@ -178,6 +178,7 @@ class Agent:
                 idle_s=self.footprint.worker_idle_s,
                 environments=_environments(cfg) if envs_cfg is None or envs_cfg.enabled else None,
                 env_idle_s=envs_cfg.keep_warm_s if envs_cfg is not None else 300.0,
+                prewarm=list(getattr(envs_cfg, "prewarm", None) or []) if envs_cfg is not None and envs_cfg.enabled else [],
             )
         self._replay = ReplayGuard()
         self._heartbeat_s = cfg.heartbeat_s

@@ -174,6 +174,23 @@ class EnvironmentsSettings(BaseModel):
     no_index: bool = Field(False, description="install only from find_links (offline endpoints)")
     disk_budget_mb: int = Field(2048, ge=1, description="venvs are evicted least recently used first beyond this")
     keep_warm_s: float = Field(300.0, ge=0, description="an environment's workers stay warm this long after their last task")
+    prewarm: list[dict[str, Any]] = Field(default_factory=list, max_length=8, description="environment specs built at start, "
+                                          "each with one worker kept warm, e.g. [{pip: [numpy]}, {sandbox: true}]")
+
+    @field_validator("prewarm")
+    @classmethod
+    def _specs(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        from mesh_agent.environment import normalize
+
+        out = []
+        for i, spec in enumerate(v):
+            try:
+                norm = normalize(spec)
+            except ValueError as exc:
+                raise ValueError(f"prewarm[{i}]: {exc}") from None
+            if norm is not None:
+                out.append(norm)
+        return out
 
 
 class AgentConfig(BaseModel):

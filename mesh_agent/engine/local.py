@@ -55,7 +55,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from mesh_agent.engine.environments import DEFAULT_KIND, EnvError, Environments, WorkerKind
 from mesh_agent.environment import env_id
@@ -213,12 +213,14 @@ class LocalEngine:
         idle_s: float | None = None,
         environments: Environments | None = None,
         env_idle_s: float = 300.0,
+        prewarm: Sequence[dict] = (),
     ) -> None:
         """``idle_s``: None keeps the whole pool warm from ``start()`` on (LAN, HPC); a number
         starts workers on demand and ends those idle that long (small devices).
         ``environments``: builds venvs and wraps sandboxes/containers for tasks that ask for
         them (None: such tasks fail with a clear error); ``env_idle_s``: keep-warm time of
-        an environment's workers after their last task."""
+        an environment's workers after their last task. ``prewarm``: normalized specs built at
+        start, each with one worker kept warm (OpenWhisk's prewarmed containers of a kind)."""
         self._on_results = on_results
         self._size = max(1, workers if workers is not None else (os.cpu_count() or 1))
         self._task_timeout = task_timeout
@@ -234,6 +236,7 @@ class LocalEngine:
         self._kinds: dict[str, WorkerKind] = {}  # spec id -> ready kind
         self._parked: dict[str, list[EngineTask]] = {}  # spec id -> tasks waiting for its build
         self._builds: set[asyncio.Task[None]] = set()
+        self._prewarm = {env_id(s): s for s in prewarm}  # spec id -> spec: one worker each, never reaped
         self._exits: dict[_Proc, asyncio.Future[int | None]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._reaper: asyncio.TimerHandle | None = None
@@ -312,15 +315,18 @@ class LocalEngine:
             raise RuntimeError("engine already started")
         self._started = True
         self._loop = asyncio.get_running_loop()
-        if self.on_demand:
-            return
-        spawned = [self._spawn() for _ in range(self._size)]
-        try:
-            await asyncio.wait_for(asyncio.gather(*(w.ready for w in spawned)), _START_TIMEOUT)
-        except BaseException:
-            await self.stop(grace=0)
-            raise
-        self._pump()
+        if not self.on_demand:
+            spawned = [self._spawn() for _ in range(self._size)]
+            try:
+                await asyncio.wait_for(asyncio.gather(*(w.ready for w in spawned)), _START_TIMEOUT)
+            except BaseException:
+                await self.stop(grace=0)
+                raise
+            self._pump()
+        if self._prewarm and self._envs is not None:  # built in the background: start() does not wait for uv
+            for sid, spec in self._prewarm.items():
+                self._parked.setdefault(sid, [])
+                self._start_build(sid, spec)
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stop accepting tasks and end all workers: SIGTERM, then SIGKILL after ``grace`` seconds.
@@ -426,6 +432,9 @@ class LocalEngine:
         if self._stopping:
             return
         self._queues.setdefault(sid, deque()).extend(parked)
+        if sid in self._prewarm and not any(w.kind.key == sid for w in self._workers) \
+                and (len(self._workers) < self._size or self._evict_idle(sid)):
+            self._spawn(kind)  # the prewarmed worker of this kind
         self._pump()
 
     # ------------------------------------------------------------------ workers
@@ -497,6 +506,8 @@ class LocalEngine:
 
     def _keep_warm(self, w: _Worker) -> float | None:
         """How long ``w`` may idle before it is reaped; None: never (a warm default pool)."""
+        if w.kind.key in self._prewarm and sum(1 for x in self._workers if x.kind.key == w.kind.key) <= 1:
+            return None  # the one prewarmed worker of its kind stays (it may still be evicted for room)
         if w.kind.key:
             return max(self._env_idle_s, float(self._idle_s or 0.0))
         return self._idle_s

@@ -348,3 +348,30 @@ async def test_sandboxed_workers_are_never_shared_between_tenants(tmp_path: Path
     pids = {t: {res[f"{t}{i}"].worker_pid for i in range(2)} for t in ("alice", "bob")}
     assert not pids["alice"] & pids["bob"]  # different processes (each tenant its own kind)
     assert value(res["read-alice"]) == "alice" and value(res["read-bob"]) == "bob"  # and its own /tmp
+
+
+async def test_prewarmed_environment_is_built_at_start_and_kept_warm(tmp_path: Path, wheels: Path, started: list[LocalEngine]) -> None:
+    """OpenWhisk's prewarm: a configured environment is built at start and one worker of it
+    waits; the first task runs on it with no build, and it outlives the keep-warm time."""
+    spec = normalize({"pip": ["meshtoy"]})
+    sid = env_id(spec)
+    sink = Collector()
+    envs = make_envs(tmp_path, wheels)
+    eng = await start(started, sink, envs, workers=2, env_idle_s=0.5, prewarm=[spec])
+    await wait_until(lambda: sid in eng.warm_environments() and len(eng.worker_pids) == 2, timeout=120)
+    prewarmed = {w.pid for w in eng._workers if w.kind.key == sid}
+    builds = envs.stats.builds
+    eng.submit([with_env(task("p", toy_version), {"pip": ["meshtoy"]})])
+    await sink.wait_for(1, timeout=60)
+    assert value(sink.by_id()["p"])[0] == "1.0" and sink.by_id()["p"].worker_pid in prewarmed
+    assert envs.stats.builds == builds  # no build on the task's path
+    await asyncio.sleep(2.0)  # past keep_warm_s: an ordinary environment worker would be reaped by now
+    assert {w.pid for w in eng._workers if w.kind.key == sid} == prewarmed
+
+
+def test_prewarm_config_is_checked() -> None:
+    from mesh_agent.config import EnvironmentsSettings
+
+    assert EnvironmentsSettings(prewarm=[{"uv": ["numpy"]}, {}]).prewarm == [{"pip": ["numpy"]}]
+    with pytest.raises(ValueError, match=r"prewarm\[0\]: environment.pip\[0\]"):
+        EnvironmentsSettings(prewarm=[{"pip": ["--index-url=x"]}])
