@@ -5,6 +5,7 @@ format is one clear error and exit 2 (issue 19 item 5)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -82,7 +83,8 @@ def test_wrong_log_format_is_one_clear_error(tmp_path: Path) -> None:
     assert out.returncode == 2 and "MESH_LOG_FORMAT must be one of text, json, not 'xml'" in out.stdout + out.stderr
 
 
-def test_agent_logs_json_with_endpoint_task_and_function_ids(tmp_path: Path) -> None:
+def test_agent_logs_json_with_endpoint_task_and_function_ids(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="cloud_hub.dispatcher")
     if find_mosquitto() is None:
         pytest.fail("mosquitto is required for integration tests: run ./taskw setup (apt-get install mosquitto)")
     with LocalMesh(tmp_path / "mesh", heartbeat_s=0.5, lost_after_s=2.5, lease_s=4.0) as mesh:
@@ -95,6 +97,8 @@ def test_agent_logs_json_with_endpoint_task_and_function_ids(tmp_path: Path) -> 
             assert fut.done() and fut.exception() is not None
         task_id = fut.task_id  # type: ignore[attr-defined]
         agent.stop()
+    online = [r for r in caplog.records if r.name == "cloud_hub.dispatcher" and "online via" in r.getMessage()]
+    assert online and all(getattr(r, "endpoint_id", None) == agent.endpoint_id for r in online), "the hub's lines carry the endpoint id"
     rows = _json_lines(agent.log_path.read_text())
     assert rows and all(r["endpoint_id"] == agent.endpoint_id for r in rows), "every line of the agent names its endpoint"
     assert any(r["msg"].startswith("online: ") for r in rows)
