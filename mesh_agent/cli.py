@@ -6,7 +6,7 @@ import asyncio
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import httpx
 import typer
@@ -327,3 +327,43 @@ def queue_recover(config: Path = ConfigOpt) -> None:
 
 if __name__ == "__main__":
     app()
+
+
+envs_app = typer.Typer(help="Environments this endpoint built (docs/environments.md).")
+app.add_typer(envs_app, name="envs")
+
+
+def _environments(cfg: AgentConfig) -> "Any":
+    from mesh_agent.engine.environments import Environments
+
+    return Environments(cfg.data_dir / "envs")
+
+
+@envs_app.command("ls")
+def envs_ls(config: Path = ConfigOpt) -> None:
+    """Venvs held on disk (most recently used first) and specs that failed to build."""
+    cfg, _ = _load(config)
+    envs = _environments(cfg)
+    t = Table("venv", "MB", "packages", title=f"venvs in {envs.root} ({envs.held_bytes() / 2**20:.1f} MB)")
+    for key in envs.held():
+        v = envs._venvs[key]
+        t.add_row(key, f"{v.bytes / 2**20:.1f}", ", ".join(v.pins)[:80])
+    console.print(t)
+    if envs.failed:
+        f = Table("spec id", "why", title="failed (not built again until the spec changes, or `mesh-agent envs forget`)")
+        for sid, why in envs.failed.items():
+            f.add_row(sid, why[:160])
+        console.print(f)
+
+
+@envs_app.command("forget")
+def envs_forget(spec_id: str, config: Path = ConfigOpt) -> None:
+    """Let a spec that failed be built again (after the index or the image was fixed). Run it
+    while the agent is stopped: a running agent keeps its own list."""
+    cfg, _ = _load(config)
+    envs = _environments(cfg)
+    if spec_id not in envs.failed:
+        console.print(f"[red]error:[/red] no failure recorded for {spec_id!r} in {envs.root} (see `mesh-agent envs ls`)")
+        raise typer.Exit(2)
+    envs.forget_failure(spec_id)
+    console.print(f"forgot the failure of {spec_id}: its next task builds it again")
