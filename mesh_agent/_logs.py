@@ -182,9 +182,13 @@ def setup_logging(level: str | int = "INFO", *, stream: TextIO | None = None, in
     limiter = RateLimitFilter(interval_s, burst=burst)
     handler.addFilter(limiter)
     handler.addFilter(_IdsFilter(fields))
+    handler._mesh_handler = True  # type: ignore[attr-defined]
     root = logging.getLogger()
     for old in list(root.handlers):
-        root.removeHandler(old)
+        # Ours from an earlier call (the agent sets up again once it knows its endpoint id); a
+        # handler someone else installed (pytest's capture, an embedding application) stays.
+        if getattr(old, "_mesh_handler", False):
+            root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
     return limiter

@@ -16,8 +16,19 @@ console = Console()
 
 
 @app.callback()
-def _main() -> None:
+def _main(
+    log_level: str = typer.Option("WARNING", "--log-level", help="the simulator's own log lines (the hub it runs in-process included)"),
+    log_format: Optional[str] = typer.Option(None, "--log-format", envvar="MESH_LOG_FORMAT",
+                                             help="text or json, as for mesh-hub and mesh-agent (agents it starts inherit MESH_LOG_FORMAT)"),
+) -> None:
     """Continuum Mesh simulator."""
+    from mesh_agent._logs import setup_logging  # one set-up for hub, agent and simulator
+
+    try:
+        setup_logging(log_level, fmt=log_format)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
 
 
 @app.command()

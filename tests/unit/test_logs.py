@@ -98,3 +98,14 @@ def test_json_formatter_never_raises_on_odd_values() -> None:
     rec.task_id = b"\xff"  # not a str: still one valid JSON line
     out = json.loads(JsonFormatter().format(rec))
     assert out["msg"].startswith("value <object") and out["task_id"] == "b'\\xff'"
+
+
+def test_setting_up_again_replaces_ours_and_keeps_foreign_handlers(root_saved: None) -> None:
+    foreign = logging.StreamHandler(io.StringIO())
+    logging.getLogger().addHandler(foreign)
+    first, second = io.StringIO(), io.StringIO()
+    setup_logging("INFO", stream=first, fmt="text")
+    setup_logging("INFO", stream=second, fmt="json", fields={"endpoint_id": "ep-2"})  # the agent, once it knows its id
+    logging.getLogger("x").warning("once")
+    assert first.getvalue() == "" and [json.loads(line)["msg"] for line in _lines(second)] == ["once"]
+    assert foreign in logging.getLogger().handlers and "once" in foreign.stream.getvalue()  # type: ignore[attr-defined]
