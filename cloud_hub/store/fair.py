@@ -4,7 +4,7 @@ shares and 429").
 The store counts; :func:`cloud_hub.admission.plan_lease` decides. Why the counting is shaped like
 this: a flood of 50,000 tasks by one user must not make every lease scan 50,000 rows. The queue is
 read per (user, function) *flow* through the ``tasks_flow`` index (migration 10): one index probe
-finds each flow (a skip scan written out with row values), and its count is capped at what one
+finds each flow (a skip scan written out as two plain index ranges), and its count is capped at what one
 lease may take, so a lease costs O(flows x batch), not O(queue).
 
 The same SQL runs on SQLite and, through the PostgreSQL store's translation, on PostgreSQL (which
@@ -26,11 +26,19 @@ MAX_FLOWS = 256
 def flows(db: Any, endpoint_id: str, cap: int) -> list[Flow]:
     """The endpoint's queued work per (user, function), each count capped at ``cap``."""
     out: list[Flow] = []
-    last: tuple[str, str] = ("", "")
+    last: tuple[str, str] | None = None
     for _ in range(MAX_FLOWS):
-        row = db.execute(
-            "SELECT user_id, function_id, created FROM tasks WHERE endpoint_id=? AND state='queued' AND (user_id, function_id) > (?, ?) "
-            "ORDER BY user_id, function_id, created LIMIT 1", (endpoint_id, *last)).fetchone()
+        # Two plain ranges, not one row-value range: SQLite walks ``(user_id, function_id) > (u, f)``
+        # from the first entry of user u, i.e. through all of u's queue (7 ms at 50,000 queued).
+        row = None
+        if last is not None:  # the same user's next function
+            row = db.execute(
+                "SELECT user_id, function_id, created FROM tasks WHERE endpoint_id=? AND state='queued' AND user_id=? AND function_id > ? "
+                "ORDER BY function_id, created LIMIT 1", (endpoint_id, *last)).fetchone()
+        if row is None:  # the next user
+            row = db.execute(
+                "SELECT user_id, function_id, created FROM tasks WHERE endpoint_id=? AND state='queued' AND user_id > ? "
+                "ORDER BY user_id, function_id, created LIMIT 1", (endpoint_id, last[0] if last else "")).fetchone()
         if row is None:
             break
         user, fid, oldest = row
