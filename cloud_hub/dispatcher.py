@@ -57,6 +57,24 @@ class ResultBus:
 
     def __init__(self) -> None:
         self._events: dict[str, asyncio.Event] = {}
+        self._early: list[Any] = []  # SDK streams that take results before they are stored (cloud_hub/api/stream.py)
+
+    def listen_early(self, cb: Any) -> None:
+        """``cb(endpoint_id, results)`` with each verified ``results`` body, before the hub stores
+        it. Safe to pass on: the agent keeps a result until the hub's ``result_ack``, which follows
+        the commit, so one the hub loses is sent and stored again (and the SDK drops repeats)."""
+        self._early.append(cb)
+
+    def unlisten_early(self, cb: Any) -> None:
+        with contextlib.suppress(ValueError):
+            self._early.remove(cb)
+
+    def early(self, endpoint_id: str, results: list[dict[str, Any]]) -> None:
+        for cb in list(self._early):
+            try:
+                cb(endpoint_id, results)
+            except Exception:  # a listener's bug must not cost the results their storage
+                log.exception("early result listener failed")
 
     def event(self, user_id: str) -> asyncio.Event:
         ev = self._events.get(user_id)
@@ -636,6 +654,8 @@ class Dispatcher:
 
     async def _on_results(self, s: _Session, body: dict[str, Any]) -> None:
         results = body.get("results", [])
+        if self.bus._early:
+            self.bus.early(s.endpoint_id, results)
         fresh = await self.store.store_results(s.endpoint_id, results)
         self.stats["results_stored"] += len(fresh)
         self.stats["duplicate_results"] += len(results) - len(fresh)
