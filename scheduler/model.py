@@ -114,6 +114,9 @@ class TaskInfo:
     #: endpoint that lacks it (scheduler/environments.py); None: the agent's own Python.
     env: str | None = None
     env_cost: Any = None
+    #: Where the task's inputs already lie, ``(endpoint_id, bytes)`` each (scheduler/locality.py):
+    #: bytes an endpoint lacks are added to its transfer-in time. Empty: placed as before.
+    inputs: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(slots=True, eq=False)

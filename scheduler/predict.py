@@ -3,7 +3,7 @@
 Model (all seconds, see docs/scheduler.md)::
 
     total = transfer_in + queue + cold + run + transfer_out [+ outage]
-    transfer_in  = latency + payload_bytes / bandwidth
+    transfer_in  = latency + (payload_bytes + input bytes the endpoint lacks) / bandwidth
     queue        = (backlog - workers + 1)+ * mean predicted work / workers   (fleet ledger)
     cold         = 0 if the function is warm (or already sent) there, else its cold-start penalty
     run          = R(function, hardware group, payload) * deviation(function, endpoint)
@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .environments import env_cold_start
+from .locality import moved_bytes
 from .fleet import Group, Node
 from .model import Prediction, TaskInfo
 from .profiles import Profiles
@@ -102,6 +103,10 @@ class Predictor:
             ob = self.result_bytes(task)
         bw = node.bw
         total = ((node.key + (b + ob) / bw) + cold) + run
+        mv = moved_bytes(task.inputs, node.id) if task.inputs else 0  # inputs this endpoint lacks
+        if mv:
+            total += mv / bw
+            b = b + mv
         outage = 0.0
         if outage_aware:
             outage = node.avail.expected_delay(now, now + node.wait + node.one_way + b / bw, cold + run)
@@ -170,6 +175,7 @@ class Predictor:
         bo = b + ob
         ids = task.endpoints  # an explicit id list: members outside it are skipped
         env = task.env if task.env_cost is not None else None  # an environment to build where not held
+        inputs = task.inputs  # data already on some endpoints (scheduler/locality.py)
         skip = skip_offline or ids is not None  # one test per member on the common path
         res = SearchResult()
         res.ob = ob
@@ -268,8 +274,11 @@ class Predictor:
                 if env is not None and env not in node.ep.envs:  # >= 0: the pruning bounds stay lower bounds
                     cold += env_cold_start(task.env_cost, False, node.bw, node.ep.metered)
                 t = ((node.key + bo / node.bw) + cold) + run
+                mv = moved_bytes(inputs, node.id) if inputs else 0  # >= 0: the pruning bounds stay lower bounds
+                if mv:
+                    t += mv / node.bw
                 if outage_aware:
-                    t += node.avail.expected_delay(now, now + node.wait + node.one_way + b / node.bw, cold + run)
+                    t += node.avail.expected_delay(now, now + node.wait + node.one_way + (b + mv) / node.bw, cold + run)
                 idx = node.idx
                 if t < gb_t or (t == gb_t and idx < gb_idx):
                     gb_t, gb, gb_idx, gb_run, gb_cold = t, node, idx, run, cold
@@ -296,8 +305,11 @@ class Predictor:
                     if env is not None and env not in node.ep.envs:
                         cold += env_cold_start(task.env_cost, False, node.bw, node.ep.metered)
                     t = ((node.key + bo / node.bw) + cold) + run
+                    mv = moved_bytes(inputs, node.id) if inputs else 0
+                    if mv:
+                        t += mv / node.bw
                     if outage_aware:
-                        t += node.avail.expected_delay(now, now + node.wait + node.one_way + b / node.bw, cold + run)
+                        t += node.avail.expected_delay(now, now + node.wait + node.one_way + (b + mv) / node.bw, cold + run)
                     idx = node.idx
                     if t < gb_t or (t == gb_t and idx < gb_idx):
                         gb_t, gb, gb_idx, gb_run, gb_cold = t, node, idx, run, cold

@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, FastAPI, HTTPException
 
 from cloud_hub.api.deps import ERRORS, HubDep, UserDep
+from cloud_hub.kv.keyspace import KVError
 from cloud_hub.kv.server import KVServer
 
 __all__ = ["router"]
@@ -31,8 +32,18 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if cfg.tls_cert_file and cfg.tls_key_file:
             ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ctx.load_cert_chain(str(cfg.tls_cert_file), str(cfg.tls_key_file))
+
+        async def task_result(user: str, task_id: str) -> tuple[bool, bytes] | None:
+            rows = await hub.store.results(user, [task_id])  # the user's own tasks only
+            if not rows:
+                return None
+            if not rows[0].get("own_endpoint", True):  # a pickle from someone else's device is not handed to yours
+                raise KVError(f"ERR task {task_id} ran on an endpoint shared with you, not your own: its result is not passed "
+                              "to another endpoint (fetch it with future.result() and pass the value)")
+            return bool(rows[0]["ok"]), bytes(rows[0]["data"] or b"")
+
         server = KVServer(cfg.kv_host, cfg.kv_port, secret=secrets.token_bytes(32), max_bytes=cfg.kv_max_bytes,
-                          ssl_context=ctx, public_host=cfg.kv_public_host)
+                          ssl_context=ctx, public_host=cfg.kv_public_host, task_result=task_result)
         await server.start()
     hub.kv = server
     try:

@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+from cloud_hub.client import _dataflow
 from cloud_hub.client._client import Client, EndpointSelector, HubError, HubUnreachable, constraints_spec, selector
 from cloud_hub.client._env import env_options, merge_env, pop_env_options
 from cloud_hub.client._memo import ENV_FIELDS, Inflight, MemoOptions, key_for, pop_options
@@ -137,6 +138,8 @@ class Executor(_Executor):
         of that name."""
         if self._shutdown:
             raise RuntimeError("cannot submit after shutdown")
+        if _dataflow.has_futures(args, kwargs):  # a Future as an argument: sent once it is done (cloud_hub/client/_dataflow.py)
+            return _dataflow.submit_after(self, fn, args, kwargs)
         opts = pop_options(fn, kwargs)
         env = pop_env_options(fn, kwargs)
         fid, body = self.client.function_body(fn)

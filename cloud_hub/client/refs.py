@@ -1,19 +1,27 @@
-"""Intermediate data by reference (Pocket-style): ``put`` a value into the data store, pass the
+"""Intermediate data by reference (Pocket-style): ``put`` a value into a data store, pass the
 small ``MeshRef`` to later tasks, and the agent's worker fetches the value itself.
 
     from cloud_hub.client import refs
-    store = refs.Store()                       # MESH_REDIS_URL / multiprocessing.config(redis_url=)
+    store = refs.Store()                       # MESH_REDIS_URL, else the hub's embedded store
     parts = ex.map(map_words, chunks, [store] * n)   # each task: return store.put(counts)
     total = ex.submit(reduce_counts, list(parts))    # refs in, resolved on the agent
     print(refs.get(total.result()))            # only here do the bytes reach this program
 
 Why a ref: without it every byte between two stages goes agent -> hub -> SDK -> hub -> agent.
-With it, the producing task writes once to a store both agents reach, and only a ~150-byte ref
-travels through the hub and this program.
+With it, only a ~150-byte ref travels through the hub and this program.
 
-Tier in this version: ``redis`` (a Redis both the program and the endpoints reach; the
-"hub's store or Redis" tier of the issue). The producing agent's own store and staging through
-the hub are not built yet (docs/data.md).
+Tiers (``put(..., tier=)``, docs/data.md):
+
+* ``local``: the producing agent's own store (memory plus refs.sqlite3 in its data directory).
+  A consumer on the same endpoint reads it there: no link crossed. A consumer elsewhere (or
+  ``refs.get`` in the program) has it staged through the shared store by the producing
+  endpoint (cloud_hub.client._localrefs). Survives the agent's restart.
+* ``shared``: the shared store, reached by every endpoint: a Redis (``MESH_REDIS_URL``) or, when
+  none is configured, the hub's embedded store (``GET /v1/kv``).
+* ``auto`` (default): ``local`` in a task on an agent, ``shared`` in the program.
+
+A ``Future`` of the Executor may also be an argument of a later task (:class:`TaskOutput`): the
+consumer's agent reads the producer's result from the hub, not through this program.
 
 Each ref has a TTL (``ttl_s``, default 1 h, at most 7 days) and a size limit (``max_bytes``,
 default 64 MiB, ``MESH_REF_MAX_BYTES``). A missing or expired ref is a ``RefError`` naming the
@@ -31,10 +39,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MeshRef", "RefError", "Store", "put", "get", "delete", "resolve"]
+__all__ = ["MeshRef", "RefError", "Store", "TaskOutput", "TIERS", "put", "get", "delete", "resolve"]
 
 MAX_TTL_S = 7 * 86400.0
 DEFAULT_TTL_S = 3600.0
+TIERS = ("auto", "local", "shared")
 
 
 class RefError(LookupError):
@@ -61,7 +70,7 @@ class MeshRef:
     size: int
     producer: str
     expires: float
-    tier: str = "redis"
+    tier: str = "shared"  # "local": meta["endpoint"] holds it (docs/data.md, "Tiers")
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def get(self) -> Any:
@@ -89,13 +98,22 @@ class Store:
 
         return connection(self.url)
 
-    def put(self, value: Any, ttl_s: float = DEFAULT_TTL_S, max_bytes: int | None = None) -> MeshRef:
-        """Store ``value``; returns its ref. Refused (nothing stored) past the size limit or with
-        a TTL outside (0, 7 days]."""
+    def put(self, value: Any, ttl_s: float = DEFAULT_TTL_S, max_bytes: int | None = None, tier: str = "auto") -> MeshRef:
+        """Store ``value``; returns its ref. Refused (nothing stored) past the size limit, with
+        a TTL outside (0, 7 days], or an unknown tier. ``tier``: ``auto``, ``local`` (this
+        agent's own store; only in a task) or ``shared``."""
         from cloud_hub.client.multiprocessing._resource import dumps, retrying
 
-        if not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= MAX_TTL_S:
+        if tier not in TIERS and tier != "redis":
+            raise ValueError(f"tier must be one of {', '.join(TIERS)}, not {tier!r}")
+        if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not 0 < ttl_s <= MAX_TTL_S:
             raise ValueError(f"ttl_s must be in (0, {MAX_TTL_S:g}] seconds, not {ttl_s!r}")
+        from cloud_hub.client import _localrefs
+
+        local = _localrefs.local_store() if tier in ("auto", "local") else None
+        if tier == "local" and local is None:
+            raise ValueError("tier='local' is the producing agent's own store: use it in a task on an agent "
+                             "(here, use tier='shared' or 'auto')")
         blob = dumps(value)
         limit = _max_bytes() if max_bytes is None else max_bytes
         if len(blob) > limit:
@@ -103,31 +121,111 @@ class Store:
                              "(max_bytes= or MESH_REF_MAX_BYTES); split it or move it as a file")
         key = f"mesh:ref:{uuid.uuid4().hex}"
         producer = _producer()
+        expires = time.time() + ttl_s
+        if local is not None:
+            try:
+                local.put(key, blob, producer, expires)
+            except _localrefs.LocalFull:
+                if tier == "local":
+                    raise
+            else:
+                _localrefs.ensure_stager(self.url)
+                return MeshRef(key, self.url, len(blob), producer, expires, "local", {"endpoint": _localrefs.endpoint_id()})
         r = self._r()
         pipe = r.pipeline()
         pipe.set(key, blob, px=int(ttl_s * 1000))
         pipe.set(key + ":by", producer, px=int(ttl_s * 1000))
         retrying(self.url, pipe.execute)
-        return MeshRef(key, self.url, len(blob), producer, time.time() + ttl_s)
+        return MeshRef(key, self.url, len(blob), producer, expires, "shared")
 
     def get(self, ref: MeshRef) -> Any:
         from cloud_hub.client.multiprocessing._resource import loads, retrying
 
+        if ref.tier == "local":
+            return loads(_local_blob(ref))
         blob = retrying(self.url, lambda: self._r().get(ref.key))
         if blob is None:
-            when = "expired" if time.time() >= ref.expires else "was deleted or lost"
-            raise RefError(f"{ref.key} ({ref.size} B, put by {ref.producer}) {when}: its data is no longer in {self.url}")
+            raise _gone(ref, f"its data is no longer in {_safe(self.url)}")
         return loads(blob)
 
     def delete(self, ref: MeshRef) -> None:
+        """Delete the value (a local ref: on its own endpoint; elsewhere only its staged copy,
+        and the producer's copy goes at its TTL)."""
+        from cloud_hub.client import _localrefs
         from cloud_hub.client.multiprocessing._resource import retrying
 
+        if ref.tier == "local":
+            local = _localrefs.local_store()
+            if local is not None and ref.meta.get("endpoint") == _localrefs.endpoint_id():
+                local.delete(ref.key)
+            retrying(self.url, lambda: self._r().delete(ref.key + ":staged"))
+            return
         retrying(self.url, lambda: self._r().delete(ref.key, ref.key + ":by"))
 
 
-def put(value: Any, ttl_s: float = DEFAULT_TTL_S, max_bytes: int | None = None) -> MeshRef:
-    """``Store().put``: the store from ``MESH_REDIS_URL`` / ``multiprocessing.config``."""
-    return Store().put(value, ttl_s, max_bytes)
+def _safe(url: str) -> str:
+    """A store URL without its credential, for error messages."""
+    if "@" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://{rest.split('@', 1)[1]}"
+    return url
+
+
+def _gone(ref: MeshRef, where: str) -> RefError:
+    when = "expired" if time.time() >= ref.expires else "was deleted or lost"
+    return RefError(f"{ref.key} ({ref.size} B, put by {ref.producer}) {when}: {where}")
+
+
+def _local_blob(ref: MeshRef) -> bytes:
+    """A local-tier ref's bytes: from this endpoint's own store, or staged through the shared one."""
+    from cloud_hub.client import _localrefs
+
+    ep = ref.meta.get("endpoint")
+    if ep is not None and ep == _localrefs.endpoint_id():
+        local = _localrefs.local_store()
+        hit = local.get(ref.key) if local is not None else None
+        if hit is None:
+            raise _gone(ref, f"not in the local store of endpoint {ep}")
+        _localrefs.ensure_stager(ref.url)  # this endpoint holds local refs: serve them to others too
+        return hit[0]
+    if time.time() >= ref.expires:
+        raise _gone(ref, f"its TTL ran out (it was in the local store of endpoint {ep})")
+    blob, why = _localrefs.stage_in(ref.url, ref.key, str(ep), float(os.environ.get("MESH_REF_STAGE_S", "30")))
+    if blob is None:
+        raise RefError(f"{ref.key} ({ref.size} B, put by {ref.producer}) is in the local store of endpoint {ep} and could not "
+                       f"be staged: {why}")
+    return blob
+
+
+@dataclass(frozen=True)
+class TaskOutput:
+    """A ``Future`` passed as an argument of a later task: the producing task's id and the hub's
+    store, where the consumer's worker reads the result (``MESH.RESULT``; the hub answers only
+    for the same user's tasks). Made by the Executor, never by hand."""
+
+    task_id: str
+    url: str
+
+    def fetch(self) -> Any:
+        from cloud_hub.client.multiprocessing._resource import connection, retrying
+        from mesh_agent.protocol.serialize import deserialize
+
+        got = retrying(self.url, lambda: connection(self.url).execute_command("MESH.RESULT", self.task_id))
+        if not got:
+            raise RefError(f"the result of task {self.task_id} (an argument of this task) is not in the hub: "
+                           "it expired (result_ttl_s), or the task is not yours")
+        ok, data = int(got[0]), got[1]
+        if not ok:
+            err = deserialize(data)
+            what = f"{err.get('type')}: {err.get('message')}" if isinstance(err, dict) else repr(err)
+            raise RefError(f"task {self.task_id}, whose result is an argument of this task, failed: {what}")
+        value = deserialize(data)
+        return Store(value.url).get(value) if isinstance(value, MeshRef) else value
+
+
+def put(value: Any, ttl_s: float = DEFAULT_TTL_S, max_bytes: int | None = None, tier: str = "auto") -> MeshRef:
+    """``Store().put``: the store from ``MESH_REDIS_URL`` / ``multiprocessing.config``, else the hub's."""
+    return Store().put(value, ttl_s, max_bytes, tier)
 
 
 def get(ref: MeshRef) -> Any:
@@ -144,22 +242,24 @@ def delete(ref: MeshRef) -> None:
 def _resolve_one(v: Any, depth: int) -> Any:
     if isinstance(v, MeshRef):
         return Store(v.url).get(v)
+    if isinstance(v, TaskOutput):
+        return v.fetch()
     if depth >= 2:
         return v
     if type(v) in (list, tuple):
-        if any(isinstance(x, (MeshRef, list, tuple, dict)) for x in v):
+        if any(isinstance(x, (MeshRef, TaskOutput, list, tuple, dict)) for x in v):
             return type(v)(_resolve_one(x, depth + 1) for x in v)
         return v
     if type(v) is dict:
-        if any(isinstance(x, (MeshRef, list, tuple, dict)) for x in v.values()):
+        if any(isinstance(x, (MeshRef, TaskOutput, list, tuple, dict)) for x in v.values()):
             return {k: _resolve_one(x, depth + 1) for k, x in v.items()}
     return v
 
 
 def resolve(args: Any, kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
-    """On the agent's worker, before the function runs: every ``MeshRef`` argument (also inside
-    a list, tuple or dict argument, two levels deep) becomes its value, fetched from the store
-    by this worker. The program never sees the bytes."""
+    """On the agent's worker, before the function runs: every ``MeshRef`` or ``TaskOutput``
+    argument (also inside a list, tuple or dict argument, two levels deep) becomes its value,
+    fetched by this worker. The program never sees the bytes."""
     return [_resolve_one(a, 0) for a in args], {k: _resolve_one(v, 0) for k, v in kwargs.items()}
 
 

@@ -24,7 +24,7 @@ import logging
 import ssl
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from cloud_hub.kv.keyspace import Block, Keyspace, KVError, Status
 
@@ -113,8 +113,12 @@ class KVServer:
 
     def __init__(self, host: str, port: int, *, secret: bytes, max_bytes: int = 256 << 20, max_value_bytes: int = 64 << 20,
                  ssl_context: ssl.SSLContext | None = None, public_host: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 task_result: Callable[[str, str], Awaitable[tuple[bool, bytes] | None]] | None = None) -> None:
         self.host, self.port, self.secret, self.ssl = host, port, secret, ssl_context
+        #: (user, task id) -> (ok, serialized result) of the user's own finished task, or None:
+        #: what ``MESH.RESULT`` answers (a Future passed as a task argument, docs/data.md)
+        self.task_result = task_result
         self.public_host = public_host or host
         self.keys = Keyspace(clock=clock, max_bytes=max_bytes, max_value_bytes=max_value_bytes)
         self._waiters: dict[tuple[str, bytes], deque[_Waiter]] = {}
@@ -193,6 +197,8 @@ class KVServer:
                     reply = Status("OK") if args[1:] == [b"0"] else KVError("ERR the embedded store has only DB 0")
                 elif name == "PING":
                     reply = args[1] if len(args) > 1 else Status("PONG")
+                elif name == "MESH.RESULT":
+                    reply = await self._result(user, args)  # type: ignore[arg-type]
                 elif name == "MULTI":
                     multi, reply = [], Status("OK")
                 elif name == "DISCARD":
@@ -222,6 +228,18 @@ class KVServer:
                 writer.close()
             except Exception:
                 pass
+
+    async def _result(self, user: str, args: list[bytes]) -> Any:
+        """``MESH.RESULT <task id>``: [ok, data] of this user's finished task, or nil."""
+        if len(args) != 2:
+            return KVError("ERR wrong number of arguments for 'mesh.result' command")
+        if self.task_result is None:
+            return KVError("ERR this store does not serve task results")
+        try:
+            got = await self.task_result(user, args[1].decode("utf-8", "replace"))
+        except KVError as exc:
+            return exc
+        return None if got is None else [int(bool(got[0])), got[1]]
 
     def _hello(self, args: list[bytes], user: str | None, resp3: bool) -> tuple[Any, str | None, bool]:
         proto = 2

@@ -31,13 +31,24 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Env:
-    def __init__(self, mesh: LocalMesh, redis: RedisServer) -> None:
-        self.mesh, self.redis = mesh, redis
+    """One mesh, and where shared state lives: ``redis`` (a real redis-server, MESH_REDIS_URL) or
+    ``hub-store`` (no Redis configured: the hub's embedded store, found through GET /v1/kv)."""
+
+    def __init__(self, mesh: LocalMesh, redis: RedisServer, mode: str) -> None:
+        self.mesh, self.redis, self.mode = mesh, redis, mode
+
+    @property
+    def store_url(self) -> str:
+        if self.mode == "redis":
+            return self.redis.url
+        return str(Client(self.mesh.url, self.mesh.token).request("GET", "/v1/kv")["url"])
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MESH_")}
         env.update(MESH_HUB_URL=self.mesh.url, MESH_TOKEN=self.mesh.token, MESH_CONFIG=str(self.mesh.workdir / "no-config.yaml"),
-                   MESH_REDIS_URL=self.redis.url, PYTHONPATH=str(ROOT))
+                   PYTHONPATH=str(ROOT))
+        if self.mode == "redis":
+            env["MESH_REDIS_URL"] = self.redis.url
         return env
 
     def run(self, name: str, *args: str, stdlib: bool = False, tmp: Path | None = None) -> str:
@@ -63,7 +74,7 @@ class Env:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalMesh, RedisServer]]:
     if find_mosquitto() is None:
         pytest.fail("mosquitto is required for integration tests: run ./taskw setup (apt-get install mosquitto)")
     redis = RedisServer(tmp_path_factory.mktemp("redis"))
@@ -74,10 +85,15 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         m.add_agent("mp-zmq", "zmq", workers=2)
         m.add_agent("mp-zmq2", "zmq", workers=2)
         m.wait_online(timeout=90)
-        yield Env(m, redis)
+        yield m, redis
     finally:
         m.stop()
         redis.stop()
+
+
+@pytest.fixture(scope="module", params=["redis", "hub-store"])
+def env(request: pytest.FixtureRequest, mesh: tuple[LocalMesh, RedisServer]) -> Env:
+    return Env(mesh[0], mesh[1], request.param)
 
 
 def _field(out: str, key: str) -> list[str]:
@@ -202,6 +218,10 @@ def map_ref(seed: int, store: refs.Store) -> list[refs.MeshRef]:
     return [store.put(b) for b in _buckets(seed)]
 
 
+def map_ref_shared(seed: int, store: refs.Store) -> list[refs.MeshRef]:
+    return [store.put(b, tier="shared") for b in _buckets(seed)]
+
+
 def reduce_plain(parts: list[dict[str, int]]) -> dict[str, int]:
     total: Counter[str] = Counter()
     for p in parts:
@@ -233,7 +253,7 @@ class _Metered:
 
 def wordcount_via_sdk(env: Env) -> tuple[dict[str, int], int]:
     m = _Metered(env)
-    with Executor(client=m.client, endpoint=[a.endpoint_id for a in env.mesh.agents]) as ex:
+    with Executor(client=m.client, endpoint=[a.endpoint_id for a in env.mesh.agents], stream=False) as ex:  # HTTP: metered
         parts = [f.result(120) for f in [ex.submit(map_plain, s) for s in range(MAPS)]]
         out = [ex.submit(reduce_plain, [p[r] for p in parts]).result(120) for r in range(REDUCERS)]
     return {k: v for d in out for k, v in d.items()}, m.bytes
@@ -241,8 +261,8 @@ def wordcount_via_sdk(env: Env) -> tuple[dict[str, int], int]:
 
 def wordcount_via_refs(env: Env) -> tuple[dict[str, int], int, int]:
     m = _Metered(env)
-    store = refs.Store(env.redis.url)
-    with Executor(client=m.client, endpoint=[a.endpoint_id for a in env.mesh.agents]) as ex:
+    store = refs.Store(env.store_url)
+    with Executor(client=m.client, endpoint=[a.endpoint_id for a in env.mesh.agents], stream=False) as ex:  # HTTP: metered
         parts = [f.result(120) for f in [ex.submit(map_ref, s, store) for s in range(MAPS)]]
         outs = [f.result(120) for f in [ex.submit(reduce_ref, [p[r] for p in parts], store) for r in range(REDUCERS)]]
     sdk = m.bytes
@@ -268,11 +288,11 @@ def _fail_with(env: Env, fn: Any, *args: Any) -> BaseException:
 
 
 def test_missing_ref_names_its_producer(env: Env) -> None:
-    store = refs.Store(env.redis.url)
+    store = refs.Store(env.store_url)
     with Executor(client=Client(env.mesh.url, env.mesh.token), endpoint=env.mesh.agents[1].endpoint_id) as ex:
-        f = ex.submit(map_ref, 1, store)
+        f = ex.submit(map_ref_shared, 1, store)
         made = f.result(120)
-    assert made[0].producer == f"task {f.task_id}"
+    assert made[0].producer == f"task {f.task_id}" and made[0].tier == "shared"
     refs.delete(made[0])
     exc = _fail_with(env, reduce_plain, [made[0]])
     assert isinstance(exc, refs.RefError) and f"put by task {f.task_id}" in str(exc) and "deleted or lost" in str(exc)
@@ -287,8 +307,8 @@ def test_missing_ref_names_its_producer(env: Env) -> None:
 def test_ref_limits_refuse_and_store_nothing(env: Env) -> None:
     import redis as redis_lib
 
-    r = redis_lib.Redis.from_url(env.redis.url)
-    store = refs.Store(env.redis.url)
+    r = redis_lib.Redis.from_url(env.store_url)
+    store = refs.Store(env.store_url)
     before = r.dbsize()
     with pytest.raises(ValueError, match="over the ref size limit of 1000 bytes"):
         store.put(b"x" * 5000, max_bytes=1000)

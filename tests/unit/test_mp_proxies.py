@@ -1,6 +1,7 @@
 """The mesh multiprocessing proxies against a real redis-server (started here on a free port),
 from threads and from real child processes: Queue, Pipe, Lock, RLock, Semaphore, Condition,
-Event, Barrier, Value, Array, Manager; reference counts, expiry, and Redis going away."""
+Event, Barrier, Value, Array, Manager; reference counts, expiry, and Redis going away. Every
+test that takes ``rs`` runs twice: against redis-server and against the hub's embedded store."""
 
 from __future__ import annotations
 
@@ -54,9 +55,23 @@ class RedisServer:
         self.proc.wait(10)
 
 
-@pytest.fixture(scope="module")
-def rs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
+class HubStore:
+    """The hub's embedded store (cloud_hub.kv, a Redis subset) in place of a redis-server: the
+    same proxies must behave the same against it (issue 12: deployments without Redis)."""
+
+    def __init__(self) -> None:
+        from tests.kv_thread import KVThread
+
+        self.kv = KVThread()
+        self.url = self.kv.url("alice")
+
+    def stop(self) -> None:
+        self.kv.stop()
+
+
+@pytest.fixture(scope="module", params=["redis", "hub-store"])
+def rs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer | HubStore]:
+    server = RedisServer(tmp_path_factory.mktemp("redis")) if request.param == "redis" else HubStore()
     mp.config(redis_url=server.url)
     try:
         yield server

@@ -45,7 +45,11 @@ def connection(url: str) -> Any:
         with _conns_lock:
             r = _conns.get(key)
             if r is None:
-                r = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
+                # socket_timeout=None: redis-py 8 reads with a 5 s default, which broke every BLPOP
+                # (Lock, Event, Queue.get) that waits longer; a dead server is still caught by
+                # the connect timeout and TCP keepalive.
+                r = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=None, socket_keepalive=True,
+                                         health_check_interval=30)
                 _conns[key] = r
     return r
 
@@ -99,10 +103,10 @@ class Resource:
     _suffixes: tuple[str, ...] = ()
 
     def __init__(self, *, _prefix: str | None = None, _url: str | None = None, _ttl: float | None = None) -> None:
-        from cloud_hub.client.multiprocessing._state import settings
+        from cloud_hub.client.multiprocessing._state import redis_url, settings
 
         s = settings()
-        self._url = _url or str(s["redis_url"])
+        self._url = _url or redis_url()  # a copy unpickled on a worker keeps the program's store
         self._ttl = int(_ttl or s["ttl_s"])
         self._prefix = _prefix or f"mesh:mp:{uuid.uuid4().hex}"
         self._r = connection(self._url)

@@ -18,7 +18,7 @@ __all__ = ["config", "settings", "executor", "redis_url", "shutdown_executor"]
 _lock = threading.Lock()
 _settings: dict[str, Any] = {
     "endpoint": None,        # "auto" unless MESH_MP_ENDPOINT or config() says otherwise
-    "redis_url": None,       # MESH_REDIS_URL, else redis://127.0.0.1:6379/0
+    "redis_url": None,       # MESH_REDIS_URL, else the hub's embedded store (GET /v1/kv)
     "ttl_s": 3600.0,         # expiry of every shared resource, refreshed on writes
     "client": None,
     "task_timeout_s": None,
@@ -51,12 +51,36 @@ def settings() -> dict[str, Any]:
         env = os.environ.get("MESH_MP_ENDPOINT")
         out["endpoint"] = ([e for e in env.split(",") if e] if env and "," in env else env) or "auto"
     if out["redis_url"] is None:
-        out["redis_url"] = os.environ.get("MESH_REDIS_URL") or "redis://127.0.0.1:6379/0"
+        out["redis_url"] = os.environ.get("MESH_REDIS_URL")  # None: the hub's store, asked for by redis_url()
     return out
 
 
+_hub_urls: dict[int, str] = {}
+
+
+def _hub_store(client: Any) -> str:
+    """No Redis configured: the hub's embedded store (a Redis subset, per user; docs/data.md),
+    asked once per client. A hub without one (``kv_host: ''``) leaves the local Redis default."""
+    key = id(client)
+    url = _hub_urls.get(key)
+    if url is None:
+        from cloud_hub.client._client import Client, HubError
+
+        c = client if client is not None else Client()
+        try:
+            url = str(c.request("GET", "/v1/kv")["url"])
+        except HubError as exc:
+            if getattr(exc, "status", None) != 404:
+                raise
+            url = "redis://127.0.0.1:6379/0"
+        _hub_urls[key] = url
+    return url
+
+
 def redis_url() -> str:
-    return str(settings()["redis_url"])
+    """The shared store: ``config(redis_url=)``, ``MESH_REDIS_URL``, else the hub's embedded store."""
+    s = settings()
+    return str(s["redis_url"] or _hub_store(s["client"]))
 
 
 def executor() -> Any:

@@ -1,0 +1,114 @@
+"""A ``Future`` as an argument of a later task (issue 12): ``ex.submit(g, ex.submit(f, x))``.
+
+Why the task waits here, in the SDK, until its inputs are done, and not on an agent: a
+consumer dispatched early would hold a worker slot while it waits, and with every slot so held
+the producers queued behind them would never run. So the consumer is submitted the moment its
+last input finishes (a callback, no polling), with each Future replaced by a small
+:class:`~cloud_hub.client.refs.TaskOutput` (task id + the hub's store). The consumer's worker
+reads the producer's result from the hub itself (``MESH.RESULT``): the bytes go hub -> agent,
+never back up from this program. (The producer's own Future still receives its result, as
+every Future does; return a ref from the producer to keep even that away from the program.)
+
+A failed input fails the consumer without running it, with an error naming the input's task.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+__all__ = ["has_futures", "submit_after", "DependencyError"]
+
+
+class DependencyError(RuntimeError):
+    """A task was not run because a Future passed as its argument failed."""
+
+
+def _walk(v: Any, depth: int, out: list[Future[Any]]) -> None:
+    if isinstance(v, Future):
+        out.append(v)
+    elif depth < 2 and type(v) in (list, tuple):
+        for x in v:
+            _walk(x, depth + 1, out)
+    elif depth < 2 and type(v) is dict:
+        for x in v.values():
+            _walk(x, depth + 1, out)
+
+
+def futures_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Future[Any]]:
+    """Futures among the arguments, also inside a list, tuple or dict argument (two levels, as
+    the agent resolves refs)."""
+    out: list[Future[Any]] = []
+    for a in args:
+        _walk(a, 0, out)
+    for a in kwargs.values():
+        _walk(a, 0, out)
+    return out
+
+
+def has_futures(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return bool(futures_in(args, kwargs))
+
+
+def _swap(v: Any, depth: int, url: str) -> Any:
+    from cloud_hub.client.refs import TaskOutput
+
+    if isinstance(v, Future):
+        return TaskOutput(str(getattr(v, "task_id")), url)
+    if depth < 2 and type(v) in (list, tuple):
+        return type(v)(_swap(x, depth + 1, url) for x in v)
+    if depth < 2 and type(v) is dict:
+        return {k: _swap(x, depth + 1, url) for k, x in v.items()}
+    return v
+
+
+def submit_after(ex: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> "Future[Any]":
+    """Return a Future at once; submit ``fn`` through ``ex`` when every input Future is done."""
+    deps = futures_in(args, kwargs)
+    url = str(ex.client.request("GET", "/v1/kv")["url"])  # the hub's store: where the agent reads results
+    out: Future[Any] = Future()
+    out.task_id = None  # type: ignore[attr-defined]  # set once submitted
+    left = [len(deps)]
+    lock = threading.Lock()
+
+    def go() -> None:
+        for d in deps:
+            exc = d.exception()
+            if exc is not None:
+                err = DependencyError(f"not run: its argument, task {getattr(d, 'task_id', None) or '(never submitted)'}, "
+                                      f"failed: {type(exc).__name__}: {exc}")
+                err.__cause__ = exc
+                out.set_exception(err)
+                return
+            if getattr(d, "task_id", None) is None:
+                out.set_exception(TypeError("only Futures of a mesh Executor can be task arguments (this one has no task_id)"))
+                return
+        try:
+            real = ex.submit(fn, *(_swap(a, 0, url) for a in args), **{k: _swap(v, 0, url) for k, v in kwargs.items()})
+        except BaseException as exc:  # noqa: BLE001 - the caller sees it on the Future
+            out.set_exception(exc)
+            return
+        out.task_id = getattr(real, "task_id", None)  # type: ignore[attr-defined]
+
+        def chain(f: Future[Any]) -> None:
+            out.task_id = getattr(f, "task_id", None)  # type: ignore[attr-defined]
+            out.endpoint_id = getattr(f, "endpoint_id", None)  # type: ignore[attr-defined]
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(exc)
+            else:
+                out.set_result(f.result())
+
+        real.add_done_callback(chain)
+
+    def one_done(_: Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            go()
+
+    for d in deps:
+        d.add_done_callback(one_done)
+    return out

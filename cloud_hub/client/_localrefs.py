@@ -1,0 +1,204 @@
+"""The local tier of refs: the producing agent's own store (memory plus its SQLite), and staging
+of local refs through the hub's store for consumers on other endpoints.
+
+Why a tier on the agent: a consumer on the same endpoint (the scheduler puts it there when it
+can, docs/data.md "Locality") then reads the value from the SD card or from memory, and the
+value never crosses a link. Why SQLite and not memory alone: a ref outlives the worker process
+that put it, and the agent itself (SIGKILL, reboot): committed rows survive, so a ref is read
+back as it was or reported lost, never wrong.
+
+Staging (for devices that cannot reach each other, only the hub): a consumer elsewhere pushes
+the ref's key on ``mesh:stage:<endpoint>`` in the shared store (the hub's store, or Redis) and
+waits on ``<key>:ready``. A stager thread in each worker of the producing endpoint that has used
+the local tier (started at its first local put or read) pops the request, copies the value to
+``<key>:staged`` with the ref's remaining TTL, and answers ``ok`` or ``lost``. The data goes
+producer -> hub -> consumer, once per consumer endpoint (a staged copy is reused until expiry).
+
+Costs on a Pi: one SQLite transaction per put (WAL, ``synchronous=NORMAL``: no fsync per put,
+so a power cut may lose the newest refs, which then read as lost), the value's bytes on the SD
+card, up to ``MESH_REF_MEMORY_BYTES`` (16 MiB) of RSS per worker for the memory copy, and one
+idle blocked connection per worker to the shared store for the stager.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LocalStore", "local_store", "endpoint_id", "LocalFull", "ensure_stager", "STAGE_LIST"]
+
+ENV_DATA_DIR = "MESH_ENDPOINT_DATA_DIR"  # set by the agent for its workers (mesh_agent.datasets)
+ENV_ENDPOINT_ID = "MESH_ENDPOINT_ID"
+STAGE_LIST = "mesh:stage:"
+
+
+class LocalFull(Exception):
+    """The local tier's byte budget (``MESH_REF_LOCAL_MAX_BYTES``) would be passed."""
+
+
+def endpoint_id() -> str | None:
+    """This process's endpoint, when it is an agent's worker."""
+    return os.environ.get(ENV_ENDPOINT_ID) or None
+
+
+class LocalStore:
+    """refs.sqlite3 in the agent's data directory, shared by its workers, plus a per-process LRU."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.path = Path(data_dir) / "refs.sqlite3"
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(self.path), timeout=30, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS refs (key TEXT PRIMARY KEY, blob BLOB NOT NULL, producer TEXT NOT NULL, "
+                         "expires REAL NOT NULL, size INTEGER NOT NULL)")
+        self._mem: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
+        self._mem_bytes = 0
+        self.mem_max = int(os.environ.get("MESH_REF_MEMORY_BYTES", str(16 << 20)))
+        self.max_bytes = int(os.environ.get("MESH_REF_LOCAL_MAX_BYTES", str(256 << 20)))
+
+    def _remember(self, key: str, blob: bytes, expires: float) -> None:
+        if len(blob) > self.mem_max // 4:
+            return
+        old = self._mem.pop(key, None)
+        if old is not None:
+            self._mem_bytes -= len(old[0])
+        self._mem[key] = (blob, expires)
+        self._mem_bytes += len(blob)
+        for _ in range(len(self._mem)):
+            if self._mem_bytes <= self.mem_max:
+                break
+            _, (b, _e) = self._mem.popitem(last=False)
+            self._mem_bytes -= len(b)
+
+    def put(self, key: str, blob: bytes, producer: str, expires: float) -> None:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("DELETE FROM refs WHERE expires <= ?", (time.time(),))
+                used = self._db.execute("SELECT COALESCE(SUM(size), 0) FROM refs").fetchone()[0]
+                if used + len(blob) > self.max_bytes:
+                    raise LocalFull(f"the local ref store of this endpoint holds {used} bytes; {len(blob)} more would pass "
+                                    f"MESH_REF_LOCAL_MAX_BYTES={self.max_bytes}")
+                self._db.execute("INSERT OR REPLACE INTO refs VALUES (?, ?, ?, ?, ?)", (key, blob, producer, expires, len(blob)))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._remember(key, blob, expires)
+
+    def get(self, key: str) -> tuple[bytes, float] | None:
+        """(blob, expires) or None; an expired row is deleted and reads as None."""
+        with self._lock:
+            hit = self._mem.get(key)
+            if hit is not None and hit[1] > time.time():
+                self._mem.move_to_end(key)
+                return hit
+            row = self._db.execute("SELECT blob, expires FROM refs WHERE key = ?", (key,)).fetchone()
+            if row is None:
+                return None
+            if row[1] <= time.time():
+                self._db.execute("DELETE FROM refs WHERE key = ?", (key,))
+                return None
+            self._remember(key, row[0], row[1])
+            return bytes(row[0]), float(row[1])
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            old = self._mem.pop(key, None)
+            if old is not None:
+                self._mem_bytes -= len(old[0])
+            self._db.execute("DELETE FROM refs WHERE key = ?", (key,))
+
+
+_stores: dict[tuple[int, str], LocalStore] = {}
+_stores_lock = threading.Lock()
+
+
+def local_store() -> LocalStore | None:
+    """This worker's local tier, or None outside an agent."""
+    d = os.environ.get(ENV_DATA_DIR)
+    if not d or not endpoint_id():
+        return None
+    k = (os.getpid(), d)
+    with _stores_lock:
+        s = _stores.get(k)
+        if s is None:
+            s = _stores[k] = LocalStore(Path(d))
+    return s
+
+
+_stagers: dict[tuple[int, str], threading.Thread] = {}
+
+
+def ensure_stager(url: str) -> None:
+    """Serve staging requests for this endpoint's local refs from ``url``'s store (one thread
+    per worker process and store; daemon, blocked in BLPOP while idle)."""
+    ep, store = endpoint_id(), local_store()
+    if ep is None or store is None:
+        return
+    k = (os.getpid(), url)
+    with _stores_lock:
+        if k in _stagers and _stagers[k].is_alive():
+            return
+        t = threading.Thread(target=_stage_forever, args=(url, ep, store), daemon=True, name="mesh-ref-stager")
+        _stagers[k] = t
+        t.start()
+
+
+def _stage_forever(url: str, ep: str, store: LocalStore) -> None:
+    import redis
+
+    from cloud_hub.client.multiprocessing._resource import connection
+
+    r = connection(url)
+    for _ in range(1 << 40):  # for the life of this worker
+        try:
+            got = r.blpop([STAGE_LIST + ep], timeout=5)
+        except (redis.ConnectionError, redis.TimeoutError):
+            time.sleep(1.0)
+            continue
+        except Exception:  # noqa: BLE001 - a stager never takes the worker down
+            time.sleep(1.0)
+            continue
+        if got is None:
+            continue
+        key = got[1].decode()
+        try:
+            hit = store.get(key)
+            pipe = r.pipeline()
+            if hit is None:
+                pipe.rpush(key + ":ready", "lost")
+            else:
+                blob, expires = hit
+                pipe.set(key + ":staged", blob, px=max(1, int((expires - time.time()) * 1000)))
+                pipe.rpush(key + ":ready", "ok")
+            pipe.expire(key + ":ready", 120)
+            pipe.execute()
+        except Exception:  # noqa: BLE001
+            continue
+
+
+def stage_in(url: str, key: str, producer_ep: str, timeout_s: float) -> tuple[bytes | None, str]:
+    """From another endpoint or the program: the value of a local ref on ``producer_ep``, copied
+    through the shared store. Returns (blob, "") or (None, why)."""
+    from cloud_hub.client.multiprocessing._resource import connection, retrying
+
+    r = connection(url)
+    blob = retrying(url, lambda: r.get(key + ":staged"))
+    if blob is not None:
+        return blob, ""
+    retrying(url, lambda: r.rpush(STAGE_LIST + producer_ep, key))
+    got = retrying(url, lambda: r.blpop([key + ":ready"], timeout=timeout_s))
+    if got is None:
+        return None, (f"endpoint {producer_ep} did not stage it within {timeout_s:g} s (it is offline, or no worker "
+                      "that used refs is alive there; MESH_REF_STAGE_S)")
+    if got[1] == b"lost":
+        return None, f"endpoint {producer_ep} no longer has it (expired, deleted, or its data directory was wiped)"
+    blob = retrying(url, lambda: r.get(key + ":staged"))
+    return (blob, "") if blob is not None else (None, "its staged copy expired before it was read")

@@ -1,0 +1,178 @@
+"""Ref tiers and Futures as arguments on a real mesh with no Redis at all (issue 12, items 2, 3, 5):
+a real hub (its embedded store is the shared tier), Mosquitto, one MQTT and two ZeroMQ agents.
+
+* local tier: a ref put in a task lives in the producing agent's SQLite; a consumer on the same
+  endpoint reads it there, a consumer elsewhere (or ``refs.get`` in the program) gets it staged
+  through the hub's store; it survives the agent's SIGKILL and restart; a lost one is a RefError
+  naming the task that put it.
+* a Future as an argument: the consumer's agent reads the producer's result from the hub; the
+  program does not send it back up; a failed producer fails the consumer with its task id.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from cloud_hub.broker import find_mosquitto
+from cloud_hub.client import Client, Executor, refs
+from cloud_hub.client._dataflow import DependencyError
+from cloud_hub.localmesh import LocalMesh
+
+pytestmark = pytest.mark.integration
+
+BIG = 200_000  # bytes of the values moved: far larger than any ref or request overhead
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
+    if find_mosquitto() is None:
+        pytest.fail("mosquitto is required for integration tests: run ./taskw setup (apt-get install mosquitto)")
+    m = LocalMesh(tmp_path_factory.mktemp("tiers"), heartbeat_s=0.5, lost_after_s=3.0)
+    m.start()
+    try:
+        m.add_agent("t-mqtt", "mqtt", workers=2)
+        m.add_agent("t-zmq", "zmq", workers=2)
+        m.add_agent("t-zmq2", "zmq", workers=2)
+        m.wait_online(timeout=90)
+        from cloud_hub.client import multiprocessing as mp
+        from cloud_hub.client.multiprocessing import _state
+
+        _state._settings["redis_url"] = None  # no Redis configured: refs.Store() is the hub's store
+        mp.config(client=Client(m.url, m.token))
+        yield m
+    finally:
+        m.stop()
+
+
+def make(seed: int, store: refs.Store) -> refs.MeshRef:
+    return store.put(bytes([seed % 256]) * BIG)  # tier "auto" in a task: this agent's own store
+
+
+def where(ref: refs.MeshRef) -> tuple[int, int, str]:  # the value arrives resolved by the worker
+    return len(ref), ref[0], os.environ["MESH_ENDPOINT_ID"]  # type: ignore[arg-type]
+
+
+def drop(nested: list[list[list[refs.MeshRef]]], store: refs.Store) -> None:
+    store.delete(nested[0][0][0])  # three levels deep: the worker passes the ref itself, unresolved
+
+
+class Metered:
+    """A Client that counts the HTTP bytes between this program and the hub."""
+
+    def __init__(self, mesh: LocalMesh) -> None:
+        self.client = Client(mesh.url, mesh.token)
+        self.sent = self.received = 0
+
+        def req(r: Any) -> None:
+            self.sent += len(r.content or b"")
+
+        def resp(r: Any) -> None:
+            r.read()
+            self.received += len(r.content or b"")
+
+        self.client._http.event_hooks["request"].append(req)
+        self.client._http.event_hooks["response"].append(resp)
+
+
+def _run(mesh: LocalMesh, endpoint: str, fn: Any, *args: Any, client: Client | None = None) -> Any:
+    with Executor(client=client or Client(mesh.url, mesh.token), endpoint=endpoint, stream=False) as ex:
+        return ex.submit(fn, *args).result(120)
+
+
+def test_local_tier_same_endpoint_staged_elsewhere_and_get(mesh: LocalMesh) -> None:
+    a, b = mesh.agents[1], mesh.agents[2]
+    store = refs.Store()  # no MESH_REDIS_URL: the hub's embedded store
+    assert store.url.startswith("redis://") and "@" in store.url
+    ref = _run(mesh, a.endpoint_id, make, 7, store)
+    assert ref.tier == "local" and ref.meta["endpoint"] == a.endpoint_id and ref.size > BIG
+    rows = sqlite3.connect(a.cfg.data_dir / "refs.sqlite3").execute("SELECT key, size FROM refs").fetchall()
+    assert (ref.key, ref.size) in rows  # on the producer's own disk
+    import redis
+
+    shared = redis.Redis.from_url(store.url)
+    assert shared.get(ref.key) is None and shared.get(ref.key + ":staged") is None  # nothing went to the hub
+    assert _run(mesh, a.endpoint_id, where, ref) == (BIG, 7, a.endpoint_id)  # read where it lies
+    assert shared.get(ref.key + ":staged") is None
+    assert _run(mesh, b.endpoint_id, where, ref) == (BIG, 7, b.endpoint_id)  # staged through the hub
+    assert len(shared.get(ref.key + ":staged") or b"") == ref.size
+    assert refs.get(ref) == bytes([7]) * BIG  # the program asks: staged copy
+
+
+def test_local_ref_survives_agent_sigkill_and_a_lost_one_names_its_producer(mesh: LocalMesh) -> None:
+    a = mesh.agents[0]
+    store = refs.Store()
+    with Executor(client=Client(mesh.url, mesh.token), endpoint=a.endpoint_id, stream=False) as ex:
+        f1, f2 = ex.submit(make, 1, store), ex.submit(make, 2, store)
+        kept, lost = f1.result(120), f2.result(120)
+    a.kill()  # SIGKILL the agent and its workers
+    a.start()
+    mesh.wait_online(a, timeout=90)
+    assert _run(mesh, a.endpoint_id, where, kept) == (BIG, 1, a.endpoint_id)  # durable: read back as it was
+    _run(mesh, a.endpoint_id, drop, [[[lost]]], store)  # gone from the producer's store
+    with Executor(client=Client(mesh.url, mesh.token), endpoint=a.endpoint_id, stream=False) as ex:
+        exc = ex.submit(where, lost).exception(120)
+    assert isinstance(exc, refs.RefError), exc
+    assert f"put by task {f2.task_id}" in str(exc) and "was deleted or lost" in str(exc) and a.endpoint_id in str(exc)
+    with Executor(client=Client(mesh.url, mesh.token), endpoint=mesh.agents[1].endpoint_id, stream=False) as ex:
+        exc = ex.submit(where, lost).exception(120)  # elsewhere: the producer answers that it is gone
+    assert isinstance(exc, refs.RefError) and f"put by task {f2.task_id}" in str(exc) and "no longer has it" in str(exc)
+
+
+def test_bad_tier_and_local_outside_an_agent_store_nothing(mesh: LocalMesh) -> None:
+    import redis
+
+    store = refs.Store()
+    r = redis.Redis.from_url(store.url)
+    before = r.dbsize()
+    with pytest.raises(ValueError, match="tier must be one of auto, local, shared"):
+        store.put(1, tier="disk")
+    with pytest.raises(ValueError, match="tier='local' is the producing agent's own store"):
+        store.put(1, tier="local")
+    assert r.dbsize() == before
+    ref = store.put(b"x", tier="auto")  # in the program, auto is the shared tier
+    assert ref.tier == "shared" and refs.get(ref) == b"x"
+    refs.delete(ref)
+
+
+def square_bytes(n: int) -> bytes:
+    return b"y" * n
+
+
+def length(data: bytes) -> int:
+    return len(data)
+
+
+def boom() -> None:
+    raise KeyError("no such thing")
+
+
+def test_future_as_argument_is_resolved_by_the_agent(mesh: LocalMesh) -> None:
+    m = Metered(mesh)
+    a, b = mesh.agents[1].endpoint_id, mesh.agents[2].endpoint_id
+    with Executor(client=m.client, endpoint=a, stream=False) as ex_a, Executor(client=m.client, endpoint=b, stream=False) as ex_b:
+        f = ex_a.submit(square_bytes, BIG)
+        g = ex_b.submit(length, f)  # submitted now, sent when f is done; b's worker reads f's result from the hub
+        h = ex_b.submit(length, [f, f])  # inside a list too
+        assert g.result(120) == BIG and g.task_id
+        assert h.result(120) == 2  # a list of two values arrived
+        assert f.result(120) == b"y" * BIG
+    assert m.sent < BIG // 4, m.sent  # the value was never sent back up from this program
+    with Executor(client=Client(mesh.url, mesh.token), endpoint=a, stream=False) as ex:
+        bad = ex.submit(boom)
+        after = ex.submit(length, bad)
+        exc = after.exception(120)
+    assert isinstance(exc, DependencyError) and f"task {bad.task_id}" in str(exc) and "KeyError" in str(exc)
+
+
+def test_task_output_of_an_unknown_task_is_a_clear_error(mesh: LocalMesh) -> None:
+    url = str(Client(mesh.url, mesh.token).request("GET", "/v1/kv")["url"])
+    out = refs.TaskOutput("0" * 32, url)
+    with Executor(client=Client(mesh.url, mesh.token), endpoint=mesh.agents[0].endpoint_id, stream=False) as ex:
+        exc = ex.submit(length, out).exception(120)
+    assert isinstance(exc, refs.RefError) and "0" * 32 in str(exc) and "not in the hub" in str(exc)
