@@ -69,6 +69,9 @@ class Executor(_Executor):
     ``task_group_id``: every task submitted here is filed under it (a new uuid4 by default), so a
     later process can :meth:`reload_tasks`. Each future gets ``task_id`` and ``endpoint_id``
     (where it was placed) once it is submitted. ``stream=False``: REST only, never the WebSocket.
+    ``early_results=True`` (stream only): a result comes as soon as the agent sends it, before the
+    hub's own commit (the agent keeps it until then), which saves that commit on the round trip;
+    the hub's task status may say ``leased`` for a moment after the future is done.
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class Executor(_Executor):
         submit_timeout_s: float = 300.0,
         task_group_id: str | None = None,
         stream: bool = True,
+        early_results: bool = False,
         environment: dict[str, Any] | None = None,
         container: str | None = None,
         sandbox: bool | None = None,
@@ -115,7 +119,7 @@ class Executor(_Executor):
         self._inflight = Inflight()  # repeats of a cached call still running join it (cloud_hub/client/_memo.py)
         self._cursor = self.client.result_cursor()  # also: a wrong URL or token fails here, in one line
         # One WebSocket for submits and results when the hub offers it (cloud_hub/client/_stream.py); else REST.
-        self._stream: HubStream | None = HubStream.first(self.client, self._cursor) if stream else None
+        self._stream: HubStream | None = HubStream.first(self.client, self._cursor, early_results) if stream else None
         self._submitter = threading.Thread(target=self._submit_loop, name="mesh-submit", daemon=True)
         self._reader = threading.Thread(target=self._result_loop, name="mesh-results", daemon=True)
         self._submitter.start()
