@@ -84,14 +84,16 @@ def main() -> None:
     for t in [t for t in args.transports.split(",") if t]:
         c.log(f"starting LocalMesh with one {t} agent (2 workers)")
         with c.local_mesh(t, workers=2, workdir=args.workdir) as (mesh, agent):
-            with Executor(mesh.client, agent.endpoint_id) as streamed, Executor(mesh.client, agent.endpoint_id, stream=False) as rest:
-                for ex in (streamed, rest):
+            with Executor(mesh.client, agent.endpoint_id) as streamed, Executor(mesh.client, agent.endpoint_id, stream=False) as rest, \
+                    Executor(mesh.client, agent.endpoint_id, early_results=True) as early:
+                paths = (("stream", streamed), ("rest", rest), ("stream_early", early))
+                for _, ex in paths:
                     for _ in range(20):
                         ex.submit(noop).result(timeout=30)
-                got: dict[str, list[dict[str, float]]] = {"stream": [], "rest": []}
+                got: dict[str, list[dict[str, float]]] = {name: [] for name, _ in paths}
                 per = max(1, args.samples // args.rounds)
                 for _ in range(args.rounds):
-                    for name, ex in (("stream", streamed), ("rest", rest)):
+                    for name, ex in paths:
                         got[name] += trace(mesh, ex, per, 60.0)
                 out[t] = {name: summarize(marks) for name, marks in got.items()}
                 out[t]["stream_connected"] = streamed._stream is not None and streamed._stream.connected

@@ -45,6 +45,7 @@ CLOSE_AUTH = 4401
 CLOSE_BAD_FRAME = 4400
 CLOSE_TRY_LATER = 1013  # RFC 6455 "try again later": Globus Auth unreachable, hub stopping
 _RESULTS_PER_FRAME = 2000
+_MAX_PLACED = 500_000  # tasks remembered per stream for early results (about 100 B each); past it, stored copies only
 
 
 class _BadFrame(ValueError):
@@ -116,6 +117,12 @@ class _Conn:
     def __init__(self, hub: Hub, ws: WebSocket, user: str, token: str) -> None:
         self.hub, self.ws, self.user, self._token = hub, ws, user, token
         self._send_lock = asyncio.Lock()
+        # Early results (see _early): where each task accepted here was placed, whether the user
+        # owns each such endpoint, and the tasks whose result went out before it was stored.
+        self._placed: dict[str, str] = {}
+        self._own: dict[str, bool] = {}
+        self._early_done: set[str] = set()  # written to the socket; the stored copy is then not sent again
+        self._sending: set[asyncio.Task[None]] = set()
 
     async def send(self, msg: dict[str, Any]) -> None:
         text = json.dumps(msg, separators=(",", ":"))
@@ -137,12 +144,17 @@ class _Conn:
         await self.send({"op": "welcome", "v": STREAM_VERSION, "cursor": after, "max_frame": MAX_FRAME,
                          "max_batch": self.hub.cfg.max_batch})
         pusher = asyncio.create_task(self._push(after))
+        if hello.get("early") is True:  # the client takes results before the hub stored them (see _early)
+            self.hub.bus.listen_early(self._early)
         try:
             await self._read()
         finally:
+            self.hub.bus.unlisten_early(self._early)
             pusher.cancel()
-            with contextlib.suppress(BaseException):
-                await pusher
+            for t in [pusher, *self._sending]:
+                t.cancel()
+                with contextlib.suppress(BaseException):
+                    await t
 
     async def _read(self) -> None:
         while True:
@@ -165,7 +177,10 @@ class _Conn:
             if uid != self.user:
                 await self.ws.close(CLOSE_AUTH, _reason(f"the hub refused the token: {why}"))
                 return
-            await self.send(await self._submit(ref, frame.get("batch")))
+            answer = await self._submit(ref, frame.get("batch"))
+            await self.send(answer)
+            if answer["op"] == "accepted":
+                await self._placed_on(answer["task_ids"], answer["endpoint_ids"])
 
     async def _submit(self, ref: int, batch: Any) -> dict[str, Any]:
         """The REST batch submit, answered as a frame; a refusal names the HTTP status it would have had."""
@@ -194,6 +209,61 @@ class _Conn:
             return {"op": "refused", "ref": ref, "status": 507, "detail": str(exc)}
         return {"op": "accepted", "ref": ref, "task_ids": ids, "endpoint_ids": eps}
 
+    async def _placed_on(self, ids: list[str], eps: list[str | None]) -> None:
+        """Remember where these tasks run, so their results can go out as they arrive (``_early``)."""
+        if len(self._placed) < _MAX_PLACED:
+            self._placed.update((t, e) for t, e in zip(ids, eps) if e)
+        new = {e for e in eps if e and e not in self._own}
+        owners_of = getattr(self.hub.store, "endpoint_owners_of", None)
+        if new and owners_of is not None:
+            owners = await owners_of(new)
+            self._own.update((e, owners.get(e) == self.user) for e in new)
+
+    def _early(self, endpoint_id: str, results: list[dict[str, Any]]) -> None:
+        """Results an agent just sent (frame verified), before the hub stores them: those of tasks
+        accepted on this stream and placed on that endpoint go out now, which takes the hub's
+        result commit and a read off the round trip. The stored copy follows as usual and is not
+        sent again (only the cursor moves). If the hub dies first, the agent, which keeps every
+        result until the hub acknowledges it after the commit, sends it again; the SDK drops the
+        repeat. A task re-placed elsewhere since, or an endpoint whose owner is not known yet,
+        waits for the stored copy."""
+        own = self._own.get(endpoint_id)
+        if own is None:
+            return
+        rows = []
+        for r in results:
+            tid, data = r.get("id"), r.get("data")
+            if self._placed.get(tid) != endpoint_id or not isinstance(data, (bytes, bytearray)):  # type: ignore[arg-type]
+                continue
+            del self._placed[tid]  # type: ignore[arg-type]
+            rows.append({"task_id": tid, "ok": bool(r.get("ok")), "data": base64.b64encode(data).decode(), "started": r.get("started"),
+                         "finished": r.get("finished"), "endpoint_id": endpoint_id, "own_endpoint": own})
+        if rows:
+            self.hub.dispatcher.stats["stream_results_early"] = self.hub.dispatcher.stats.get("stream_results_early", 0) + len(rows)
+            t = asyncio.get_running_loop().create_task(self._send_early(rows))
+            self._sending.add(t)
+            t.add_done_callback(self._sending.discard)
+
+    async def _send_early(self, rows: list[dict[str, Any]]) -> None:
+        text = json.dumps({"op": "results", "results": rows}, separators=(",", ":"))
+        async with self._send_lock:
+            try:
+                await self.ws.send_text(text)
+            except Exception:  # a closed stream: the SDK gets them from the store after it reconnects
+                return
+            if len(self._early_done) > _MAX_PLACED:  # stored copies that never came (the hub refused them): forget
+                self._early_done.clear()
+            self._early_done.update(r["task_id"] for r in rows)
+
+    async def _send_stored(self, cursor: int, rows: list[dict[str, Any]]) -> None:
+        """Stored results up to ``cursor``, but not those already written early on this socket:
+        decided under the send lock, so the cursor never passes a result the SDK may lack (a
+        frame written before this one arrives before it, or neither arrives)."""
+        async with self._send_lock:
+            out = [_row(r) for r in rows if r["task_id"] not in self._early_done]
+            self._early_done.difference_update(r["task_id"] for r in rows)
+            await self.ws.send_text(json.dumps({"op": "results", "cursor": cursor, "results": out}, separators=(",", ":")))
+
     async def _push(self, cursor: int) -> None:
         """Every result of the user after ``cursor``, as soon as it is stored (woken by the result bus)."""
         h = self.hub
@@ -204,7 +274,7 @@ class _Conn:
                 if rows:
                     rows = _fit(rows)
                     cursor = rows[-1]["seq"]
-                    await self.send({"op": "results", "cursor": cursor, "results": [_row(r) for r in rows]})
+                    await self._send_stored(cursor, rows)
                     continue
                 await ev.wait()
         except (asyncio.CancelledError, WebSocketDisconnect):

@@ -69,8 +69,9 @@ class _Waiter:
 class HubStream:
     """One stream connection (re-made after each loss) for one Executor."""
 
-    def __init__(self, client: "Client") -> None:
+    def __init__(self, client: "Client", early: bool = False) -> None:
         self.client = client
+        self.early = early  # results as the agent sends them, before the hub's commit (docs/protocol.md)
         self.url = stream_url(client.url)
         self.max_frame = 0
         self._ws: Any = None
@@ -83,11 +84,11 @@ class HubStream:
         self.bytes_received = 0
 
     @classmethod
-    def first(cls, client: "Client", cursor: int) -> "HubStream | None":
+    def first(cls, client: "Client", cursor: int, early: bool = False) -> "HubStream | None":
         """A stream with its first connection made here (so the first batch already uses it),
         None when the hub offers none. A hub that cannot be reached just now gets a stream that
         the reader connects later, with backoff."""
-        s = cls(client)
+        s = cls(client, early)
         try:
             s._connect(cursor)
         except StreamUnavailable as exc:
@@ -191,8 +192,8 @@ class HubStream:
                 op = msg["op"]
             except (ValueError, TypeError, KeyError):
                 raise HubUnreachable(f"the hub sent a frame that is not the stream protocol: {str(text)[:80]!r}") from None
-            if op == "results":
-                ex._deliver(msg["results"], int(msg["cursor"]))
+            if op == "results":  # no cursor: sent before the hub stored them (its stored copy moves the cursor later)
+                ex._deliver(msg["results"], int(msg.get("cursor") or 0))
             elif op in ("accepted", "refused"):
                 with self._lock:
                     w = self._waiting.get(msg.get("ref"))
@@ -232,7 +233,7 @@ class HubStream:
         except OSError:  # already closed by the hub (a refused token): the close frame says why, below
             pass
         try:
-            ws.send(json.dumps({"op": "hello", "after": cursor}))
+            ws.send(json.dumps({"op": "hello", "after": cursor, **({"early": True} if self.early else {})}))
             welcome = json.loads(ws.recv(timeout=10))
         except Exception as exc:
             ws.close()

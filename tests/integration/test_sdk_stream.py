@@ -75,10 +75,16 @@ def _batch(ep: str, fid: str, body: bytes, n: int, key: str | None = None) -> di
     return out
 
 
-def test_stream_gives_exactly_one_result_per_task(mesh: tuple[LocalMesh, str]) -> None:
+@pytest.mark.parametrize("early", [False, True])
+def test_stream_gives_exactly_one_result_per_task(mesh: tuple[LocalMesh, str], early: bool) -> None:
+    """Default: a result comes once the hub stored it. ``early_results``: as the agent sends it,
+    before the hub's commit; still once per task, and the hub stores each once."""
     m, ep = mesh
     group = "stream-" + uuid.uuid4().hex[:8]
-    with Executor(m.client, endpoint_id=ep, task_group_id=group) as ex:
+    assert m.hub is not None
+    stats = m.hub.hub.dispatcher.stats
+    early_before = stats.get("stream_results_early", 0)
+    with Executor(m.client, endpoint_id=ep, task_group_id=group, early_results=early) as ex:
         _wait_connected(ex)
         assert ex.submit(square, 3).result(60) == 9
         futs = [ex.submit(square, i) for i in range(300)]
@@ -88,10 +94,20 @@ def test_stream_gives_exactly_one_result_per_task(mesh: tuple[LocalMesh, str]) -
         assert stream.submits >= 2  # the batches went over the stream, not REST
     assert got == [i * i for i in range(300)]
     assert len({f.task_id for f in futs}) == 300  # type: ignore[attr-defined]
-    with sqlite3.connect(m.hub_cfg.db_path, timeout=30) as db:
-        tasks, distinct = db.execute("SELECT COUNT(*), COUNT(DISTINCT id) FROM tasks WHERE task_group_id=?", (group,)).fetchone()
-        results = db.execute("SELECT COUNT(*) FROM results r JOIN tasks t ON t.id = r.task_id WHERE t.task_group_id=?", (group,)).fetchone()[0]
+    early_sent = stats.get("stream_results_early", 0) - early_before
+    deadline = time.monotonic() + (60 if early else 0)  # early: the hub's commit may follow the SDK's result
+    while True:
+        with sqlite3.connect(m.hub_cfg.db_path, timeout=30) as db:
+            tasks, distinct = db.execute("SELECT COUNT(*), COUNT(DISTINCT id) FROM tasks WHERE task_group_id=?", (group,)).fetchone()
+            results = db.execute("SELECT COUNT(*) FROM results r JOIN tasks t ON t.id = r.task_id WHERE t.task_group_id=?", (group,)).fetchone()[0]
+        if results >= 301 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert (tasks, distinct, results) == (301, 301, 301)
+    if early:
+        assert early_sent > 0  # some went out before the hub's commit
+    else:
+        assert early_sent == 0
 
 
 def test_results_are_resent_after_the_cursor_and_completed_once(mesh: tuple[LocalMesh, str]) -> None:
