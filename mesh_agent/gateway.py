@@ -59,6 +59,8 @@ log = logging.getLogger("mesh_agent.gateway")
 REDELIVER_S = 15.0
 #: Results sent up and not yet acked by the hub are sent again after this long (the device does the same).
 RESEND_UP_S = 10.0
+#: Frames relayed up without being kept (heartbeats, hellos, fetches) that may wait for their PUBACK at once.
+MAX_IN_FLIGHT = 1000
 _SITE_USER = "mesh-gateway"
 
 
@@ -267,6 +269,7 @@ class Gateway:
         self._lan: MqttHubLink | None = None
         self._up_wake = asyncio.Event()
         self._confirm = True  # tell the hub which tasks we hold (after a new tasks frame, after reconnecting)
+        self._in_flight: set[asyncio.Task[None]] = set()  # relayed frames waiting for their PUBACK
         self.stats = {"up_frames": 0, "down_frames": 0, "up_bytes": 0, "down_bytes": 0, "dropped": 0, "redelivered": 0, "bodies_to_devices": 0}
 
     # ------------------------------------------------------------------ lifecycle
@@ -436,11 +439,20 @@ class Gateway:
             self._up_wake.set()
         else:  # hello, fetch, heartbeat, gone: worth sending only now (they are re-sent or go stale)
             up = self._uplink
-            if up is not None:
-                with contextlib.suppress(LinkError):
-                    await up.send_for(device, frame)
-                    self._count_up(frame)
+            if up is not None and len(self._in_flight) < MAX_IN_FLIGHT:
+                # Not awaited here: a QoS 1 publish waits one uplink round trip for its PUBACK, and
+                # a satellite or LTE uplink's round trip would otherwise pace every device's frames.
+                t = asyncio.create_task(self._send_now(up, device, frame))
+                self._in_flight.add(t)
+                t.add_done_callback(self._in_flight.discard)
+            elif up is not None:
+                self.stats["dropped"] += 1  # the uplink is that far behind: a beat or hello is re-sent anyway
         await self._hand_held(device, again=kind is Kind.HELLO)
+
+    async def _send_now(self, up: "_Uplink", device: str, frame: bytes) -> None:
+        with contextlib.suppress(LinkError):
+            await up.send_for(device, frame)
+            self._count_up(frame)
 
     async def _confirm_held(self) -> None:
         """Our own signed ``ack`` of the device tasks we hold, committed: the hub then keeps their
@@ -488,8 +500,10 @@ class Gateway:
                     if not rows:
                         break
                     acks, results = [], []
+                    # All of them in flight at once: each QoS 1 publish waits one uplink round trip for
+                    # its PUBACK, so one after the other would pace the site at one frame per round trip.
+                    await asyncio.gather(*(up.send_for(ep, frame) for _seq, ep, _kind, frame in rows))
                     for seq, ep, kind, frame in rows:
-                        await up.send_for(ep, frame)
                         self._count_up(frame)
                         (acks if kind == Kind.ACK.value else results).append(seq)
                     await self.store.relay_sent(acks, now, drop=True)
