@@ -552,6 +552,8 @@ class Agent:
                 # clock is behind. Say hello (at most once a second) to learn it again.
                 raise _HelloRequired() from None
             return
+        # Hub time -> ours: when the hub signed this frame (a task re-sent after its result was acked runs again only if signed later).
+        self._frame_signed_at = sealed.ts - self._clock.offset
         handler = _HANDLERS.get(env.kind)
         if handler is not None:
             try:
@@ -646,7 +648,8 @@ class Agent:
 
         await self._set_hub_allow(body)  # before any of these tasks is considered for running
         try:
-            await self.store.add_tasks(functions, tasks, on_fresh=start)
+            # 2 s: more than the error of our estimate of the hub's clock (half a short round trip).
+            await self.store.add_tasks(functions, tasks, on_fresh=start, rerun_acked_before=getattr(self, "_frame_signed_at", 0.0) - 2.0)
         except StoreError as exc:
             # Not stored, so not acknowledged: the hub keeps them and sends them again. (Tasks
             # already started above still run; their results reach the hub, which keeps one.)

@@ -164,9 +164,16 @@ class AgentStore:
 
     async def add_tasks(
         self, functions: dict[str, bytes], tasks: Sequence[dict[str, Any]],
-        on_fresh: Callable[[list[str]], None] | None = None,
+        on_fresh: Callable[[list[str]], None] | None = None, *, rerun_acked_before: float | None = None,
     ) -> list[str]:
         """Store a batch durably in one transaction; return the ids that were new (not duplicates).
+
+        ``rerun_acked_before`` (this machine's clock): a task whose result the hub acknowledged,
+        and that finished before this time, is run again instead of being a duplicate. The agent
+        passes the time the frame carrying the batch was signed, less a margin: a frame signed
+        after the task finished is a hub that no longer has the result (restored from a backup),
+        while a replayed frame was signed before the task first ran, so replaying it never makes
+        a task run twice. None: every task already known is a duplicate.
 
         ``on_fresh(ids)`` is called once the duplicates are known, before the insert is written:
         the agent starts running new tasks while their rows are committed instead of after (the
@@ -178,11 +185,11 @@ class AgentStore:
         now = time.time()
         db = self.db
         async with self._tx_lock:
-            return await self._add_tasks(db, now, functions, tasks, on_fresh)
+            return await self._add_tasks(db, now, functions, tasks, on_fresh, rerun_acked_before)
 
     async def _add_tasks(
         self, db: aiosqlite.Connection, now: float, functions: dict[str, bytes], tasks: Sequence[dict[str, Any]],
-        on_fresh: Callable[[list[str]], None] | None,
+        on_fresh: Callable[[list[str]], None] | None, rerun_acked_before: float | None = None,
     ) -> list[str]:
         """The whole transaction in one call on the connection's thread: one thread hop per
         batch instead of one per statement (BEGIN, SELECT, INSERTs, COMMIT: 4-5 hops, each a
@@ -199,12 +206,14 @@ class AgentStore:
                 rerun: list[str] = []
                 for i in range(0, len(ids), 500):
                     chunk = ids[i : i + 500]
-                    for tid, state in conn.execute(f"SELECT id, state FROM tasks WHERE id IN ({','.join('?' * len(chunk))})", chunk):
-                        # 'acked': the hub acknowledged its result, yet sends the task again, so the hub
-                        # no longer has that result (it was restored from a backup older than it):
-                        # run it again (at least once) rather than ack a task that would never finish.
-                        # A re-send racing its own result's ack costs one extra run; the hub stores one result.
-                        if state == "acked":
+                    rows = conn.execute(f"SELECT id, state, finished FROM tasks WHERE id IN ({','.join('?' * len(chunk))})", chunk)
+                    for tid, state, finished in rows:
+                        # 'acked': the hub acknowledged its result, yet signed this task again after it
+                        # finished, so the hub no longer has that result (restored from an older
+                        # backup): run it again (at least once) rather than ack a task that would
+                        # never finish. A re-send racing its own result's ack costs one extra run;
+                        # the hub stores one result. (See the docstring: a replay never qualifies.)
+                        if state == "acked" and rerun_acked_before is not None and (finished or 0.0) < rerun_acked_before:
                             rerun.append(tid)
                         else:
                             known.add(tid)
