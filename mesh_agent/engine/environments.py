@@ -283,11 +283,16 @@ class Environments:
     def _container_runtime(self) -> str:
         if self._runtime:
             return self._runtime
-        for name in ("apptainer", "singularity", "podman"):
+        for name in ("apptainer", "singularity"):
             found = shutil.which(name)
             if found:
                 return found
-        raise EnvError("container requested but no container runtime (apptainer, singularity or podman) is installed on this endpoint")
+        if shutil.which("podman"):
+            # podman passes inherited fds only as 3..N (--preserve-fds); the worker's channel is not
+            # at 3, and passing everything below it would hand the agent's own files to the container.
+            raise EnvError("container requested but only podman is installed on this endpoint, and workers cannot run "
+                           "under podman yet (it cannot pass the worker's channel); install apptainer")
+        raise EnvError("container requested but no container runtime (apptainer or singularity) is installed on this endpoint")
 
     async def _probe(self, wrap: Sequence[str], what: str) -> None:
         """Start the image's python once: a runtime that cannot start here fails the spec with its own words."""
