@@ -9,7 +9,8 @@ submit -> result; the warm round trip on the same engine is printed next to it. 
   nothing is downloaded; an index adds the download), then start the worker;
 * ``bubblewrap``: a sandboxed worker (read-only root, private /tmp, no network);
 * ``bubblewrap + cached venv``;
-* ``container``: Apptainer or podman where one is installed and starts; otherwise the row says why.
+* ``container``: Apptainer where installed and able to start, the host's root as a staged rootfs
+  directory (nothing is pulled); otherwise the row says why.
 
 Also per kind: the worker's RSS, the disk the environment takes (what an SD card must write once)
 and what crosses the link (the spec in each task frame; the wheel bytes a new venv fetches).
@@ -118,7 +119,7 @@ async def run(reps: int, work: Path) -> dict[str, Any]:
         rows["container"] = {"available": False, "why": "no container runtime installed (apptainer, singularity, podman)"}
         log("container: not available (no runtime installed)")
     else:
-        kinds.append(("container", lambda i: envs_at(cached_root), normalize({"container": "docker://python:3.11-slim"}), {}))
+        kinds.append(("container", lambda i: envs_at(cached_root), normalize({"container": "/"}), {}))
     samples: dict[str, list[dict[str, Any]]] = {k[0]: [] for k in kinds}
     for i in range(reps):  # kinds interleaved, so load changes on a shared machine hit them alike
         for name, make, spec, _extra in kinds:
