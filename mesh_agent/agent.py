@@ -693,7 +693,7 @@ class Agent:
             refusal = self._refusal(fid)
             if refusal is not None:
                 self.stats["refused_tasks"] += 1
-                log.warning("refused task %s: %s", task_id, refusal)
+                log.warning("refused task %s: %s", task_id, refusal, extra={"task_id": task_id, "function_id": fid})
                 self._on_results([error_result(task_id, "mesh_agent.FunctionNotAllowed", refusal)])
             elif fid not in bodies:
                 self._on_results([error_result(task_id, "mesh_agent.FunctionMissing", f"function {fid} not stored")])

@@ -203,7 +203,7 @@ def create_app(cfg: HubConfig) -> FastAPI:
         if ep is None:
             raise HTTPException(401, "enrollment token is invalid, expired or used up")
         h.dispatcher.add_endpoint_key(ep["id"], key)
-        log.info("enrolled endpoint %s (name %r, transport %s)", ep["id"], body.name, body.transport)
+        log.info("enrolled endpoint %s (name %r, transport %s)", ep["id"], body.name, body.transport, extra={"endpoint_id": ep["id"]})
         if body.transport == "zmq" and zlink is not None and body.curve_public:
             zlink.allow_client(body.curve_public, ep["id"])
         if password:
