@@ -280,8 +280,13 @@ async def _site_view(request: Request, viewer: Viewer, e: dict[str, Any]) -> dic
     if not devices and not (e.get("info") or {}).get("site"):
         return None
     rows = [r for r in await hub.store.list_endpoints(user_id=viewer.user_id) if r["id"] in devices]
+    nodes = hub.placement.sched.fleet.nodes if getattr(hub, "placement", None) is not None else {}
     for r in rows:
         r["online"], r["info"], r["last_seen"] = endpoint_view(hub, r)
+        # the scheduler's view (scheduler/availability.py): with the uplink down, a device the hub
+        # cannot hear may still be working on what its gateway holds
+        avail = getattr(nodes.get(r["id"]), "avail", None)
+        r["site_state"] = avail.state() if hasattr(avail, "state") else None
     up = down = 0.0
     for ep in [e["id"], *devices]:
         b = disp.bytes_per_day(ep)

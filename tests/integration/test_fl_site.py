@@ -54,6 +54,12 @@ class Uplink:
 
         return asyncio.run_coroutine_threadsafe(snap(), self.loop).result(5)
 
+    def cut(self) -> None:
+        self.loop.call_soon_threadsafe(self.proxy.cut, "test", "reset")
+
+    def restore(self) -> None:
+        self.loop.call_soon_threadsafe(self.proxy.restore, "test")
+
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.proxy.stop(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -138,3 +144,32 @@ def test_site_round_with_compressed_updates(site: Site) -> None:
     # q8 deltas are about a quarter of the float32 model: the gateway got compressed blobs and decoded them
     assert all(0 < r.extra["site_lan"][gw]["bytes_lan"] < N * _model_bytes() * 0.5 for r in hist), [r.extra for r in hist]
     assert hist[-1].accuracy > hist.metadata["initial_eval"]["accuracy"] + 0.3, [r.accuracy for r in hist]
+
+
+def test_console_and_scheduler_know_the_uplink_is_down(site: Site) -> None:
+    """Last in the module: the uplink goes down and comes back. The hub loses the gateway and its
+    devices; the scheduler charges the outage to the uplink, not to the devices, and the console's
+    site card says the devices work from the gateway."""
+    import time
+
+    import httpx
+
+    gw = site.gateway.endpoint_id
+    placement = site.mesh.hub.hub.placement  # type: ignore[union-attr]
+    site.uplink.cut()
+    try:
+        site.mesh.wait_online(site.gateway, *site.devices, timeout=60, online=False)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and placement.sched.profiles.sites.pending():
+            time.sleep(0.5)
+        assert placement.sched.profiles.availability(gw).online is False
+        assert all(placement.sched.profiles.availability(d).online is not False for d in site.ids)
+        assert all(placement.sched.fleet.nodes[d].avail.state() == "site-only" for d in site.ids)
+        with httpx.Client(base_url=site.mesh.url, headers={"Origin": site.mesh.url}) as web:
+            web.post("/console/login", data={"token": site.mesh.token, "next": "/console"})
+            page = web.get(f"/console/endpoints/{gw}").text
+        assert "is-off\">down</span>" in page and page.count("data-site-only") == N, page[-3000:]
+    finally:
+        site.uplink.restore()
+    site.mesh.wait_online(site.gateway, *site.devices, timeout=120)
+    assert all(placement.sched.profiles.availability(d).n_outages == 0 for d in site.ids)
