@@ -58,7 +58,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from mesh_agent.engine.environments import DEFAULT_KIND, EnvError, Environments, WorkerKind
-from mesh_agent.environment import env_id
 from mesh_agent.protocol.serialize import serialize
 
 __all__ = [
@@ -236,7 +235,11 @@ class LocalEngine:
         self._kinds: dict[str, WorkerKind] = {}  # spec id -> ready kind
         self._parked: dict[str, list[EngineTask]] = {}  # spec id -> tasks waiting for its build
         self._builds: set[asyncio.Task[None]] = set()
-        self._prewarm = {env_id(s): s for s in prewarm}  # spec id -> spec: one worker each, never reaped
+        self._prewarm: dict[str, dict] = {}  # spec id -> spec: one worker each, never reaped
+        if prewarm:
+            from mesh_agent.environment import env_id
+
+            self._prewarm = {env_id(s): s for s in prewarm}
         self._exits: dict[_Proc, asyncio.Future[int | None]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._reaper: asyncio.TimerHandle | None = None
@@ -378,6 +381,8 @@ class LocalEngine:
             if t.env is None:
                 self._queue.append(t)
                 continue
+            from mesh_agent.environment import env_id  # hashlib: loaded only once a task names an environment
+
             sid = env_id(t.env)
             if sid in self._kinds:
                 self._queues.setdefault(sid, deque()).append(t)
