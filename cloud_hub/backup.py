@@ -83,6 +83,8 @@ class RestoreReport:
     rerun_tasks: int = 0  # in the backup unfinished, finished after it: they run again
     lost_endpoints: list[str] = field(default_factory=list)  # enrolled after the backup: enroll again
     revocations_reapplied: list[str] = field(default_factory=list)
+    lost_api_tokens: int = 0  # made after the backup: their users need new ones
+    lost_enroll_tokens: int = 0
     result_seq: int = 0  # the restored database's next result cursor starts above this
 
     def as_json(self) -> dict[str, Any]:
@@ -237,6 +239,9 @@ def _compare(old: sqlite3.Connection, new: sqlite3.Connection, report: RestoreRe
     report.lost_tasks = len(report.lost_task_ids)
     backup_eps = {r[0] for r in new.execute("SELECT id FROM endpoints")}
     report.lost_endpoints = sorted(r[0] for r in old.execute("SELECT id FROM endpoints WHERE revoked IS NULL") if r[0] not in backup_eps)
+    for table, attr in (("api_tokens", "lost_api_tokens"), ("enroll_tokens", "lost_enroll_tokens")):
+        kept = {r[0] for r in new.execute(f"SELECT hash FROM {table}")}
+        setattr(report, attr, sum(1 for r in old.execute(f"SELECT hash FROM {table}") if r[0] not in kept))
     live_revoked = dict(old.execute("SELECT id, revoked FROM endpoints WHERE revoked IS NOT NULL").fetchall())
     for ep, _ in new.execute("SELECT id, revoked FROM endpoints WHERE revoked IS NULL").fetchall():
         if ep in live_revoked:

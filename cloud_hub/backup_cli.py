@@ -68,6 +68,9 @@ def restore(
         _out.print(f"will run again: {r.rerun_tasks} tasks that finished after the backup (their results are stored once)", markup=False)
         if r.lost_endpoints:
             _out.print(f"lost: {len(r.lost_endpoints)} endpoints enrolled after the backup; enroll them again: {', '.join(r.lost_endpoints)}", markup=False)
+        if r.lost_api_tokens or r.lost_enroll_tokens:
+            _out.print(f"lost: {r.lost_api_tokens} API tokens and {r.lost_enroll_tokens} enrollment tokens made after the backup; "
+                       "make them again", markup=False)
         if r.revocations_reapplied:
             _out.print(f"revoked again: {len(r.revocations_reapplied)} endpoints revoked after the backup: {', '.join(r.revocations_reapplied)}", markup=False)
     else:

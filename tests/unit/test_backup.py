@@ -181,6 +181,7 @@ def test_restore_counts_what_was_lost_and_keeps_cursors_and_revocations(hub_db: 
         add_tasks(db, ["b3"], state="acked")
         finish(db, ["b2"])
         add_endpoint(db, "ep_new")
+        db.execute("INSERT INTO api_tokens (hash, user_id, name, created) VALUES ('h-after', 'u1', 'later', 0)")
         db.execute("UPDATE endpoints SET revoked=1, key=X'' WHERE id='ep_revoked_later'")
         live_seq = db.execute("SELECT MAX(seq) FROM results").fetchone()[0]
     r = restore_sqlite(out, hub_db, force=True)
@@ -190,6 +191,7 @@ def test_restore_counts_what_was_lost_and_keeps_cursors_and_revocations(hub_db: 
     assert r.rerun_tasks == 3
     assert r.lost_endpoints == ["ep_new"]
     assert r.revocations_reapplied == ["ep_revoked_later"]
+    assert (r.lost_api_tokens, r.lost_enroll_tokens) == (1, 0)
     assert r.replaced is not None and Path(r.replaced).exists(), "the replaced database is kept"
     assert stat.S_IMODE(hub_db.stat().st_mode) == 0o600
     with connect(hub_db) as db:
