@@ -93,3 +93,20 @@ def test_a_users_functions_take_turns_and_queues_are_not_overdrawn() -> None:
     assert dict(((f, k) for _, f, k in plan)) == {F1: 3, F2: 7}
     assert plan_lease(10, [], {}) == []
     assert plan_lease(0, [Flow("A", F1, 3, 1.0)], {}) == []
+
+
+def test_predicted_capacity_is_workers_times_measured_rate() -> None:
+    from cloud_hub.console.capacity import predicted_capacity
+
+    rows = predicted_capacity([(F1, "train", 40, 0.25), (F2, "noop", 3, 0.0)], 4, [F1])
+    assert rows[0]["per_worker_per_s"] == 4.0 and rows[0]["tasks_per_s"] == 16.0 and rows[0]["warm"]
+    assert rows[1]["tasks_per_s"] is None and not rows[1]["warm"]  # no measurable run time: no prediction
+    assert predicted_capacity([(F1, "train", 1, 0.5)], None, None)[0]["tasks_per_s"] is None  # workers unknown
+
+
+def test_a_frame_runs_each_users_share_together_or_in_arrival_order() -> None:
+    from cloud_hub.store.fair import frame_order
+
+    picked = {"B": [("b1", 5.0), ("b2", 6.0)], "A": [("a1", 1.0), ("a2", 7.0)]}
+    assert [t[0] for t in frame_order(picked, True, lambda t: t[1])] == ["b1", "b2", "a1", "a2"]
+    assert [t[0] for t in frame_order(picked, False, lambda t: t[1])] == ["a1", "b1", "b2", "a2"]
