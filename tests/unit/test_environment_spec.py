@@ -3,6 +3,7 @@ the bubblewrap and container argv builders (pure)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,42 @@ def test_container_argv_binds_the_bootstrap_read_only() -> None:
     assert a[:2] == ["/usr/bin/apptainer", "exec"] and "/opt/mesh:/opt/mesh:ro" in a and a[-2:] == ["/img/fl.sif", "python3"]
     p = container_argv("podman", "img", ["/opt/mesh"], network=False)
     assert p[:2] == ["podman", "run"] and "none" in p and "/opt/mesh:/opt/mesh:ro" in p
+
+
+# ---------------------------------------------------------------- the frame and the agent
+
+
+def test_frames_carry_only_well_formed_environment_fields() -> None:
+    from mesh_agent.protocol import BadFrame, Kind, validate_body
+
+    task = {"id": "t1", "fn": "f" * 64, "args": b""}
+    validate_body(Kind.TASKS, {"tasks": [{**task, "env": '{"sandbox":true}'}]})
+    for bad in (5, b"{}", "x" * 40_000):
+        with pytest.raises(BadFrame, match=r"tasks\[0\].env"):
+            validate_body(Kind.TASKS, {"tasks": [{**task, "env": bad}]})
+    validate_body(Kind.HEARTBEAT, {"envs": ["0123456789abcdef"], "eb": {"0123456789abcdef": [1.5, 2048]}})
+    for body, words in (({"envs": "abc"}, "envs"), ({"envs": [3]}, "envs must hold string ids"),
+                        ({"eb": []}, "eb"), ({"eb": {"a": [1]}}, "eb['a']"), ({"eb": {"a": [-1, 2]}}, "eb['a']"),
+                        ({"eb": {"a": ["x", 2]}}, "eb['a']")):
+        with pytest.raises(BadFrame, match=re.escape(words)):
+            validate_body(Kind.HEARTBEAT, body)
+
+
+def test_agent_refuses_a_bad_spec_from_a_frame_with_a_clear_error(tmp_path: Path) -> None:
+    """A spec is checked again on the agent (a hub is not trusted): a bad one fails its task with a
+    clear error and reaches no engine and no build."""
+    from mesh_agent.agent import Agent
+    from mesh_agent.config import AgentConfig, Credentials
+    from mesh_agent.protocol.serialize import deserialize
+
+    creds = Credentials(endpoint_id="ep-1234", key="ab" * 32)
+    cfg = AgentConfig(endpoint_id="ep-1234", name="t", hub_url="http://127.0.0.1:9", data_dir=tmp_path / "data",
+                      credentials_file=tmp_path / "c.json")
+    agent = Agent(cfg, creds)
+    fid = "f" * 64
+    agent._submit([("t1", fid, b"", None, None, '{"pip": ["--index-url=http://127.0.0.1:9"]}'),
+                   ("t2", fid, b"", None, None, "{not json")], {fid: b"body"})
+    errors = {r.task_id: deserialize(r.data) for r in agent._pending}
+    assert errors["t1"]["type"] == "mesh_agent.engine.EnvError" and "bad environment spec: environment.pip[0]" in errors["t1"]["message"]
+    assert "not JSON" in errors["t2"]["message"]
+    assert agent.engine.queued == 0 and not (tmp_path / "data" / "envs").exists()  # nothing queued, nothing built
