@@ -96,6 +96,9 @@ def run(
             f"{n}: {d['peak_mb']}/{d['limit_bytes'] // 2**20} ({d['oom_kills']})" for n, d in report["devices"].items()))]
           if report.get("devices") else []),
         *([("FL run", fl_summary(report["fl"]))] if report.get("fl") else []),
+        *([("sites: with / without gateways", "uplink bytes {gateways:,} / {without_gateways:,}".format(**report["comparison"]["uplink_bytes"])
+            + "; tasks done during uplink outages {gateways} / {without_gateways}".format(**report["comparison"]["tasks_done_during_uplink_outage"]))]
+          if report.get("comparison") else []),
         ("expectations", ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in report["expectations"].items())),
         ("report / timeline", f"{report['files']['report']} / {report['files'].get('timeline', report.get('timeline_missing'))}"),
     ]
