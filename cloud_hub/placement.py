@@ -520,6 +520,8 @@ class PlacementService(DispatchObserver):
             info = req.task_info(user_id, row["id"], t.function_id, len(t.args))
             if getattr(t, "environment", None):
                 self._with_environment(info, t.environment)
+            if getattr(t, "inputs", None):  # data locality (scheduler/locality.py)
+                info.inputs = tuple((e, n) for e, n in t.inputs)
             infos.append(info)
             reqs[row["id"]] = req
             index[row["id"]] = i

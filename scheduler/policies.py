@@ -227,6 +227,8 @@ class _Exploring(BasePolicy):
                     if task.env is not None and task.env_cost is not None \
                             and not any(task.env in n.ep.envs for x in probe for n in x.onodes):
                         return None  # a probe must not first build an environment: a later task without one probes
+                    if task.inputs and not any(n.id == ep for x in probe for n in x.onodes for ep, _ in task.inputs):
+                        return None  # nor first move the task's inputs there (scheduler/locality.py)
                     return probe
         if not pending and all(profiled(f, g.hardware) for g in fleet.groups.values()):
             self._explored[f] = fleet.version

@@ -68,6 +68,10 @@ class TaskIn(BaseModel):
     environment: dict[str, Any] | None = Field(
         None, description='where it runs on the endpoint (docs/environments.md): {"pip": [...], "env_vars": {...}, "container": '
                           '"...", "sandbox": true, "network": true}; checked and stored canonical, signed into the task frame')
+    inputs: Annotated[list[tuple[Annotated[str, StringConstraints(min_length=1, max_length=200)], Annotated[int, Field(ge=0)]]],
+                      Field(max_length=1024)] | None = Field(
+        None, description="where the task's input refs already lie, [endpoint_id, bytes] pairs (docs/data.md, \"Locality\"): "
+                          "the scheduler adds the bytes an endpoint lacks to its predicted transfer time")
 
 
 class TaskOut(BaseModel):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import ssl
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -279,6 +280,11 @@ class Client(FLRunsMixin):
         cons = constraints_spec(constraints)
         if cons is not None:
             spec["constraints"] = cons
+        refs = sys.modules.get("cloud_hub.client.refs")  # no refs module loaded: no ref among the arguments
+        if refs is not None:
+            where = refs.locations(args, kwargs or {})
+            if where:
+                spec["inputs"] = where  # the scheduler prefers endpoints holding them (docs/data.md, "Locality")
         return spec
 
     def submit(self, endpoint_id: str, function_id: str, *args: Any, **kwargs: Any) -> str:

@@ -55,6 +55,11 @@ def _swap(v: Any, depth: int, url: str) -> Any:
     from cloud_hub.client.refs import TaskOutput
 
     if isinstance(v, Future):
+        from cloud_hub.client.refs import MeshRef
+
+        value = v.result()
+        if isinstance(value, MeshRef):  # already small: pass the ref itself (and the scheduler sees where it lies)
+            return value
         return TaskOutput(str(getattr(v, "task_id")), url)
     if depth < 2 and type(v) in (list, tuple):
         return type(v)(_swap(x, depth + 1, url) for x in v)

@@ -256,6 +256,30 @@ def _resolve_one(v: Any, depth: int) -> Any:
     return v
 
 
+def _locate(v: Any, depth: int, out: dict[str, int]) -> None:
+    if isinstance(v, MeshRef):
+        if v.tier == "local" and v.meta.get("endpoint"):
+            out[v.meta["endpoint"]] = out.get(v.meta["endpoint"], 0) + v.size
+    elif depth < 2 and type(v) in (list, tuple):
+        for x in v:
+            _locate(x, depth + 1, out)
+    elif depth < 2 and type(v) is dict:
+        for x in v.values():
+            _locate(x, depth + 1, out)
+
+
+def locations(args: Any, kwargs: dict[str, Any]) -> list[list[Any]]:
+    """``[[endpoint_id, bytes], ...]``: where a task's local-tier ref arguments lie, for the
+    scheduler's data locality (the SDK sends it with the task; shared-tier refs are as far from
+    every endpoint and are left out)."""
+    out: dict[str, int] = {}
+    for a in args:
+        _locate(a, 0, out)
+    for a in kwargs.values():
+        _locate(a, 0, out)
+    return [[e, n] for e, n in out.items()]
+
+
 def resolve(args: Any, kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
     """On the agent's worker, before the function runs: every ``MeshRef`` or ``TaskOutput``
     argument (also inside a list, tuple or dict argument, two levels deep) becomes its value,

@@ -139,6 +139,7 @@ def run_task(cache: dict[str, Any], task: Task) -> Result:
             args, kwargs = refs.resolve(args, kwargs)
         except BaseException as exc:  # noqa: BLE001 - a missing ref fails this task, not the worker
             return _failure(task_id, exc, started)
+        started = time.time()  # the run starts now: fetching inputs is transfer, which the scheduler predicts apart (locality)
     staging = sys.modules.get("mesh_agent.staging")  # loaded only if an argument or a function uses it
     if staging is not None:
         return _run_staged(staging, task_id, fn, args, kwargs, started)

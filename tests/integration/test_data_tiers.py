@@ -176,3 +176,35 @@ def test_task_output_of_an_unknown_task_is_a_clear_error(mesh: LocalMesh) -> Non
     with Executor(client=Client(mesh.url, mesh.token), endpoint=mesh.agents[0].endpoint_id, stream=False) as ex:
         exc = ex.submit(length, out).exception(120)
     assert isinstance(exc, refs.RefError) and "0" * 32 in str(exc) and "not in the hub" in str(exc)
+
+
+def test_scheduler_places_the_consumer_where_its_inputs_lie(mesh: LocalMesh) -> None:
+    """endpoint='auto' (the hub's scheduler): the task whose input is a local ref on endpoint X
+    runs on X (the SDK sends where its ref arguments lie; placement adds the bytes an endpoint
+    lacks to Delta's transfer time). Each holder in turn, so registration order cannot decide."""
+    store = refs.Store()
+    for holder in (mesh.agents[2], mesh.agents[1], mesh.agents[2]):
+        ref = _run(mesh, holder.endpoint_id, make, 3, store)
+        with Executor(client=Client(mesh.url, mesh.token), endpoint="auto", stream=False) as ex:
+            g = ex.submit(where, ref)
+            got = g.result(120)
+        rows = Client(mesh.url, mesh.token).scheduler_decisions(task_id=g.task_id)  # type: ignore[attr-defined]
+        why = [(d["reason"], [(c["endpoint_id"], c["total"], c["transfer_in"], c["cold"], c["run"], c["outage"]) for c in d["compared"]])
+               for d in rows["decisions"]]
+        assert got == (BIG, 3, holder.endpoint_id), f"holder {holder.endpoint_id}: {why}"
+        assert g.endpoint_id == holder.endpoint_id  # type: ignore[attr-defined]
+
+
+def test_bad_inputs_hint_is_refused_and_stores_nothing(mesh: LocalMesh) -> None:
+    from cloud_hub.client import HubError
+
+    c = Client(mesh.url, mesh.token)
+    db = sqlite3.connect(mesh.workdir / "hub.sqlite3")
+    before = db.execute("SELECT COUNT(*) FROM tasks").fetchone()[0]
+    for bad in ([["", 5]], [["ep-x", -1]], [["ep-x"]], [["ep-x", 1]] * 1025):
+        spec = Client.task_spec("auto", "0" * 64, (1,), {})
+        spec["inputs"] = bad
+        with pytest.raises(HubError) as e:
+            c.request("POST", "/v1/tasks", json=spec)
+        assert e.value.status == 422 and "inputs" in str(e.value), e.value
+    assert db.execute("SELECT COUNT(*) FROM tasks").fetchone()[0] == before

@@ -96,3 +96,17 @@ def test_bad_inputs_are_clear_errors() -> None:
                      ([("a", 1)] * 1025, "at most 1024")):
         with pytest.raises(ValueError, match=msg):
             check_inputs(bad)
+
+
+def test_delta_does_not_probe_where_the_inputs_would_have_to_move() -> None:
+    """Delta's first task of a function on an unprofiled hardware class is a probe; a task whose
+    inputs lie elsewhere is not used as that probe (it would pay the transfer)."""
+    s = Scheduler("delta")
+    s.add_endpoint(EndpointState("a", workers=2, hardware="pi4"), 0.0)
+    s.add_endpoint(EndpointState("b", workers=2, hardware="pi5"), 0.0)
+    for eid in ("a", "b"):
+        s.heartbeat(eid, 0.0, rtt_s=0.02)
+    [pl] = s.place([TaskInfo("t1", "f", 0, inputs=(("b", 50 * MB),))], 1.0)
+    assert pl.endpoint_id == "b"
+    [pl2] = s.place([TaskInfo("t2", "g", 0, inputs=(("a", 50 * MB),))], 1.0)
+    assert pl2.endpoint_id == "a"
