@@ -103,13 +103,28 @@ def container_argv(runtime: str, image: str, bootstrap: Sequence[str], network: 
             argv += ["--net", "--network", "none"]
         for b in bootstrap:
             argv += ["--bind", f"{b}:{b}:ro"]
-        return argv + [image, "python3"]
+        return argv + [apptainer_image(image), "python3"]
     if name == "podman":
         argv = [runtime, "run", "--rm", "-i", "--network", "slirp4netns" if network else "none"]
         for b in bootstrap:
             argv += ["-v", f"{b}:{b}:ro"]
         return argv + [image, "python3"]
     raise EnvError(f"unknown container runtime {runtime!r}")
+
+
+def apptainer_image(image: str) -> str:
+    """How Apptainer names a staged image: an OCI archive file needs its ``oci-archive:`` scheme; a
+    SIF file or a rootfs directory (a "sandbox" in Apptainer's words) is given as its path."""
+    if image.endswith((".tar", ".oci", ".oci.tar")) and "://" not in image and not image.startswith("oci-archive:"):
+        return f"oci-archive:{image}"
+    return image
+
+
+def staged_path(image: str) -> Path | None:
+    """The local file or directory an image names (None: a registry reference the runtime pulls)."""
+    if image.startswith(("docker://", "oras://", "library://")):
+        return None
+    return Path(image.removeprefix("oci-archive:"))
 
 
 def _which(name: str) -> str | None:
@@ -280,7 +295,8 @@ class Environments:
         cwd = None
         image = spec.get("container")
         if image is not None:
-            if not (image.startswith(("docker://", "oras://", "library://")) or Path(image).exists()):
+            staged = staged_path(image)
+            if staged is not None and not staged.exists():
                 raise EnvError(f"container image {image!r} not found on this endpoint (stage the SIF/OCI archive or rootfs "
                                "there, or name a registry image with docker://)")
             runtime = self._container_runtime()

@@ -86,6 +86,9 @@ def test_bwrap_argv_hides_state_binds_venv_back_and_cuts_network() -> None:
 def test_container_argv_binds_the_bootstrap_read_only() -> None:
     a = container_argv("/usr/bin/apptainer", "/img/fl.sif", ["/opt/mesh"])
     assert a[:2] == ["/usr/bin/apptainer", "exec"] and "/opt/mesh:/opt/mesh:ro" in a and a[-2:] == ["/img/fl.sif", "python3"]
+    assert container_argv("apptainer", "/img/fl.oci.tar", [])[-2] == "oci-archive:/img/fl.oci.tar"  # an OCI archive
+    assert container_argv("apptainer", "/img/rootfs", [])[-2] == "/img/rootfs"  # a staged rootfs directory
+    assert container_argv("apptainer", "docker://python:3.11", [])[-2] == "docker://python:3.11"
     p = container_argv("podman", "img", ["/opt/mesh"], network=False)
     assert p[:2] == ["podman", "run"] and "none" in p and "/opt/mesh:/opt/mesh:ro" in p
 
