@@ -87,6 +87,9 @@ def test_containerfile_builds_from_the_repository_and_runs_the_hub_unprivileged(
     assert params["host"] == "0.0.0.0" and params["port"] == 8700 and params["zmq_bind"] == "tcp://0.0.0.0:8701"
     health = next(args for word, args in steps if word == "HEALTHCHECK")
     assert "http://127.0.0.1:8700/healthz" in health
+    probe = yaml.safe_load(health.split("CMD", 1)[1].strip())
+    assert probe[:2] == ["python", "-c"]
+    compile(probe[2], "HEALTHCHECK", "exec")  # the probe is valid Python
     ignore = (HUB / "Containerfile.dockerignore").read_text()
     assert ".venv" in ignore and ".git" in ignore
 
@@ -163,6 +166,11 @@ def test_compose_commands_parse_with_the_real_cli_and_env_names_hub_settings() -
     assert mounts["hub"][str(Path(hub_env["MESH_HUB_MQTT_BROKER_PID_FILE"]).parent)] == "broker-auth"
     assert hub_env["MESH_HUB_MQTT_PUBLIC_URL"].startswith("mqtts://") and hub_env["MESH_HUB_MQTT_PUBLIC_URL"].endswith(":8883")
     assert "8883:8883" in services["mosquitto"]["ports"]
+    probe = services["hub"]["healthcheck"]["test"]
+    assert probe[:3] == ["CMD", "python", "-c"] and "/readyz" in probe[3]
+    compile(probe[3], "healthcheck", "exec")
+    ignored = (HUB / ".gitignore").read_text().split()
+    assert ".env" in ignored and "tls/" in ignored, "the secrets the steps make are never committed"
 
 
 def test_prometheus_config_loads_the_shipped_rules_and_its_flags_exist(tmp_path: Path) -> None:
