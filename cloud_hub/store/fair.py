@@ -17,21 +17,25 @@ from typing import Any, Callable, Mapping
 
 from cloud_hub.admission import AdmissionPolicy, Flow, plan_lease
 
-__all__ = ["MAX_FLOWS", "flows", "plan", "frame_order", "select_sql"]
+__all__ = ["MAX_FLOWS", "MAX_FLOWS_PER_USER", "flows", "plan", "frame_order", "select_sql"]
 
-#: Distinct (user, function) flows one lease looks at; past it, the oldest others wait a lease.
+#: Distinct (user, function) flows one lease looks at, and per user: a user with many functions
+#: queued must not hide the users whose ids sort after theirs (its further functions, by id, wait until
+#: one of its first 16 has nothing queued here).
 MAX_FLOWS = 256
+MAX_FLOWS_PER_USER = 16
 
 
 def flows(db: Any, endpoint_id: str, cap: int) -> list[Flow]:
     """The endpoint's queued work per (user, function), each count capped at ``cap``."""
     out: list[Flow] = []
     last: tuple[str, str] | None = None
+    of_user = 0
     for _ in range(MAX_FLOWS):
         # Two plain ranges, not one row-value range: SQLite walks ``(user_id, function_id) > (u, f)``
         # from the first entry of user u, i.e. through all of u's queue (7 ms at 50,000 queued).
         row = None
-        if last is not None:  # the same user's next function
+        if last is not None and of_user < MAX_FLOWS_PER_USER:  # the same user's next function
             row = db.execute(
                 "SELECT user_id, function_id, created FROM tasks WHERE endpoint_id=? AND state='queued' AND user_id=? AND function_id > ? "
                 "ORDER BY function_id, created LIMIT 1", (endpoint_id, *last)).fetchone()
@@ -45,6 +49,7 @@ def flows(db: Any, endpoint_id: str, cap: int) -> list[Flow]:
         n = db.execute("SELECT COUNT(*) FROM (SELECT 1 FROM tasks WHERE endpoint_id=? AND state='queued' AND user_id=? AND function_id=? LIMIT ?) q",
                        (endpoint_id, user, fid, cap)).fetchone()[0]
         out.append(Flow(user, fid, int(n), float(oldest)))
+        of_user = of_user + 1 if last is not None and last[0] == user else 1
         last = (user, fid)
     return out
 

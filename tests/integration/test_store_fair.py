@@ -98,3 +98,27 @@ async def test_memo_rows_remember_answer_evict_and_expire(store: SqliteStore) ->
     await store.store_results(ep, [{"id": r["id"], "ok": True, "data": b"v"} for r in more])
     assert await store.read(lambda db: memo_rows.count(db, a)) == 2
     assert await store.tx(lambda db: memo_rows.prune(db, time.time() + 61)) == 2
+
+
+async def test_a_user_with_many_functions_does_not_hide_the_next_user(store: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cloud_hub.store import fair
+
+    # Small caps, so that a handful of functions shows it: without the per-user cap, the first
+    # user's 8 flows would fill the lease's view and the second user would not be seen at all.
+    monkeypatch.setattr(fair, "MAX_FLOWS", 8)
+    monkeypatch.setattr(fair, "MAX_FLOWS_PER_USER", 4)
+    MAX_FLOWS_PER_USER = 4
+    a, b = await store.create_user("alice"), await store.create_user("bob")
+    if a > b:
+        a, b = b, a  # `a` sorts first: the flood of functions comes before the other user in the index
+    ep = await _endpoint(store, a)
+    rows = []
+    for k in range(MAX_FLOWS_PER_USER + 4):
+        fid = f"{k:064x}"
+        await store.put_function(a, fid, b"body", f"fn{k}")
+        rows += [{**r, "id": f"a{k:02d}{r['id']}", "function_id": fid} for r in _tasks(a, ep, 3)]
+    await store.put_function(b, FID, b"body", "fn")
+    await store.insert_tasks(rows)
+    await store.insert_tasks(_named(_tasks(b, ep, 3, start=500), "b"))
+    got, _ = await store.lease(ep, 6, 30.0, 1 << 20, policy=parse_policy())
+    assert sum(t["id"].startswith("b") for t in got) == 3
