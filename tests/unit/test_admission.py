@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cloud_hub.admission import AdmissionPolicy, Flow, Limits, check_queue, parse_policy, plan_lease, retry_after_s, too_big
+from cloud_hub.admission import Flow, Limits, check_queue, parse_policy, plan_lease, retry_after_s, too_big
 
 F1 = "a" * 64
 F2 = "b" * 64
