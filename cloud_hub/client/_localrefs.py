@@ -17,7 +17,8 @@ producer -> hub -> consumer, once per consumer endpoint (a staged copy is reused
 Costs on a Pi: one SQLite transaction per put (WAL, ``synchronous=NORMAL``: no fsync per put,
 so a power cut may lose the newest refs, which then read as lost), the value's bytes on the SD
 card, up to ``MESH_REF_MEMORY_BYTES`` (16 MiB) of RSS per worker for the memory copy, and one
-idle blocked connection per worker to the shared store for the stager.
+idle blocked connection per worker to the shared store for the stager (one round trip every
+``STAGER_WAIT_S``, 240 s, while idle).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ __all__ = ["LocalStore", "local_store", "endpoint_id", "LocalFull", "ensure_stag
 ENV_DATA_DIR = "MESH_ENDPOINT_DATA_DIR"  # set by the agent for its workers (mesh_agent.datasets)
 ENV_ENDPOINT_ID = "MESH_ENDPOINT_ID"
 STAGE_LIST = "mesh:stage:"
+#: how long one idle BLPOP of the stager blocks: one ~100-byte round trip per worker this often
+#: (360 a day, about 36 KB) while it waits; a request is served at once whatever this is
+STAGER_WAIT_S = 240
 
 
 class LocalFull(Exception):
@@ -159,7 +163,7 @@ def _stage_forever(url: str, ep: str, store: LocalStore) -> None:
     r = connection(url)
     for _ in range(1 << 40):  # for the life of this worker
         try:
-            got = r.blpop([STAGE_LIST + ep], timeout=5)
+            got = r.blpop([STAGE_LIST + ep], timeout=STAGER_WAIT_S)
         except (redis.ConnectionError, redis.TimeoutError):
             time.sleep(1.0)
             continue

@@ -1,0 +1,160 @@
+"""Word count (map -> shuffle -> reduce) over 3 agents, each way of moving the shuffle, in one run
+(issue 12): bytes between the program and the hub (HTTP, metered in the SDK) and end-to-end time.
+
+Same job every time: 6 maps of 20,000 words (40,000 distinct), 3 reducers, result checked
+against a local count. Ways:
+
+- ``through_sdk``: every bucket comes back to the program and goes out again (the baseline);
+- ``refs_redis``: buckets in a Redis both agents reach (``tier="shared"``, MESH_REDIS_URL);
+- ``refs_hub_store``: buckets in the hub's embedded store (``tier="shared"``, no Redis);
+- ``refs_local``: buckets in each producing agent's own store (``tier="auto"``); reducers on
+  the same endpoint read them there, the others get them staged through the hub's store;
+- ``futures``: reducers get the map Futures as arguments (their agents read the map results,
+  lists of local refs, from the hub), submitted before any map finished.
+
+One mesh on loopback (the hub as its own process, Mosquitto, one MQTT and two ZeroMQ agents, 2
+workers each) and a redis-server of its own. Writes bench/results/data_tiers.json.
+
+    .venv/bin/python bench/data_tiers.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+_BENCH = Path(__file__).resolve().parent
+sys.path[:] = [str(_BENCH.parent)] + [p for p in sys.path if (Path(p).resolve() if p else Path.cwd()) != _BENCH]
+
+from cloud_hub.client import Client, Executor, refs  # noqa: E402
+from cloud_hub.client import multiprocessing as mesh_mp  # noqa: E402
+from cloud_hub.localmesh import LocalMesh  # noqa: E402
+from tests.integration.test_multiprocessing import (MAPS, REDUCERS, _buckets, _words, map_plain, reduce_plain,  # noqa: E402
+                                                    reduce_ref)
+from tests.unit.test_mp_proxies import RedisServer  # noqa: E402
+
+
+def map_tier(seed: int, store: refs.Store, tier: str) -> list[refs.MeshRef]:
+    return [store.put(b, tier=tier) for b in _buckets(seed)]
+
+
+def reduce_futures(maps: list[list[refs.MeshRef]], r: int, store: refs.Store) -> refs.MeshRef:
+    """``maps`` arrive as the map tasks' results (lists of refs), read by this agent from the hub."""
+    return store.put(reduce_plain([refs.get(m[r]) for m in maps]))
+
+
+class Metered:
+    def __init__(self, m: LocalMesh) -> None:
+        self.client = Client(m.url, m.token)
+        self.bytes = 0
+
+        def req(r: Any) -> None:
+            self.bytes += len(r.content or b"")
+
+        def resp(r: Any) -> None:
+            r.read()
+            self.bytes += len(r.content or b"")
+
+        self.client._http.event_hooks["request"].append(req)
+        self.client._http.event_hooks["response"].append(resp)
+
+
+def run_sdk(m: LocalMesh, eps: list[str], _store: Any) -> tuple[dict[str, int], int]:
+    mt = Metered(m)
+    with Executor(client=mt.client, endpoint=eps, stream=False) as ex:
+        parts = [f.result(300) for f in [ex.submit(map_plain, s) for s in range(MAPS)]]
+        out = [f.result(300) for f in [ex.submit(reduce_plain, [p[r] for p in parts]) for r in range(REDUCERS)]]
+    return {k: v for d in out for k, v in d.items()}, mt.bytes
+
+
+def run_refs(tier: str) -> Callable[[LocalMesh, list[str], refs.Store], tuple[dict[str, int], int]]:
+    def run(m: LocalMesh, eps: list[str], store: refs.Store) -> tuple[dict[str, int], int]:
+        mt = Metered(m)
+        with Executor(client=mt.client, endpoint=eps, stream=False) as ex:
+            parts = [f.result(300) for f in [ex.submit(map_tier, s, store, tier) for s in range(MAPS)]]
+            outs = [f.result(300) for f in [ex.submit(reduce_ref, [p[r] for p in parts], store) for r in range(REDUCERS)]]
+        sdk = mt.bytes
+        return {k: v for o in outs for k, v in refs.get(o).items()}, sdk
+
+    return run
+
+
+def run_futures(m: LocalMesh, eps: list[str], store: refs.Store) -> tuple[dict[str, int], int]:
+    mt = Metered(m)
+    with Executor(client=mt.client, endpoint=eps, stream=False) as ex:
+        maps = [ex.submit(map_tier, s, store, "auto") for s in range(MAPS)]
+        outs = [f.result(300) for f in [ex.submit(reduce_futures, maps, r, store) for r in range(REDUCERS)]]
+    sdk = mt.bytes
+    return {k: v for o in outs for k, v in refs.get(o).items()}, sdk
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    opts = ap.parse_args()
+    expected = dict(Counter(w for s in range(MAPS) for w in _words(s)))
+    out: dict[str, Any] = {"bench": "data_tiers", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+                                       "loadavg_at_start": os.getloadavg()},
+                           "setup": "loopback: hub process, Mosquitto, 1 MQTT + 2 ZeroMQ agents x 2 workers, own redis-server; "
+                                    f"{MAPS} maps x 20,000 words, {REDUCERS} reducers; median of {opts.repeats} runs each",
+                           "ways": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        redis = RedisServer(Path(tmp))
+        m = LocalMesh(Path(tmp) / "mesh", heartbeat_s=1.0, hub_process=True)
+        m.start()
+        try:
+            m.add_agent("wc-mqtt", "mqtt", workers=2)
+            m.add_agent("wc-zmq", "zmq", workers=2)
+            m.add_agent("wc-zmq2", "zmq", workers=2)
+            m.wait_online(timeout=90)
+            mesh_mp.config(client=Client(m.url, m.token))
+            hub_url = str(Client(m.url, m.token).request("GET", "/v1/kv")["url"])
+            eps = [a.endpoint_id for a in m.agents]
+            ways: list[tuple[str, Callable[..., Any], str]] = [
+                ("through_sdk", run_sdk, hub_url), ("refs_redis", run_refs("shared"), redis.url),
+                ("refs_hub_store", run_refs("shared"), hub_url), ("refs_local", run_refs("auto"), hub_url),
+                ("futures", run_futures, hub_url)]
+            for rep in range(opts.repeats):  # interleaved, so load changes hit every way alike
+                for name, fn, url in ways:
+                    t = time.perf_counter()
+                    got, sdk_bytes = fn(m, eps, refs.Store(url))
+                    dt = time.perf_counter() - t
+                    assert got == expected, f"{name}: wrong word count"
+                    w = out["ways"].setdefault(name, {"end_to_end_s": [], "sdk_http_bytes": []})
+                    w["end_to_end_s"].append(round(dt, 3))
+                    w["sdk_http_bytes"].append(sdk_bytes)
+            import redis as redis_lib
+
+            hub = redis_lib.Redis.from_url(hub_url)
+            out["staged_copies_in_hub_store"] = len(hub.keys("mesh:ref:*:staged"))
+            out["agent_local_store_bytes_on_disk"] = {
+                a.cfg.name: sum(p.stat().st_size for p in Path(a.cfg.data_dir).glob("refs.sqlite3*")) for a in m.agents}
+        finally:
+            mesh_mp._state.shutdown_executor()
+            m.stop()
+            redis.stop()
+    base = out["ways"]["through_sdk"]
+    for name, w in out["ways"].items():
+        w["median_s"] = statistics.median(w["end_to_end_s"])
+        w["median_sdk_bytes"] = int(statistics.median(w["sdk_http_bytes"]))
+        w["sdk_bytes_vs_baseline"] = round(w["median_sdk_bytes"] / max(1, statistics.median(base["sdk_http_bytes"])), 4)
+        w["time_vs_baseline"] = round(w["median_s"] / statistics.median(base["end_to_end_s"]), 2)
+    out["loadavg_at_end"] = os.getloadavg()
+    text = json.dumps(out, indent=2)
+    print(text)
+    (_BENCH / "results").mkdir(exist_ok=True)
+    (_BENCH / "results" / "data_tiers.json").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
