@@ -22,6 +22,7 @@ from collections import deque
 from typing import Any, Iterable, Sequence
 
 from .events import EndpointOffline, Event, Heartbeat, MessageTiming, TaskCompleted, TaskRequeued
+from .environments import ENV_ERROR, block_key
 from .fleet import Fleet
 from .model import Decision, EndpointState, Placement, TaskInfo
 from .policies import BasePolicy, Policy, make_policy
@@ -196,6 +197,7 @@ class Scheduler:
         place (e.g. after a hub restart).
         """
         pl = self._inflight.pop(task_id, None)
+        env = pl.env if pl is not None else None
         if pl is not None:
             if endpoint_id is None:
                 endpoint_id = pl.endpoint_id
@@ -228,8 +230,8 @@ class Scheduler:
                     fleet.refresh_deviation(function_id, endpoint_id)
                 if cold_start_s > 0.0:
                     fleet.refresh_cold(function_id, endpoint_id)
-            elif error in BLOCKING_ERRORS:
-                fleet.block(function_id, endpoint_id)
+            elif error in BLOCKING_ERRORS or (error == ENV_ERROR and env is not None):
+                fleet.block(block_key(function_id, env), endpoint_id)
             if warm_functions is not None:
                 fleet.set_warm(endpoint_id, warm_functions)
         if self._task_left is not None:

@@ -12,7 +12,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["EnvCost", "EnvCosts", "env_cold_start", "PIP_PRIOR", "CONTAINER_PRIOR", "METERED_S_PER_MB"]
+__all__ = ["EnvCost", "EnvCosts", "env_cold_start", "block_key", "ENV_ERROR", "PIP_PRIOR", "CONTAINER_PRIOR", "METERED_S_PER_MB"]
+
+#: The short type name of a result whose environment could not be built (mesh_agent.engine.EnvError).
+ENV_ERROR = "EnvError"
+
+
+def block_key(function_id: str, env: str | None) -> str:
+    """What a failure blocks on an endpoint: the function, or the function in that environment.
+    A function that failed with a missing module in the agent's own Python is not blocked when a
+    task brings the environment that has the module, and an environment that failed to build
+    there blocks only that pair, until the spec (and so its id) changes."""
+    return function_id if env is None else f"{function_id}@{env}"
 
 #: Price of one MiB fetched on a metered link, in seconds of predicted completion time.
 METERED_S_PER_MB = 2.0

@@ -225,6 +225,7 @@ class Placement:
     reason: str = ""
     exploration: bool = False
     payload_bytes: int = 0
+    env: str | None = None  # the task's environment spec id (failures block the function in it only)
 
     @property
     def predicted(self) -> Prediction | None:

@@ -20,6 +20,7 @@ import random
 from typing import Callable, Container, Protocol, Sequence, runtime_checkable
 
 from .events import Event, TaskCompleted, TaskRequeued
+from .environments import block_key
 from .fleet import Fleet, Group, Node
 from .model import NoEligibleEndpoint, Placement, Prediction, TaskInfo
 from .predict import Predictor
@@ -81,7 +82,8 @@ class BasePolicy:
         f = task.function_id
         nodes = allowed
         if any(n.blocked for n in allowed):
-            nodes = [n for n in allowed if f not in n.blocked]
+            b = block_key(f, task.env)
+            nodes = [n for n in allowed if b not in n.blocked]
         if not nodes:
             detail = "the function is blocked on every eligible endpoint" if allowed else ""
             raise NoEligibleEndpoint(task, len(fleet), detail)
@@ -112,7 +114,7 @@ class BasePolicy:
                 work, expl = pred.cold + pred.run, pred.exploration
             assign(task.task_id, node, work, task.function_id)
             out.append(Placement(task.task_id, task.function_id, node.id, name, now, pred,
-                                 compared, pruned, reason, expl, task.payload_bytes))
+                                 compared, pruned, reason, expl, task.payload_bytes, task.env))
         return out
 
 
@@ -274,7 +276,7 @@ class FastestEndpointPolicy(_Exploring):
             if r * (gf.dev_min if gf is not None else 1.0) > best_r:
                 continue
             for node in g.nodes.values():
-                if f in node.blocked or (ids is not None and node.id not in ids):
+                if block_key(f, task.env) in node.blocked or (ids is not None and node.id not in ids):
                     continue
                 rr = r * node.dev.get(f, 1.0)
                 if rr < best_r or (rr == best_r and node.idx < best.idx):  # type: ignore[union-attr]

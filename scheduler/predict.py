@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .environments import env_cold_start
+from .environments import block_key, env_cold_start
 from .locality import moved_bytes
 from .fleet import Group, Node
 from .model import Prediction, TaskInfo
@@ -175,6 +175,7 @@ class Predictor:
         bo = b + ob
         ids = task.endpoints  # an explicit id list: members outside it are skipped
         env = task.env if task.env_cost is not None else None  # an environment to build where not held
+        bk = block_key(f, task.env)  # what a failure here blocked: the function, or the function in this environment
         inputs = task.inputs  # data already on some endpoints (scheduler/locality.py)
         skip = skip_offline or ids is not None  # one test per member on the common path
         res = SearchResult()
@@ -257,7 +258,7 @@ class Predictor:
             for key, node in zip(wkeys, wnodes):
                 if prune and ((key + x_lb) + 0.0) + r_lb > best_t:
                     break
-                if node.blocked and f in node.blocked:
+                if node.blocked and bk in node.blocked:
                     continue
                 if skip and ((skip_offline and not node.ep.online) or (ids is not None and node.id not in ids)):
                     continue
@@ -291,7 +292,7 @@ class Predictor:
                         break
                     if f in node.hot:
                         continue
-                    if node.blocked and f in node.blocked:
+                    if node.blocked and bk in node.blocked:
                         continue
                     if skip and ((skip_offline and not node.ep.online) or (ids is not None and node.id not in ids)):
                         continue

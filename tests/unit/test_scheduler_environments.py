@@ -106,3 +106,24 @@ def test_delta_does_not_probe_where_the_environment_would_have_to_be_built() -> 
     env_task = TaskInfo("t1", "f", 0, env="env1", env_cost=EnvCost(30.0, 50 * 2**20))
     [pl] = s.place([env_task], 1.0)
     assert pl.endpoint_id == "a" and "probe" not in pl.reason
+
+
+def test_failures_block_the_function_in_its_environment_only() -> None:
+    """A missing module in the agent's own Python blocks the bare function there, not the same
+    function in an environment that brings the module; an environment that failed to build
+    blocks only that function+environment pair (a changed spec has a new id: placed again)."""
+    s = _sched("delta")
+    [p0] = s.place([TaskInfo("t0", "f", 0)], 1.0)
+    s.task_completed("t0", 1.1, 0.0, ok=False, error="ModuleNotFoundError")
+    bad = p0.endpoint_id
+    other = "b" if bad == "a" else "a"
+    assert {p.endpoint_id for p in s.place([TaskInfo(f"t{i}", "f", 0) for i in range(1, 4)], 2.0)} == {other}
+    s.fleet.set_envs(bad, ["env1"])
+    [p4] = s.place([TaskInfo("t4", "f", 0, env="env1", env_cost=EnvCost(30.0, 2**20))], 3.0)
+    assert p4.endpoint_id == bad  # the environment brings the module: not blocked
+    s.task_completed("t4", 3.1, 0.0, ok=False, error="EnvError")  # and then it failed to build there
+    [p5] = s.place([TaskInfo("t5", "f", 0, env="env1", env_cost=EnvCost(30.0, 2**20))], 4.0)
+    assert p5.endpoint_id == other
+    [p6] = s.place([TaskInfo("t6", "f", 0, env="env2", env_cost=EnvCost(1.0, 0))], 5.0)
+    assert p6.endpoint_id in ("a", "b")  # a changed spec is placed anywhere again
+    assert "f@env1" in s.fleet.nodes[bad].blocked and "f@env2" not in s.fleet.nodes[bad].blocked
