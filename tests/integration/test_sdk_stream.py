@@ -24,7 +24,7 @@ from websockets.sync.client import connect
 
 from cloud_hub.broker import find_mosquitto
 from cloud_hub.client import Client, Executor
-from cloud_hub.client._client import AuthError
+from cloud_hub.client._client import AuthError, HubUnreachable
 from cloud_hub.client._stream import HubStream, stream_url
 from cloud_hub.localmesh import LocalMesh
 from mesh_agent.protocol import function_id, serialize, serialize_function
@@ -269,3 +269,25 @@ def test_result_rows_on_the_stream_are_the_rest_rows() -> None:
     for r in ({"task_id": "t1", "ok": 1, "data": b"\x01\x02", "started": 1.5, "finished": 2.5, "endpoint_id": "ep-1", "own_endpoint": True},
               {"task_id": "t2", "ok": 0, "data": None, "started": None, "finished": None}):
         assert _row(r) == _result_out(r).model_dump(mode="json")
+
+
+def test_stream_over_https_uses_wss_with_the_hubs_ca(tmp_path: Path) -> None:
+    """An https:// hub with a private CA: the stream is wss:// and verified with the same CA as REST."""
+    if find_mosquitto() is None:
+        pytest.fail("mosquitto is required for integration tests")
+    with LocalMesh(tmp_path / "mesh", heartbeat_s=0.5, lost_after_s=3.0, tls=True) as m:
+        assert m.url.startswith("https://")
+        agent = m.add_agent("t", "zmq", workers=1)
+        m.wait_online(timeout=90)
+        with Executor(m.client, endpoint_id=agent.endpoint_id) as ex:
+            stream = ex._stream
+            assert stream is not None and stream.url.startswith("wss://") and stream.connected
+            assert [f.result(60) for f in [ex.submit(square, i) for i in range(20)]] == [i * i for i in range(20)]
+            assert stream.submits >= 1 and stream.connects == 1
+        # A client that does not trust the hub's CA gets no stream (and no REST either): one clear line.
+        untrusting = Client(m.url, m.token, timeout=10, verify=True)
+        try:
+            with pytest.raises(HubUnreachable, match="stream"):
+                HubStream(untrusting)._connect(0)
+        finally:
+            untrusting.close()
