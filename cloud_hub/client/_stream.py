@@ -23,7 +23,6 @@ import random
 import socket
 import ssl
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 from cloud_hub.client._client import AuthError, HubError, HubUnreachable
