@@ -42,7 +42,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
                               "to another endpoint (fetch it with future.result() and pass the value)")
             return bool(rows[0]["ok"]), bytes(rows[0]["data"] or b"")
 
-        server = KVServer(cfg.kv_host, cfg.kv_port, secret=secrets.token_bytes(32), max_bytes=cfg.kv_max_bytes,
+        # Kept in the hub's database: a restarted hub (on a fixed kv_port) accepts the URLs it gave
+        # out, and its empty store then answers "lost" for old refs instead of refusing the login.
+        access = getattr(hub, "access", None)
+        secret = bytes.fromhex(await access.secret("kv_store_secret", lambda: secrets.token_hex(32))) if access is not None \
+            else secrets.token_bytes(32)
+        server = KVServer(cfg.kv_host, cfg.kv_port, secret=secret, max_bytes=cfg.kv_max_bytes,
                           ssl_context=ctx, public_host=cfg.kv_public_host, task_result=task_result)
         await server.start()
     hub.kv = server

@@ -164,11 +164,9 @@ class Store:
 
 
 def _safe(url: str) -> str:
-    """A store URL without its credential, for error messages."""
-    if "@" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://{rest.split('@', 1)[1]}"
-    return url
+    from cloud_hub.client.multiprocessing._resource import _safe as safe
+
+    return safe(url)
 
 
 def _gone(ref: MeshRef, where: str) -> RefError:

@@ -33,7 +33,10 @@ BIG = 200_000  # bytes of the values moved: far larger than any ref or request o
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
     if find_mosquitto() is None:
         pytest.fail("mosquitto is required for integration tests: run ./taskw setup (apt-get install mosquitto)")
-    m = LocalMesh(tmp_path_factory.mktemp("tiers"), heartbeat_s=0.5, lost_after_s=3.0)
+    from cloud_hub.broker import free_port
+
+    # a fixed port for the hub's store, so that the hub-restart test finds it where it was
+    m = LocalMesh(tmp_path_factory.mktemp("tiers"), heartbeat_s=0.5, lost_after_s=3.0, hub_overrides={"kv_port": free_port()})
     m.start()
     try:
         m.add_agent("t-mqtt", "mqtt", workers=2)
@@ -208,3 +211,21 @@ def test_bad_inputs_hint_is_refused_and_stores_nothing(mesh: LocalMesh) -> None:
             c.request("POST", "/v1/tasks", json=spec)
         assert e.value.status == 422 and "inputs" in str(e.value), e.value
     assert db.execute("SELECT COUNT(*) FROM tasks").fetchone()[0] == before
+
+
+def test_hub_restart_loses_the_hub_store_and_says_so_local_refs_survive(mesh: LocalMesh) -> None:
+    """Last in this module: it restarts the hub. The hub's store is its memory: a shared ref in it
+    reads as lost afterwards (RefError naming its producer), never as other data; the same URL
+    still logs in (the credential secret is in the hub's database). A local ref does not depend
+    on the hub's store: read where it lies, and staged again through the restarted hub."""
+    a, b = mesh.agents[1], mesh.agents[2]
+    store = refs.Store()
+    shared = store.put(b"kept in the hub", tier="shared")
+    local = _run(mesh, a.endpoint_id, make, 9, store)
+    mesh.stop_hub()
+    mesh.start_hub()
+    mesh.wait_online(timeout=90)
+    with pytest.raises(refs.RefError, match=f"put by program .* was deleted or lost"):
+        refs.get(shared)
+    assert _run(mesh, a.endpoint_id, where, local) == (BIG, 9, a.endpoint_id)
+    assert _run(mesh, b.endpoint_id, where, local) == (BIG, 9, b.endpoint_id)

@@ -136,3 +136,13 @@ def test_blpop_wakes_in_arrival_order_and_times_out(kv: object) -> None:
         t.join(30)
     assert sorted(got) == [(0, (b"q", b"first")), (1, (b"q", b"second"))]
     assert r.blpop(["q"], timeout=0.1) is None
+
+
+def test_a_refused_login_is_one_clear_error_without_retrying(kv: object) -> None:
+    from cloud_hub.client import refs
+
+    forged = kv.url("erin").replace("erin:", "erin:0")  # type: ignore[attr-defined]
+    with pytest.raises(ConnectionError, match="refused this login") as e:
+        refs.Store(forged).put(b"x")
+    assert "erin:0" not in str(e.value)  # the credential is not printed
+    assert redis.Redis.from_url(kv.url("erin")).dbsize() == 0  # type: ignore[attr-defined]

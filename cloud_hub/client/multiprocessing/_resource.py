@@ -64,13 +64,24 @@ def retrying(url: str, fn: Callable[[], T]) -> T:
     for _attempt in range(1000):
         try:
             return fn()
+        except redis.AuthenticationError as exc:  # retrying cannot help: say so at once
+            raise ConnectionError(f"the store at {_safe(url)} refused this login ({exc}): a hub's embedded store whose "
+                                  "credentials changed (a new hub database), or a wrong Redis password") from None
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             if time.monotonic() + delay > deadline:
-                raise ConnectionError(f"cannot reach Redis at {url} for {budget:g} s ({exc}); is redis-server running there "
+                raise ConnectionError(f"cannot reach Redis at {_safe(url)} for {budget:g} s ({exc}); is redis-server running there "
                                       "and reachable from the endpoints? (MESH_REDIS_URL / multiprocessing.config(redis_url=))") from None
             time.sleep(delay * random.uniform(0.5, 1.5))
             delay = min(delay * 2, 1.0)
-    raise ConnectionError(f"cannot reach Redis at {url}")
+    raise ConnectionError(f"cannot reach Redis at {_safe(url)}")
+
+
+def _safe(url: str) -> str:
+    """A store URL without its credential, for messages."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://{rest.split('@', 1)[1]}"
+    return url
 
 
 def dumps(obj: Any) -> bytes:
