@@ -66,9 +66,24 @@ class WorkerKind:
     wrap: tuple[str, ...] = ()
     cwd: str | None = None
     venv: str | None = None  # the venv key this kind keeps in use (not evicted while workers live)
+    clean_env: bool = False  # start from SANDBOX_ENV, not the agent's environment (sandboxed workers)
 
 
 DEFAULT_KIND = WorkerKind()
+
+#: The only variables of the agent's environment a sandboxed worker inherits (plus the spec's
+#: env_vars, HOME=/tmp and TMPDIR=/tmp): the agent may have been started with secrets in its
+#: environment (an enrollment token on first boot, staging settings), and the datasets' paths
+#: point into the data directory the sandbox hides.
+SANDBOX_ENV = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "MESH_ENDPOINT_ID", "MESH_ENDPOINT_NAME")
+
+
+def sandbox_environ(environ: Mapping[str, str], extra: Iterable[tuple[str, str]] = ()) -> dict[str, str]:
+    """A sandboxed worker's whole environment (pure)."""
+    out = {k: environ[k] for k in SANDBOX_ENV if k in environ}
+    out.update({"HOME": "/tmp", "TMPDIR": "/tmp"})
+    out.update(dict(extra))
+    return out
 
 
 def abi_tag() -> str:
@@ -308,6 +323,7 @@ class Environments:
             bwrap = self._bwrap_path()
             wrap = tuple(bwrap_argv(self.hidden, [venv_dir] if venv_dir is not None else [], bool(spec.get("network")), bwrap))
             cwd = "/tmp"
+            return WorkerKind(sid, python, path, env, wrap, cwd, venv_key, clean_env=True)
         return WorkerKind(sid, python, path, env, wrap, cwd, venv_key)
 
     def _bwrap_path(self) -> str:

@@ -57,7 +57,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from mesh_agent.engine.environments import DEFAULT_KIND, EnvError, Environments, WorkerKind
+from mesh_agent.engine.environments import DEFAULT_KIND, EnvError, Environments, WorkerKind, sandbox_environ
 from mesh_agent.protocol.serialize import serialize
 
 __all__ = [
@@ -458,7 +458,7 @@ class LocalEngine:
                 argv,
                 pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL,
                 start_new_session=False,  # same process group: a kill of the agent's group ends workers too
-                env={**os.environ, **dict(kind.env)} if kind.env else None,
+                env=sandbox_environ(os.environ, kind.env) if kind.clean_env else ({**os.environ, **dict(kind.env)} if kind.env else None),
                 cwd=kind.cwd if kind.cwd and not kind.wrap else None,
             )
         except BaseException:

@@ -375,3 +375,24 @@ def test_prewarm_config_is_checked() -> None:
     assert EnvironmentsSettings(prewarm=[{"uv": ["numpy"]}, {}]).prewarm == [{"pip": ["numpy"]}]
     with pytest.raises(ValueError, match=r"prewarm\[0\]: environment.pip\[0\]"):
         EnvironmentsSettings(prewarm=[{"pip": ["--index-url=x"]}])
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
+async def test_sandboxed_workers_do_not_inherit_the_agents_environment(tmp_path: Path, wheels: Path, started: list[LocalEngine],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent may hold secrets in its environment (an enrollment token on first boot): a
+    sandboxed worker starts from a short allow-list plus the spec's own variables."""
+    monkeypatch.setenv("MESH_ENROLL_TOKEN", "et_secret")
+    monkeypatch.setenv("MESH_ENDPOINT_ID", "ep-test")
+    sink = Collector()
+    eng = await start(started, sink, make_envs(tmp_path, wheels))
+    eng.submit([task("plain", getenv, "MESH_ENROLL_TOKEN"),
+                with_env(task("sbx", getenv, "MESH_ENROLL_TOKEN"), {"sandbox": True}),
+                with_env(task("sbx-id", getenv, "MESH_ENDPOINT_ID"), {"sandbox": True}),
+                with_env(task("sbx-var", getenv, "MODE"), {"sandbox": True, "env_vars": {"MODE": "x"}}),
+                with_env(task("sbx-home", getenv, "HOME"), {"sandbox": True})])
+    await sink.wait_for(5, timeout=120)
+    res = sink.by_id()
+    assert value(res["plain"]) == "et_secret"  # the owner's own workers: as before
+    assert value(res["sbx"]) is None
+    assert value(res["sbx-id"]) == "ep-test" and value(res["sbx-var"]) == "x" and value(res["sbx-home"]) == "/tmp"
