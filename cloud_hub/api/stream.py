@@ -45,7 +45,7 @@ CLOSE_AUTH = 4401
 CLOSE_BAD_FRAME = 4400
 CLOSE_TRY_LATER = 1013  # RFC 6455 "try again later": Globus Auth unreachable, hub stopping
 _RESULTS_PER_FRAME = 2000
-_MAX_PLACED = 500_000  # tasks remembered per stream for early results (about 100 B each); past it, stored copies only
+_MAX_PLACED = 100_000  # tasks remembered per early-results stream (about 150 B each, 15 MB at most); past it, stored copies only
 
 
 class _BadFrame(ValueError):
@@ -123,6 +123,7 @@ class _Conn:
         self._own: dict[str, bool] = {}
         self._early_done: set[str] = set()  # written to the socket; the stored copy is then not sent again
         self._sending: set[asyncio.Task[None]] = set()
+        self._early_on = False
 
     async def send(self, msg: dict[str, Any]) -> None:
         text = json.dumps(msg, separators=(",", ":"))
@@ -145,6 +146,7 @@ class _Conn:
                          "max_batch": self.hub.cfg.max_batch})
         pusher = asyncio.create_task(self._push(after))
         if hello.get("early") is True:  # the client takes results before the hub stored them (see _early)
+            self._early_on = True
             self.hub.bus.listen_early(self._early)
         try:
             await self._read()
@@ -211,6 +213,8 @@ class _Conn:
 
     async def _placed_on(self, ids: list[str], eps: list[str | None]) -> None:
         """Remember where these tasks run, so their results can go out as they arrive (``_early``)."""
+        if not self._early_on:
+            return
         if len(self._placed) < _MAX_PLACED:
             self._placed.update((t, e) for t, e in zip(ids, eps) if e)
         new = {e for e in eps if e and e not in self._own}
@@ -261,7 +265,10 @@ class _Conn:
         frame written before this one arrives before it, or neither arrives)."""
         async with self._send_lock:
             out = [_row(r) for r in rows if r["task_id"] not in self._early_done]
-            self._early_done.difference_update(r["task_id"] for r in rows)
+            if self._early_on:
+                for r in rows:  # stored: never early any more (a task re-placed elsewhere, a result via another replica)
+                    self._early_done.discard(r["task_id"])
+                    self._placed.pop(r["task_id"], None)
             await self.ws.send_text(json.dumps({"op": "results", "cursor": cursor, "results": out}, separators=(",", ":")))
 
     async def _push(self, cursor: int) -> None:
