@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Admission", "TooManyTasks"]
 
-_DRAIN_WINDOW_S = 30.0
 _ESTIMATE_S = 2.0
 
 
@@ -79,7 +78,7 @@ class Admission:
         self.dispatcher = dispatcher
         store.admission = self.policy  # leases take turns between users (cloud_hub/store/fair.py)
         store.memo = self.memo  # results of cached submits are remembered (cloud_hub/store/memo.py)
-        self._drain: dict[str, tuple[float, float]] = {}  # user -> (measured at, tasks/s)
+        self._rate: dict[str, float] = {}  # user -> queued tasks dispatched per second (for Retry-After)
         self._queued: dict[str, tuple[int, float]] = {}  # user -> (queued tasks, at most; monotonic time counted)
         self._names: dict[str, str | None] = {}
         self.stats = {"refused": 0, "memo_hits": 0, "memo_misses": 0}
@@ -133,14 +132,25 @@ class Admission:
             return int(n), per
 
         queued, per = await self.store.read(q)
-        refusal = check_queue(pol, user, name, incoming, queued, per, 0.0)
+        self._measure_drain(user, queued, now)
+        refusal = check_queue(pol, user, name, incoming, queued, per, self._rate.get(user, 0.0))
         if refusal is None:
             self._queued[user] = (queued + total, now)
             return
-        refusal = check_queue(pol, user, name, incoming, queued, per, await self._drain_rate(user))
+        self._queued[user] = (queued, now)
         self.stats["refused"] += 1
-        assert refusal is not None
         raise TooManyTasks(refusal.detail, refusal.retry_after_s)
+
+    def _measure_drain(self, user: str, queued: int, now: float) -> None:
+        """How fast the user's queue drains (tasks dispatched per second), from two counts: the
+        last one plus what was admitted since, against this one. Free (the counts are made
+        anyway) and it is the figure Retry-After needs: when will this much room be free."""
+        prev = self._queued.get(user)
+        if prev is None or now - prev[1] < 0.05:
+            return
+        rate = max(0.0, (prev[0] - queued) / (now - prev[1]))
+        old = self._rate.get(user)
+        self._rate[user] = rate if old is None else 0.5 * old + 0.5 * rate
 
     async def _name(self, user: str) -> str | None:
         """The user's name (limits and shares may name users by name); users are never renamed."""
@@ -148,21 +158,6 @@ class Admission:
             row = await self.store.read(lambda db: db.execute("SELECT name FROM users WHERE id=?", (user,)).fetchone())
             self._names[user] = row[0] if row else None
         return self._names[user]
-
-    async def _drain_rate(self, user: str) -> float:
-        """The user's finished tasks per second over the last 30 s (read at most once a second;
-        only a refused submit asks)."""
-        now = time.time()
-        got = self._drain.get(user)
-        if got is not None and now - got[0] < 1.0:
-            return got[1]
-
-        def q(db: Any) -> int:
-            return int(db.execute("SELECT COUNT(*) FROM tasks WHERE user_id=? AND state='done' AND done > ?", (user, now - _DRAIN_WINDOW_S)).fetchone()[0])
-
-        rate = await self.store.read(q) / _DRAIN_WINDOW_S
-        self._drain[user] = (now, rate)
-        return rate
 
     # ------------------------------------------------------------------ memoization
     async def memo_split(self, user: str, tasks: Sequence[Any], now: float) -> dict[int, Hit]:
