@@ -667,7 +667,8 @@ class Dispatcher:
 
     async def _on_heartbeat(self, s: _Session, body: dict[str, Any]) -> None:
         # An agent that beats on change sends only what changed: keep the rest.
-        s.info.update({k: body[k] for k in ("running", "queued", "stored", "outbox", "cpu", "mem_used", "mem_avail_mb", "want") if k in body})
+        s.info.update({k: body[k] for k in ("running", "queued", "stored", "outbox", "cpu", "mem_used", "mem_avail_mb", "want",
+                                                "rs", "df", "tx", "sk") if k in body})
         if "warm" in body or "warm" not in s.info:
             s.info["warm"] = body.get("warm", [])
         if "envs" in body:  # environment ids it holds (docs/environments.md), sent when they change

@@ -213,6 +213,7 @@ class Agent:
         self._confirm_beat = False  # send one more beat if nothing arrives (the hub's credit re-sync needs two)
         self._gpus: list[dict[str, Any]] = []  # this machine's GPUs, found at start (run())
         self.stats = {"tasks_received": 0, "results_sent": 0, "rejected_frames": 0, "reconnects": 0, "store_failures": 0, "refused_tasks": 0}
+        self._bytes_sent = 0  # frame bytes this process sent the hub (device counters, docs/protocol.md)
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self, stop: asyncio.Event) -> None:
@@ -355,8 +356,10 @@ class Agent:
         # Behind a site gateway (docs/sites.md) results and acks may wait at the gateway through a long
         # uplink outage: they stay valid for a week (both are idempotent by task id at the hub).
         exp = ts + _RELAYED_TTL_S if self._relayed and kind in (Kind.RESULTS, Kind.ACK) else 0.0
-        await link.send(encode(Envelope(kind, self.endpoint_id, body, ts=ts, exp=exp), self._key,
-                               compress=self._hub_reads_z and self.footprint.compress))
+        frame = encode(Envelope(kind, self.endpoint_id, body, ts=ts, exp=exp), self._key,
+                       compress=self._hub_reads_z and self.footprint.compress)
+        await link.send(frame)
+        self._bytes_sent += len(frame)  # frame bytes, reported in heartbeats (device counters)
         self._last_frame = time.monotonic()
 
     async def _send_hello(self) -> None:
@@ -471,6 +474,27 @@ class Agent:
             "cpu": round(cpu) if compact else cpu,
             "mem_used": round(mem.percent) if compact else mem.percent,
             "mem_avail_mb": (mem.available // 2**24) * 16 if compact else mem.available // 2**20,
+            **self._device_counters(compact),
+        }
+
+    def _device_counters(self, compact: bool) -> dict[str, int]:
+        """What the hub exports for this device (cloud_hub/metrics.py), riding on the heartbeat
+        instead of a port on the device: worker restarts, free disk under the queue (MiB), frame
+        bytes sent (KiB) and the clock offset to the hub (ms). Two-letter keys and integers keep
+        them near 30 bytes; compact (adaptive) beats round disk to 64 MiB and skew to 100 ms, so
+        they change, and cost bytes, only when it matters. They never cause a beat of their own."""
+        import shutil
+
+        try:
+            free = shutil.disk_usage(self.cfg.data_dir).free // 2**20
+        except OSError:
+            free = -1
+        skew = self._clock.offset * 1000
+        return {
+            "rs": int(getattr(self.engine, "stats", {}).get("worker_deaths", 0)),
+            "df": (free // 64) * 64 if compact and free >= 0 else free,
+            "tx": self._bytes_sent // 1024,
+            "sk": int(round(skew, -2)) if compact else int(round(skew)),
         }
 
     def _held_envs(self) -> dict[str, Any]:

@@ -114,6 +114,9 @@ def create_app(cfg: HubConfig) -> FastAPI:
 
     app.include_router(scheduler_api.router)
     app.include_router(console_router)  # web console at /console (docs/console.md)
+    from cloud_hub.metrics import make_router as metrics_router
+
+    app.include_router(metrics_router())  # Prometheus at /metrics (docs/operations.md, "Monitoring")
 
     # Health for load balancers and systemd; no token needed (they reveal no user data).
     @app.get("/healthz")
@@ -462,6 +465,7 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None = None
         if key is not None and (done := await _replayed(h, user, key, request_hash)) is not None:
             return done
         raise
+    h.metrics.tasks_submitted(rows)
     if hits:
         h.bus.notify({user})  # their results are stored already
     for ep in {r["endpoint_id"] for r in run_rows}:

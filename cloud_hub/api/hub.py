@@ -52,6 +52,9 @@ class Hub:
         self.access = AccessStore(self.store)
         self._broker_lock = asyncio.Lock()
         self.started = False
+        from cloud_hub.metrics import HubMetrics
+
+        self.metrics = HubMetrics(self)  # /metrics (cloud_hub/metrics.py)
 
     async def refresh_broker_auth(self) -> None:
         """Rewrite the broker's password and ACL files from the database and make it reload them
@@ -119,6 +122,7 @@ class Hub:
             secret = await self.access.secret("zmq_curve_secret", lambda: curve_keypair()[1])
             links.append(ZmqHubLink(self.cfg.zmq_bind, secret_key=secret, clients=await self.access.curve_clients()))
         await self.dispatcher.start(links)
+        await self.metrics.start()  # count results and FL rounds from here on
         self.started = True  # the store is open and migrated, the links are started
 
     async def readiness(self) -> tuple[bool, dict[str, Any]]:
