@@ -253,7 +253,13 @@ class FdConnection:
 def boot(args: dict[str, Any]) -> None:
     """Entry point of a worker started by ``LocalEngine``: ``args`` carries the inherited socket's
     fd, the memory limit and the agent's pid. A plain interpreter, not a multiprocessing child,
-    so user code may start its own processes (no daemon flag) and no resource tracker runs."""
+    so user code may start its own processes (no daemon flag) and no resource tracker runs.
+    ``nosock``: a sandboxed worker without network refuses new Unix sockets (seccomp), before any
+    user code runs; if the filter cannot be installed the worker exits rather than run unfiltered."""
+    if args.get("nosock"):
+        from mesh_agent.engine._seccomp import deny_unix_sockets
+
+        deny_unix_sockets()
     main(FdConnection(int(args["fd"])), args.get("mem"), int(args["ppid"]))
 
 

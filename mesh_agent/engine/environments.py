@@ -67,6 +67,7 @@ class WorkerKind:
     cwd: str | None = None
     venv: str | None = None  # the venv key this kind keeps in use (not evicted while workers live)
     clean_env: bool = False  # start from SANDBOX_ENV, not the agent's environment (sandboxed workers)
+    deny_sockets: bool = False  # the worker refuses new Unix sockets (mesh_agent/engine/_seccomp.py)
 
 
 DEFAULT_KIND = WorkerKind()
@@ -321,10 +322,23 @@ class Environments:
             await self._probe(wrap, f"container image {image!r}")
         elif spec.get("sandbox"):
             bwrap = self._bwrap_path()
-            wrap = tuple(bwrap_argv(self.hidden, [venv_dir] if venv_dir is not None else [], bool(spec.get("network")), bwrap))
-            cwd = "/tmp"
-            return WorkerKind(sid, python, path, env, wrap, cwd, venv_key, clean_env=True)
+            network = bool(spec.get("network"))
+            wrap = tuple(bwrap_argv(self.hidden, [venv_dir] if venv_dir is not None else [], network, bwrap))
+            if not network:
+                self._check_socket_filter()
+            return WorkerKind(sid, python, path, env, wrap, "/tmp", venv_key, clean_env=True, deny_sockets=not network)
         return WorkerKind(sid, python, path, env, wrap, cwd, venv_key)
+
+    @staticmethod
+    def _check_socket_filter() -> None:
+        """A sandbox without network also refuses Unix sockets: only where the filter exists."""
+        import platform
+
+        from mesh_agent.engine._seccomp import SUPPORTED
+
+        if platform.machine() not in SUPPORTED:
+            raise EnvError(f"sandbox requested but this endpoint's CPU ({platform.machine()}) has no socket filter "
+                           f"(supported: {', '.join(SUPPORTED)}); grant network to run it without one")
 
     def _bwrap_path(self) -> str:
         found = self._bwrap or _which("bwrap")

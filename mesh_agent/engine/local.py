@@ -452,6 +452,8 @@ class LocalEngine:
             path += [p if p else os.getcwd() for p in sys.path]
         # Wrapped (bwrap, a container): our pid is not the worker's parent; the wrapper dies with us instead.
         args = {"fd": child_sock.fileno(), "mem": self._memory_limit_mb, "ppid": 0 if kind.wrap else os.getpid(), "path": path}
+        if kind.deny_sockets:
+            args["nosock"] = True
         argv = [*kind.wrap, *([kind.python] if kind.python else []), "-c", _BOOT, json.dumps(args)]
         try:
             popen = subprocess.Popen(

@@ -49,6 +49,12 @@ def connect(port: int) -> str:
     return "connected"
 
 
+def connect_unix(path: str) -> str:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+    return "connected"
+
+
 def getenv(name: str) -> str | None:
     return os.environ.get(name)
 
@@ -238,6 +244,10 @@ async def test_sandboxed_function_cannot_read_keys_write_outside_scratch_or_open
     key.write_text('{"key": "secret"}')
     outside = var_tmp / "outside.txt"
     port = listener.getsockname()[1]
+    unix_path = str(var_tmp / "service.sock")  # a Unix socket on the (read-only) filesystem: a database's, say
+    unix_srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    unix_srv.bind(unix_path)
+    unix_srv.listen(4)
     eng = await start(started, sink, envs)
     sandbox = {"sandbox": True}
     eng.submit([
@@ -248,8 +258,14 @@ async def test_sandboxed_function_cannot_read_keys_write_outside_scratch_or_open
         with_env(task("socket", connect, port), sandbox),
         with_env(task("socket-granted", connect, port), {"sandbox": True, "network": True}),
         with_env(task("venv-in-sandbox", toy_version), {"sandbox": True, "pip": ["meshtoy"]}),
+        with_env(task("unix", connect_unix, unix_path), sandbox),
+        with_env(task("unix-granted", connect_unix, unix_path), {"sandbox": True, "network": True}),
     ])
-    res = {r.task_id: r for r in await sink.wait_for(7, timeout=180)}
+    res = {r.task_id: r for r in await sink.wait_for(9, timeout=180)}
+    unix_srv.close()
+    e = error(res["unix"])  # the network namespace does not cover socket files: the seccomp filter does
+    assert e["type"] == "builtins.PermissionError" and "Operation not permitted" in e["message"]
+    assert value(res["unix-granted"]) == "connected"
     assert value(res["control-read"]) == '{"key": "secret"}'
     e = error(res["key"])
     assert e["type"] == "builtins.FileNotFoundError" and str(key) in e["message"]
@@ -269,7 +285,7 @@ async def test_sandboxed_function_cannot_read_keys_write_outside_scratch_or_open
     # The agent is untouched: its key is intact and it keeps serving, sandboxed or not.
     assert key.read_text() == '{"key": "secret"}'
     eng.submit([task("after", whoami), with_env(task("after-sbx", whoami), sandbox)])
-    await sink.wait_for(9, timeout=60)
+    await sink.wait_for(11, timeout=60)
     assert sink.by_id()["after"].ok and sink.by_id()["after-sbx"].ok
 
 
