@@ -165,7 +165,14 @@ class Admission:
         keys = [t.cache_key for t in tasks if getattr(t, "cache_key", None)]
         if not keys:
             return {}
-        found = await self.store.read(lambda db: memo_rows.lookup(db, user, keys, now))
+        def q(db: Any) -> dict[str, Hit]:
+            got = memo_rows.lookup(db, user, keys, now)
+            rest = [k for k in keys if k not in got]
+            if rest:  # the same call still queued or running: join it rather than run it twice
+                got.update(memo_rows.pending(db, user, rest))
+            return got
+
+        found = await self.store.read(q)
         out = {i: found[t.cache_key] for i, t in enumerate(tasks) if getattr(t, "cache_key", None) in found}
         self.stats["memo_hits"] += len(out)
         self.stats["memo_misses"] += len(keys) - len(out)

@@ -431,6 +431,8 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None = None
     await h.admission.check(user, run_tasks)
     for i, hit in hits.items():
         rows[i]["endpoint_id"] = hit.endpoint_id
+        if hit.joined:  # the same call is still queued or running: this submit gets that task
+            rows[i]["id"] = hit.task_id
     try:
         decisions = await h.placement.place(user, run_tasks, run_rows, now) if run_rows else []
     except PlacementError as exc:

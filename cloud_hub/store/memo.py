@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["MemoSettings", "Hit", "record", "lookup", "write_hits", "count", "counts", "prune"]
+__all__ = ["MemoSettings", "Hit", "record", "lookup", "pending", "write_hits", "count", "counts", "prune"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class Hit:
     key: str
     task_id: str  # the task whose result answers it
     endpoint_id: str  # where that result was made (the SDK's trust rule reads it)
+    joined: bool = False  # that task is still queued or running: the repeat is answered with its id
 
 
 def _chunks(seq: Sequence[Any], n: int = 500) -> Iterable[Sequence[Any]]:
@@ -71,10 +72,25 @@ def lookup(db: Any, user_id: str, keys: Iterable[str], now: float) -> dict[str, 
     return out
 
 
+def pending(db: Any, user_id: str, keys: Iterable[str]) -> dict[str, Hit]:
+    """The user's tasks with these keys still queued or running (the oldest per key): a repeat
+    submitted meanwhile joins it (migration 12's index makes this a lookup per key)."""
+    want = sorted(set(keys))
+    out: dict[str, Hit] = {}
+    for chunk in _chunks(want):
+        for key, tid, ep in db.execute(
+            "SELECT memo_key, id, endpoint_id FROM tasks WHERE user_id=? AND memo_key IS NOT NULL AND state != 'done' "
+            f"AND memo_key IN ({','.join('?' * len(chunk))}) ORDER BY created DESC", (user_id, *chunk)).fetchall():
+            out[key] = Hit(key, tid, ep, joined=True)  # the last written is the oldest
+    return out
+
+
 def write_hits(db: Any, user_id: str, hits: Sequence[tuple[dict[str, Any], Hit]], misses: Mapping[str, int], now: float) -> None:
     """In the submit's transaction: each hit's task, born ``done``, with a copy of the cached
     result (a new result row: the caller's stream delivers it); hit and miss counters per function."""
     for row, hit in hits:
+        if hit.joined:  # answered with the running task's id: nothing to write but the counter
+            continue
         db.execute("INSERT INTO tasks (id, user_id, endpoint_id, function_id, args, state, created, expires, timeout, attempts, task_group_id, "
                    "memo_key, done) VALUES (?, ?, ?, ?, NULL, 'done', ?, ?, ?, 0, ?, ?, ?)",
                    (row["id"], user_id, hit.endpoint_id, row["function_id"], now, row["expires"], row["timeout"], row.get("task_group_id"),

@@ -196,4 +196,12 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE tasks ADD COLUMN env TEXT;
         """,
     ),
+    (
+        12,
+        """
+        -- Memoization (cloud_hub/store/memo.py): a cached call submitted while the same call of the
+        -- same user is still queued or running joins that task instead of running twice.
+        CREATE INDEX tasks_memo ON tasks (user_id, memo_key) WHERE memo_key IS NOT NULL;
+        """,
+    ),
 ]

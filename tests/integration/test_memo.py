@@ -2,7 +2,8 @@
 
 - a repeat of a finished cached call is answered by the hub with no dispatch (its task is born
   done, the agent never sees it), and the value is the first call's;
-- repeats submitted while the first call runs join it (one task at the hub);
+- repeats submitted while the first call runs join it (one task at the hub), in the SDK and, from
+  another client, at the hub (the same task id);
 - ``ignore_for_cache`` names, a function registered with ``cache=True``;
 - the scope is per user: another user's identical call runs;
 - bad input: an argument that cannot be hashed, a malformed cache key: a clear error, nothing stored.
@@ -14,6 +15,7 @@ import asyncio
 import base64
 import sqlite3
 import threading
+import time
 from typing import Any, Iterator
 
 import pytest
@@ -32,6 +34,13 @@ def slow_square(x: int, verbose: bool = False) -> int:
     import time
 
     time.sleep(0.3)
+    return x * x
+
+
+def slower_square(x: int) -> int:
+    import time
+
+    time.sleep(2.0)
     return x * x
 
 
@@ -100,6 +109,25 @@ def test_repeats_submitted_while_the_first_runs_join_it(mesh: Any) -> None:
     with Executor(m.client, endpoint=agent.endpoint_id) as ex:
         futs = [ex.submit(slow_square, 11, cache=True) for _ in range(5)]
         assert [f.result(timeout=60) for f in futs] == [121] * 5
+    assert _tasks(m) == before + 1
+
+
+def test_a_repeat_from_another_process_while_the_first_runs_gets_the_same_task(mesh: Any) -> None:
+    m, agent = mesh
+    before = _tasks(m)
+    other = Client(m.url, m.token)  # another client, as another process would have
+    try:
+        with Executor(m.client, endpoint=agent.endpoint_id) as one, Executor(other, endpoint=agent.endpoint_id) as two:
+            first = one.submit(slower_square, 13, cache=True)
+            deadline = time.monotonic() + 60
+            while not hasattr(first, "task_id") and not first.done() and time.monotonic() < deadline:
+                time.sleep(0.01)  # until the hub has accepted it
+            assert hasattr(first, "task_id")
+            second = two.submit(slower_square, 13, cache=True)  # the first runs for 2 s
+            assert first.result(timeout=60) == second.result(timeout=60) == 169
+            assert second.task_id == first.task_id  # type: ignore[attr-defined]
+    finally:
+        other.close()
     assert _tasks(m) == before + 1
 
 

@@ -122,3 +122,19 @@ async def test_a_user_with_many_functions_does_not_hide_the_next_user(store: Sql
     await store.insert_tasks(_named(_tasks(b, ep, 3, start=500), "b"))
     got, _ = await store.lease(ep, 6, 30.0, 1 << 20, policy=parse_policy())
     assert sum(t["id"].startswith("b") for t in got) == 3
+
+
+async def test_a_pending_cached_task_is_found_until_it_is_done(store: SqliteStore) -> None:
+    a = await store.create_user("alice")
+    bob = await store.create_user("bob")
+    await store.put_function(a, FID, b"body", "fn")
+    ep = await _endpoint(store, a)
+    rows = _tasks(a, ep, 2)
+    rows[0]["memo_key"] = rows[1]["memo_key"] = "e" * 64  # two submits of one call (the older is joined)
+    await store.insert_tasks(rows)
+    got = await store.read(lambda db: memo_rows.pending(db, a, ["e" * 64, "d" * 64]))
+    assert list(got) == ["e" * 64] and got["e" * 64].task_id == "t00000" and got["e" * 64].joined
+    assert await store.read(lambda db: memo_rows.pending(db, bob, ["e" * 64])) == {}, "per user"
+    await store.lease(ep, 2, 30.0, 1 << 20)
+    await store.store_results(ep, [{"id": "t00000", "ok": True, "data": b"v"}, {"id": "t00001", "ok": True, "data": b"v"}])
+    assert await store.read(lambda db: memo_rows.pending(db, a, ["e" * 64])) == {}
