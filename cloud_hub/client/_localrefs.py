@@ -60,27 +60,29 @@ class LocalStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("CREATE TABLE IF NOT EXISTS refs (key TEXT PRIMARY KEY, blob BLOB NOT NULL, producer TEXT NOT NULL, "
-                         "expires REAL NOT NULL, size INTEGER NOT NULL)")
-        self._mem: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
+                         "expires REAL NOT NULL, size INTEGER NOT NULL, owner TEXT NOT NULL DEFAULT '')")
+        self._mem: OrderedDict[str, tuple[bytes, float, str]] = OrderedDict()
         self._mem_bytes = 0
         self.mem_max = int(os.environ.get("MESH_REF_MEMORY_BYTES", str(16 << 20)))
         self.max_bytes = int(os.environ.get("MESH_REF_LOCAL_MAX_BYTES", str(256 << 20)))
 
-    def _remember(self, key: str, blob: bytes, expires: float) -> None:
+    def _remember(self, key: str, blob: bytes, expires: float, owner: str) -> None:
         if len(blob) > self.mem_max // 4:
             return
         old = self._mem.pop(key, None)
         if old is not None:
             self._mem_bytes -= len(old[0])
-        self._mem[key] = (blob, expires)
+        self._mem[key] = (blob, expires, owner)
         self._mem_bytes += len(blob)
         for _ in range(len(self._mem)):
             if self._mem_bytes <= self.mem_max:
                 break
-            _, (b, _e) = self._mem.popitem(last=False)
+            _, (b, _e, _o) = self._mem.popitem(last=False)
             self._mem_bytes -= len(b)
 
-    def put(self, key: str, blob: bytes, producer: str, expires: float) -> None:
+    def put(self, key: str, blob: bytes, producer: str, expires: float, owner: str) -> None:
+        """``owner``: the user the ref belongs to (the login of its shared-store URL); a ref
+        naming another user is not read back, so a shared endpoint keeps users apart."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -89,35 +91,36 @@ class LocalStore:
                 if used + len(blob) > self.max_bytes:
                     raise LocalFull(f"the local ref store of this endpoint holds {used} bytes; {len(blob)} more would pass "
                                     f"MESH_REF_LOCAL_MAX_BYTES={self.max_bytes}")
-                self._db.execute("INSERT OR REPLACE INTO refs VALUES (?, ?, ?, ?, ?)", (key, blob, producer, expires, len(blob)))
+                self._db.execute("INSERT OR REPLACE INTO refs VALUES (?, ?, ?, ?, ?, ?)", (key, blob, producer, expires, len(blob), owner))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-            self._remember(key, blob, expires)
+            self._remember(key, blob, expires, owner)
 
-    def get(self, key: str) -> tuple[bytes, float] | None:
-        """(blob, expires) or None; an expired row is deleted and reads as None."""
+    def get(self, key: str, owner: str) -> tuple[bytes, float] | None:
+        """(blob, expires) or None; an expired row is deleted and reads as None, and another
+        user's row reads as None too (it is not theirs to see)."""
         with self._lock:
             hit = self._mem.get(key)
             if hit is not None and hit[1] > time.time():
                 self._mem.move_to_end(key)
-                return hit
-            row = self._db.execute("SELECT blob, expires FROM refs WHERE key = ?", (key,)).fetchone()
+                return (hit[0], hit[1]) if hit[2] == owner else None
+            row = self._db.execute("SELECT blob, expires, owner FROM refs WHERE key = ?", (key,)).fetchone()
             if row is None:
                 return None
             if row[1] <= time.time():
                 self._db.execute("DELETE FROM refs WHERE key = ?", (key,))
                 return None
-            self._remember(key, row[0], row[1])
-            return bytes(row[0]), float(row[1])
+            self._remember(key, row[0], row[1], row[2])
+            return (bytes(row[0]), float(row[1])) if row[2] == owner else None
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str, owner: str) -> None:
         with self._lock:
             old = self._mem.pop(key, None)
             if old is not None:
                 self._mem_bytes -= len(old[0])
-            self._db.execute("DELETE FROM refs WHERE key = ?", (key,))
+            self._db.execute("DELETE FROM refs WHERE key = ? AND owner = ?", (key, owner))
 
 
 _stores: dict[tuple[int, str], LocalStore] = {}
@@ -155,8 +158,22 @@ def ensure_stager(url: str) -> None:
         t.start()
 
 
+def owner_of(url: str) -> str:
+    """Whose refs these are: a hash of the store URL's login *and* credential (the hub's store
+    gives each user an unguessable one), so a task cannot claim another user's local ref by
+    writing their user name into a forged ref."""
+    import hashlib
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    return hashlib.sha256(f"{u.username or ''}:{u.password or ''}".encode()).hexdigest()[:32]
+
+
 def _stage_forever(url: str, ep: str, store: LocalStore) -> None:
-    import redis
+    try:
+        import redis
+    except ImportError:  # no redis client on this endpoint: refs stay local, consumers elsewhere get a clear timeout
+        return
 
     from cloud_hub.client.multiprocessing._resource import connection
 
@@ -174,7 +191,7 @@ def _stage_forever(url: str, ep: str, store: LocalStore) -> None:
             continue
         key = got[1].decode()
         try:
-            hit = store.get(key)
+            hit = store.get(key, owner_of(url))  # only this login's refs: requests come from its own key space
             pipe = r.pipeline()
             if hit is None:
                 pipe.rpush(key + ":ready", "lost")

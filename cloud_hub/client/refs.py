@@ -124,7 +124,7 @@ class Store:
         expires = time.time() + ttl_s
         if local is not None:
             try:
-                local.put(key, blob, producer, expires)
+                local.put(key, blob, producer, expires, _localrefs.owner_of(self.url))
             except _localrefs.LocalFull:
                 if tier == "local":
                     raise
@@ -157,7 +157,7 @@ class Store:
         if ref.tier == "local":
             local = _localrefs.local_store()
             if local is not None and ref.meta.get("endpoint") == _localrefs.endpoint_id():
-                local.delete(ref.key)
+                local.delete(ref.key, _localrefs.owner_of(ref.url))
             retrying(self.url, lambda: self._r().delete(ref.key + ":staged"))
             return
         retrying(self.url, lambda: self._r().delete(ref.key, ref.key + ":by"))
@@ -181,7 +181,7 @@ def _local_blob(ref: MeshRef) -> bytes:
     ep = ref.meta.get("endpoint")
     if ep is not None and ep == _localrefs.endpoint_id():
         local = _localrefs.local_store()
-        hit = local.get(ref.key) if local is not None else None
+        hit = local.get(ref.key, _localrefs.owner_of(ref.url)) if local is not None else None
         if hit is None:
             raise _gone(ref, f"not in the local store of endpoint {ep}")
         _localrefs.ensure_stager(ref.url)  # this endpoint holds local refs: serve them to others too

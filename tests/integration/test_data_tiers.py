@@ -57,6 +57,10 @@ def make(seed: int, store: refs.Store) -> refs.MeshRef:
     return store.put(bytes([seed % 256]) * BIG)  # tier "auto" in a task: this agent's own store
 
 
+def make_big(seed: int, store: refs.Store) -> refs.MeshRef:
+    return store.put(bytes([seed % 256]) * (8 << 20))  # 8 MiB: its transfer outweighs loopback jitter in queue and RTT
+
+
 def where(ref: refs.MeshRef) -> tuple[int, int, str]:  # the value arrives resolved by the worker
     return len(ref), ref[0], os.environ["MESH_ENDPOINT_ID"]  # type: ignore[arg-type]
 
@@ -187,14 +191,14 @@ def test_scheduler_places_the_consumer_where_its_inputs_lie(mesh: LocalMesh) -> 
     lacks to Delta's transfer time). Each holder in turn, so registration order cannot decide."""
     store = refs.Store()
     for holder in (mesh.agents[2], mesh.agents[1], mesh.agents[2]):
-        ref = _run(mesh, holder.endpoint_id, make, 3, store)
+        ref = _run(mesh, holder.endpoint_id, make_big, 3, store)
         with Executor(client=Client(mesh.url, mesh.token), endpoint="auto", stream=False) as ex:
             g = ex.submit(where, ref)
             got = g.result(120)
         rows = Client(mesh.url, mesh.token).scheduler_decisions(task_id=g.task_id)  # type: ignore[attr-defined]
         why = [(d["reason"], [(c["endpoint_id"], c["total"], c["transfer_in"], c["cold"], c["run"], c["outage"]) for c in d["compared"]])
                for d in rows["decisions"]]
-        assert got == (BIG, 3, holder.endpoint_id), f"holder {holder.endpoint_id}: {why}"
+        assert got == (8 << 20, 3, holder.endpoint_id), f"holder {holder.endpoint_id}: {why}"
         assert g.endpoint_id == holder.endpoint_id  # type: ignore[attr-defined]
 
 
@@ -211,6 +215,23 @@ def test_bad_inputs_hint_is_refused_and_stores_nothing(mesh: LocalMesh) -> None:
             c.request("POST", "/v1/tasks", json=spec)
         assert e.value.status == 422 and "inputs" in str(e.value), e.value
     assert db.execute("SELECT COUNT(*) FROM tasks").fetchone()[0] == before
+
+
+def test_a_local_ref_is_not_readable_with_another_login(mesh: LocalMesh) -> None:
+    """A ref claiming the same key under another login (a forged ref, or another user of a shared
+    endpoint) reads nothing from the producer's store: it is reported lost, the value never
+    leaves. Same endpoint, same key, different credential."""
+    import dataclasses
+
+    a = mesh.agents[1]
+    store = refs.Store()
+    ref = _run(mesh, a.endpoint_id, make, 5, store)
+    forged = dataclasses.replace(ref, url=store.url.replace(":", "x", 2).replace("redisx//", "redis://"))
+    assert forged.url != ref.url and forged.key == ref.key
+    with Executor(client=Client(mesh.url, mesh.token), endpoint=a.endpoint_id, stream=False) as ex:
+        exc = ex.submit(where, forged).exception(120)
+    assert isinstance(exc, refs.RefError) and "not in the local store" in str(exc)
+    assert _run(mesh, a.endpoint_id, where, ref) == (BIG, 5, a.endpoint_id)  # the owner still reads it
 
 
 def test_hub_restart_loses_the_hub_store_and_says_so_local_refs_survive(mesh: LocalMesh) -> None:
