@@ -10,7 +10,9 @@ validation, placement, idempotency key, one transaction) and is answered ``accep
 that transaction committed. Results are read from the store after the cursor the client names in
 its ``hello``, so a reconnecting client gets everything it may have missed again (at least once);
 the client drops repeats by task id. The frames are JSON text, the REST bodies in an envelope
-(docs/protocol.md, "SDK stream").
+(docs/protocol.md, "SDK stream"). A client that asks for early results (``hello.early``) gets a
+result as soon as the agent's verified frame reaches the hub, before the hub's commit: the agent
+keeps it until the hub acknowledges it after that commit, so nothing is lost if the hub dies.
 """
 
 from __future__ import annotations
