@@ -123,10 +123,11 @@ def wordcount(m: LocalMesh, redis: RedisServer) -> dict[str, Any]:
     from tests.integration import test_multiprocessing as wc
 
     class _Env:
-        mesh, redis = m, None
+        mesh, redis, mode = m, None, "redis"
 
     env = _Env()
     env.redis = redis
+    env.store_url = redis.url  # the shuffle through this run's own redis-server (bench/data_tiers.py compares the tiers)
     res: dict[str, Any] = {}
     for name, run in (("through_sdk", wc.wordcount_via_sdk), ("through_refs", wc.wordcount_via_refs)):
         t = time.perf_counter()
