@@ -244,6 +244,13 @@ class Environments:
         self._load()
         return [v.key for v in sorted(self._venvs.values(), key=lambda v: -v.last_used)]
 
+    def touch(self, venv_key: str) -> None:
+        """A task is running in this venv: it is the most recently used (in memory; written to
+        disk with the next build, eviction or failure, never per task)."""
+        v = self._venvs.get(venv_key)
+        if v is not None:
+            v.last_used = time.time()
+
     def held_specs(self) -> list[str]:
         """Spec ids this endpoint could start a worker for without a build or pull, most recently
         used venvs first: what the hub's scheduler compares with a task's spec id."""

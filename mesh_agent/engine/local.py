@@ -798,6 +798,8 @@ class LocalEngine:
             chunk.append((task.task_id, fid, body, task.args))
             inflight.append(task)
         self.stats["chunks_sent"] += 1
+        if w.kind.venv is not None and self._envs is not None:
+            self._envs.touch(w.kind.venv)  # LRU by use, not by when the kind was built
         self._send(w, pickle.dumps(chunk, protocol=5))
 
     def _arm_timer(self) -> None:

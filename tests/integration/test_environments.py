@@ -412,3 +412,23 @@ async def test_sandboxed_workers_do_not_inherit_the_agents_environment(tmp_path:
     assert value(res["plain"]) == "et_secret"  # the owner's own workers: as before
     assert value(res["sbx"]) is None
     assert value(res["sbx-id"]) == "ep-test" and value(res["sbx-var"]) == "x" and value(res["sbx-home"]) == "/tmp"
+
+
+async def test_lru_follows_use_not_build_order(tmp_path: Path, wheels: Path, started: list[LocalEngine]) -> None:
+    """Two venvs fit the budget, a third does not: the one evicted is the one whose tasks ran
+    longest ago, even though it was built last."""
+    for version in ("1.0", "2.0", "3.0"):
+        build_wheel(wheels, "meshtoy", version, padding=400_000)
+    sink = Collector()
+    envs = make_envs(tmp_path, wheels, disk_budget_mb=1)  # each venv ~0.5 MB: two fit, three do not
+    eng = await start(started, sink, envs, env_idle_s=0.0)
+    n = 0
+    for version in ("1.0", "2.0", "1.0"):  # 1.0 built first, but used last
+        eng.submit([with_env(task(f"t{n}", toy_version), {"pip": [f"meshtoy=={version}"]})])
+        n += 1
+        await sink.wait_for(n, timeout=120)
+        await wait_until(lambda: len(eng.warm_environments()) == 1, timeout=30)  # env workers reaped: not in use
+    eng.submit([with_env(task(f"t{n}", toy_version), {"pip": ["meshtoy==3.0"]})])
+    await sink.wait_for(n + 1, timeout=120)
+    pins = sorted(p for k in envs.held() for p in envs._venvs[k].pins)
+    assert pins == ["meshtoy==1.0", "meshtoy==3.0"], pins  # 2.0 went: least recently used
