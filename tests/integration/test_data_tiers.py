@@ -61,6 +61,10 @@ def make_big(seed: int, store: refs.Store) -> refs.MeshRef:
     return store.put(bytes([seed % 256]) * (8 << 20))  # 8 MiB: its transfer outweighs loopback jitter in queue and RTT
 
 
+def make_short(store: refs.Store) -> refs.MeshRef:
+    return store.put(b"soon gone", ttl_s=1.0)
+
+
 def where(ref: refs.MeshRef) -> tuple[int, int, str]:  # the value arrives resolved by the worker
     return len(ref), ref[0], os.environ["MESH_ENDPOINT_ID"]  # type: ignore[arg-type]
 
@@ -232,6 +236,20 @@ def test_a_local_ref_is_not_readable_with_another_login(mesh: LocalMesh) -> None
         exc = ex.submit(where, forged).exception(120)
     assert isinstance(exc, refs.RefError) and "not in the local store" in str(exc)
     assert _run(mesh, a.endpoint_id, where, ref) == (BIG, 5, a.endpoint_id)  # the owner still reads it
+
+
+def test_an_expired_local_ref_names_its_producer_here_and_elsewhere(mesh: LocalMesh) -> None:
+    a, b = mesh.agents[1], mesh.agents[2]
+    store = refs.Store()
+    with Executor(client=Client(mesh.url, mesh.token), endpoint=a.endpoint_id, stream=False) as ex:
+        f = ex.submit(make_short, store)
+        ref = f.result(120)
+    assert ref.tier == "local"
+    time.sleep(max(0.0, ref.expires - time.time()) + 0.3)
+    for ep, says in ((a, f"expired: not in the local store of endpoint {a.endpoint_id}"), (b, "expired: its TTL ran out")):
+        with Executor(client=Client(mesh.url, mesh.token), endpoint=ep.endpoint_id, stream=False) as ex:
+            exc = ex.submit(where, ref).exception(120)
+        assert isinstance(exc, refs.RefError) and f"put by task {f.task_id}" in str(exc) and says in str(exc), exc
 
 
 def test_hub_restart_loses_the_hub_store_and_says_so_local_refs_survive(mesh: LocalMesh) -> None:
