@@ -9,7 +9,7 @@ submit path that goes through ``_accept`` get the same answers.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 from fastapi import HTTPException
 
@@ -34,25 +34,14 @@ class TooManyTasks(HTTPException):
         super().__init__(429, detail, headers={"Retry-After": str(retry_after_s)})
 
 
-class _Chain(DispatchObserver):
-    """Forwards every hook to the placement service, and on results lets the dispatcher try the
-    endpoints again when concurrency limits may have held work back (a finished task frees room)."""
+class _Chain:
+    """Forwards every hook to the placement service (any hook, present or added later: by
+    ``__getattr__``), and on results lets the dispatcher try the endpoints again when concurrency
+    limits may have held work back (a finished task frees room)."""
 
     def __init__(self, inner: DispatchObserver, on_results: Callable[[], None]) -> None:
         self.inner = inner
         self._on_results = on_results
-
-    def endpoint_online(self, *a: Any) -> None:
-        self.inner.endpoint_online(*a)
-
-    def endpoint_lost(self, *a: Any) -> None:
-        self.inner.endpoint_lost(*a)
-
-    def heartbeat(self, *a: Any) -> None:
-        self.inner.heartbeat(*a)
-
-    def frame_received(self, *a: Any) -> None:
-        self.inner.frame_received(*a)
 
     def results_stored(self, *a: Any) -> None:
         try:
@@ -60,10 +49,7 @@ class _Chain(DispatchObserver):
         finally:
             self._on_results()
 
-    def tasks_expired(self, *a: Any) -> None:
-        self.inner.tasks_expired(*a)
-
-    def __getattr__(self, name: str) -> Any:  # anything else the placement service offers
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
 
@@ -84,7 +70,7 @@ class Admission:
         self.stats = {"refused": 0, "memo_hits": 0, "memo_misses": 0}
 
     def observer(self, inner: DispatchObserver) -> DispatchObserver:
-        return _Chain(inner, self._results_arrived)
+        return cast(DispatchObserver, _Chain(inner, self._results_arrived))
 
     def _results_arrived(self) -> None:
         if self.policy.caps_running:  # work held back by a concurrency limit may go now
