@@ -130,3 +130,40 @@ def test_agent_refuses_a_bad_spec_from_a_frame_with_a_clear_error(tmp_path: Path
     assert errors["t1"]["type"] == "mesh_agent.engine.EnvError" and "bad environment spec: environment.pip[0]" in errors["t1"]["message"]
     assert "not JSON" in errors["t2"]["message"]
     assert agent.engine.queued == 0 and not (tmp_path / "data" / "envs").exists()  # nothing queued, nothing built
+
+
+def test_agent_queue_keeps_a_tasks_environment_across_restarts_and_upgrades_an_old_queue(tmp_path: Path) -> None:
+    """The spec is in the durable queue: a restarted agent runs the task in it again. A queue
+    written before environments existed gains the column and keeps its tasks."""
+    import asyncio
+    import sqlite3
+
+    from mesh_agent.store import AgentStore
+
+    old = tmp_path / "old.sqlite3"
+    with sqlite3.connect(old) as c:  # the schema as it was before issue 16
+        c.executescript("""
+            CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+            INSERT INTO meta VALUES ('schema_version', '1');
+            CREATE TABLE functions (id TEXT PRIMARY KEY, body BLOB NOT NULL, stored_at REAL NOT NULL);
+            CREATE TABLE tasks (id TEXT PRIMARY KEY, function_id TEXT NOT NULL, args BLOB, timeout REAL, expires REAL,
+                state TEXT NOT NULL CHECK (state IN ('queued', 'done', 'acked')), received REAL NOT NULL, ok INTEGER,
+                result BLOB, started REAL, finished REAL, worker_pid INTEGER);
+            INSERT INTO tasks (id, function_id, args, state, received) VALUES ('old1', 'f', x'00', 'queued', 1.0);
+        """)
+    spec = encode(normalize({"pip": ["numpy"]}))
+
+    async def go() -> None:
+        store = await AgentStore(old).open()
+        try:
+            await store.add_tasks({"f": b"body"}, [{"id": "new1", "fn": "f", "args": b"a", "env": spec}])
+        finally:
+            await store.close()
+        store = await AgentStore(old).open()  # the restart
+        try:
+            got = {t.id: t.env for t in await store.queued_tasks()}
+        finally:
+            await store.close()
+        assert got == {"old1": None, "new1": spec}
+
+    asyncio.run(go())
