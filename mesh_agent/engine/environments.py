@@ -34,7 +34,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -46,6 +46,7 @@ __all__ = ["EnvError", "WorkerKind", "DEFAULT_KIND", "Environments", "bwrap_argv
 log = logging.getLogger(__name__)
 
 _BUILD_TIMEOUT_S = 900.0  # a Pi on LTE building numpy from wheels; a hung index must still end
+_MAX_REMEMBERED = 1000  # failed specs kept in index.json
 
 
 class EnvError(Exception):
@@ -192,7 +193,6 @@ class BuildStats:
     failures: int = 0
     refused: int = 0  # tasks failed at once because their spec had failed before
     last_build_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Environments:
@@ -227,7 +227,7 @@ class Environments:
         self._requests: dict[str, str] = {}  # request key -> venv key
         self._venvs: dict[str, _Venv] = {}
         self.failed: dict[str, str] = {}  # spec id -> why it could not be built
-        self.specs: dict[str, str | None] = {}  # spec id -> its venv key (None: no venv), for held_specs()
+        self.specs: dict[str, str | None] = {}  # spec id -> its venv key, for held_specs()
         #: spec id -> (seconds, bytes added to uv's cache) of its last build here, newest last (at most 8):
         #: what the hub's scheduler learns an environment's cold start from (heartbeat ``eb``)
         self.builds: dict[str, tuple[float, int]] = {}
@@ -256,7 +256,8 @@ class Environments:
         used venvs first: what the hub's scheduler compares with a task's spec id."""
         self._load()
         order = {k: -v.last_used for k, v in self._venvs.items()}
-        live = [sid for sid, vk in self.specs.items() if vk is None or vk in self._venvs]
+        # only specs with a venv: variables and the sandbox cost nothing to start, so saying so costs bytes for nothing
+        live = [sid for sid, vk in self.specs.items() if vk is not None and vk in self._venvs]
         return sorted(live, key=lambda sid: order.get(self.specs[sid] or "", 0.0))
 
     def held_bytes(self) -> int:
@@ -286,12 +287,14 @@ class Environments:
                     self.builds[sid] = self._last_build
                     while len(self.builds) > 8:
                         self.builds.pop(next(iter(self.builds)))
-                if self.specs.get(sid, "?") != kind.venv:
+                if kind.venv is not None and self.specs.get(sid) != kind.venv:  # only venvs: bounded by the disk budget
                     self.specs[sid] = kind.venv
                     self._save()
                 return kind
             except EnvError as exc:
                 self.failed[sid] = str(exc)
+                while len(self.failed) > _MAX_REMEMBERED:  # bounded: the oldest failure is tried again some day
+                    self.failed.pop(next(iter(self.failed)))
                 self.stats.failures += 1
                 self._save()
                 raise
@@ -470,6 +473,9 @@ class Environments:
             for r, k in list(self._requests.items()):
                 if k == v.key:
                     del self._requests[r]
+            for sid, k in list(self.specs.items()):
+                if k == v.key:
+                    del self.specs[sid]
             total -= v.bytes
             evicted += 1
             self.stats.evicted += 1
