@@ -61,6 +61,9 @@ class LocalStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("CREATE TABLE IF NOT EXISTS refs (key TEXT PRIMARY KEY, blob BLOB NOT NULL, producer TEXT NOT NULL, "
                          "expires REAL NOT NULL, size INTEGER NOT NULL, owner TEXT NOT NULL DEFAULT '')")
+        # the shared stores whose consumers may ask for these refs, until when: a restarted
+        # worker resumes their stagers (resume_stagers) before any task touches refs again
+        self._db.execute("CREATE TABLE IF NOT EXISTS logins (url TEXT PRIMARY KEY, until REAL NOT NULL)")
         self._mem: OrderedDict[str, tuple[bytes, float, str]] = OrderedDict()
         self._mem_bytes = 0
         self.mem_max = int(os.environ.get("MESH_REF_MEMORY_BYTES", str(16 << 20)))
@@ -80,7 +83,7 @@ class LocalStore:
             _, (b, _e, _o) = self._mem.popitem(last=False)
             self._mem_bytes -= len(b)
 
-    def put(self, key: str, blob: bytes, producer: str, expires: float, owner: str) -> None:
+    def put(self, key: str, blob: bytes, producer: str, expires: float, owner: str, url: str = "") -> None:
         """``owner``: the user the ref belongs to (the login of its shared-store URL); a ref
         naming another user is not read back, so a shared endpoint keeps users apart."""
         with self._lock:
@@ -92,6 +95,9 @@ class LocalStore:
                     raise LocalFull(f"the local ref store of this endpoint holds {used} bytes; {len(blob)} more would pass "
                                     f"MESH_REF_LOCAL_MAX_BYTES={self.max_bytes}")
                 self._db.execute("INSERT OR REPLACE INTO refs VALUES (?, ?, ?, ?, ?, ?)", (key, blob, producer, expires, len(blob), owner))
+                if url:
+                    self._db.execute("INSERT INTO logins VALUES (?, ?) ON CONFLICT(url) DO UPDATE SET until = MAX(until, excluded.until)",
+                                     (url, expires))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -141,6 +147,19 @@ def local_store() -> LocalStore | None:
 
 
 _stagers: dict[tuple[int, str], threading.Thread] = {}
+
+
+def resume_stagers() -> int:
+    """Start the stagers of every shared store that still has live local refs here (a worker
+    calls it at start, in a thread, where refs.sqlite3 exists); returns how many."""
+    store = local_store()
+    if store is None:
+        return 0
+    with store._lock:
+        urls = [r[0] for r in store._db.execute("SELECT url FROM logins WHERE until > ?", (time.time(),))]
+    for url in urls:
+        ensure_stager(url)
+    return len(urls)
 
 
 def ensure_stager(url: str) -> None:

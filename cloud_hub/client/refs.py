@@ -124,7 +124,7 @@ class Store:
         expires = time.time() + ttl_s
         if local is not None:
             try:
-                local.put(key, blob, producer, expires, _localrefs.owner_of(self.url))
+                local.put(key, blob, producer, expires, _localrefs.owner_of(self.url), self.url)
             except _localrefs.LocalFull:
                 if tier == "local":
                     raise

@@ -263,6 +263,27 @@ def boot(args: dict[str, Any]) -> None:
     main(FdConnection(int(args["fd"])), args.get("mem"), int(args["ppid"]))
 
 
+def _resume_ref_stagers() -> None:
+    """After a restart, serve this endpoint's local refs (issue 12, docs/data.md) to consumers on
+    other endpoints again, before any task here touches refs. Only where refs.sqlite3 exists, and
+    in a thread: the worker reports ready at once, and an endpoint without local refs pays nothing."""
+    d = os.environ.get("MESH_ENDPOINT_DATA_DIR")
+    if not d or not os.path.exists(os.path.join(d, "refs.sqlite3")):
+        return
+
+    def go() -> None:
+        try:
+            from cloud_hub.client._localrefs import resume_stagers
+
+            resume_stagers()
+        except Exception:  # noqa: BLE001 - staging is best effort; consumers get a clear timeout
+            pass
+
+    import threading
+
+    threading.Thread(target=go, daemon=True, name="mesh-ref-resume").start()
+
+
 def main(conn: Any, memory_limit_mb: int | None, parent_pid: int) -> None:
     """Worker loop: report ready, then run chunks until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's to handle
@@ -273,6 +294,7 @@ def main(conn: Any, memory_limit_mb: int | None, parent_pid: int) -> None:
     recv = conn.recv_bytes
     dumps = pickle.dumps
     cache: dict[str, Any] = {}
+    _resume_ref_stagers()
     try:
         send(dumps(("ready", os.getpid())))
         while True:

@@ -124,6 +124,8 @@ def test_local_ref_survives_agent_sigkill_and_a_lost_one_names_its_producer(mesh
     a.kill()  # SIGKILL the agent and its workers
     a.start()
     mesh.wait_online(a, timeout=90)
+    other = mesh.agents[1]  # first from elsewhere: the restarted workers serve staging before any task ran on a
+    assert _run(mesh, other.endpoint_id, where, kept) == (BIG, 1, other.endpoint_id)
     assert _run(mesh, a.endpoint_id, where, kept) == (BIG, 1, a.endpoint_id)  # durable: read back as it was
     _run(mesh, a.endpoint_id, drop, [[[lost]]], store)  # gone from the producer's store
     with Executor(client=Client(mesh.url, mesh.token), endpoint=a.endpoint_id, stream=False) as ex:
