@@ -254,6 +254,19 @@ def test_an_expired_local_ref_names_its_producer_here_and_elsewhere(mesh: LocalM
         assert isinstance(exc, refs.RefError) and f"put by task {f.task_id}" in str(exc) and says in str(exc), exc
 
 
+def test_a_local_ref_whose_endpoint_never_answers_is_a_clear_error(mesh: LocalMesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staging from an endpoint that is offline (here: one that does not exist) waits
+    MESH_REF_STAGE_S and says so, naming the endpoint and the producing task."""
+    import dataclasses
+
+    ref = _run(mesh, mesh.agents[1].endpoint_id, make, 4, refs.Store())
+    gone = dataclasses.replace(ref, meta={"endpoint": "ep-gone00000000"})
+    monkeypatch.setenv("MESH_REF_STAGE_S", "1")
+    with pytest.raises(refs.RefError, match=r"put by task .* is in the local store of endpoint ep-gone00000000 and could not be "
+                                            r"staged: endpoint ep-gone00000000 did not stage it within 1 s"):
+        refs.get(gone)
+
+
 def test_hub_restart_loses_the_hub_store_and_says_so_local_refs_survive(mesh: LocalMesh) -> None:
     """Last in this module: it restarts the hub. The hub's store is its memory: a shared ref in it
     reads as lost afterwards (RefError naming its producer), never as other data; the same URL
