@@ -1,0 +1,68 @@
+"""The health probes as systemd and load balancers use them: ``python -m cloud_hub.healthcheck``
+against a real hub (``/healthz`` answers; ``/readyz`` refuses with the hub's reason while the
+broker is unreachable), bad input refused, and the shipped hub unit waits on ``/healthz``."""
+
+from __future__ import annotations
+
+import configparser
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cloud_hub.broker import free_port
+from cloud_hub.config import HubConfig
+from cloud_hub.server import HubThread
+
+pytestmark = pytest.mark.integration
+
+UNIT = Path(__file__).resolve().parents[2] / "device_images" / "systemd" / "continuum-mesh-hub.service"
+
+
+def probe(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cloud_hub.healthcheck", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_probes_against_a_hub_whose_broker_is_unreachable(tmp_path: Path) -> None:
+    # a broker port nobody listens on: REST is up, the hub is not ready, and says why
+    cfg = HubConfig(db_path=tmp_path / "hub.sqlite3", port=0, mqtt_host="127.0.0.1", mqtt_port=free_port(), zmq_bind=None)
+    hub = HubThread(cfg).start()
+    try:
+        live = probe(f"{hub.url}/healthz")
+        assert live.returncode == 0, live.stderr
+        ready = probe("--wait", "2", f"{hub.url}/readyz")
+        assert ready.returncode == 1
+        assert "HTTP 503" in ready.stderr and '"ready": false' in ready.stderr and "broker" in ready.stderr
+    finally:
+        hub.stop()
+    gone = probe("--wait", "1", f"{hub.url}/healthz")  # stopped: nobody answers
+    assert gone.returncode == 1 and "no answer" in gone.stderr
+
+
+def test_probe_refuses_what_is_not_a_url() -> None:
+    r = probe("127.0.0.1:8700/healthz")
+    assert r.returncode == 2 and "must start with http://" in r.stderr
+
+
+def test_hub_unit_waits_for_healthz_and_passes_systemd_analyze(tmp_path: Path) -> None:
+    cp = configparser.ConfigParser(strict=False, interpolation=None)
+    cp.optionxform = str  # type: ignore[assignment]
+    cp.read_string(UNIT.read_text())
+    svc = cp["Service"]
+    assert svc["ExecStart"].startswith("/opt/continuum-mesh/venv/bin/mesh-hub serve")
+    assert "-m cloud_hub.healthcheck --wait" in svc["ExecStartPost"] and "${MESH_HUB_HEALTH_URL}" in svc["ExecStartPost"]
+    assert "MESH_HUB_HEALTH_URL=http://127.0.0.1:8700/healthz" in UNIT.read_text()
+    assert svc["UMask"] == "0077" and svc["StateDirectoryMode"] == "0700"
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze not installed")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for exe in ("mesh-hub", "python"):
+        (bindir / exe).write_text("#!/bin/sh\n")
+        (bindir / exe).chmod(0o755)
+    unit = tmp_path / UNIT.name
+    unit.write_text(UNIT.read_text().replace("/opt/continuum-mesh/venv/bin", str(bindir)))
+    r = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), r.stdout + r.stderr
