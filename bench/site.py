@@ -28,8 +28,12 @@ Measured, per setup:
   is staged once per site, updates stay on the LAN, one aggregated update comes up). Uplink bytes
   of each round (both directions, everything on the wire: frames, heartbeats, MQTT) are taken
   between the driver's ``on_round`` callbacks; the first round also carries warm-up, so the
-  figure is the median of rounds 2..R. Accuracy of both is reported (the comparison is at equal
-  accuracy: FedAvg of one site's FedAvg is FedAvg).
+  figure is the median of rounds 2..R. Accuracy of both is reported. The two fleets are different
+  enrollments (other endpoint ids, so other per-client shuffling seeds), so their accuracies differ
+  a little; for the comparison at equal accuracy the gateway fleet also trains **flat** FedAvg
+  (each device's model and update relayed through the gateway over the uplink): same clients,
+  same seeds, and FedAvg of one site's FedAvg is FedAvg, so the final models must be equal
+  (``max_weight_difference_same_devices``) and the bytes are compared on those two runs too.
 
 Every loop is bounded; all processes are stopped on the way out.
 """
@@ -214,29 +218,43 @@ def run_fl(site: bool, compression: str | None, args: argparse.Namespace, root: 
                     d.start()
             mesh.wait_online(*devs, timeout=180)
             c.log(f"{name}: {len(devs)} devices online; fit {args.fl_rounds} rounds")
-            snaps: list[dict[str, int]] = [up.snapshot()]
-            torch.manual_seed(0)
             ids = [d.endpoint_id for d in devs]
-            fed = Federation(mesh.client, gateways={gw.endpoint_id: ids}) if site else Federation(mesh.client, ids)
-            strategy = Hierarchical(FedAvg(), FedAvg()) if site else FedAvg()
-            hist = fed.fit(MLP(), "digits", rounds=args.fl_rounds, strategy=strategy, local_epochs=2, deadline_s=600,
-                           min_clients=args.devices, trainer=trainer, eval_data=load_test_data(), seed=0, name=name,
-                           compression=compression, on_round=lambda rec, w: snaps.append(up.snapshot()))
-            per = [{k: b[k] - a.get(k, 0) for k in ("bytes_up", "bytes_down")} for a, b in zip(snaps, snaps[1:])]
-            tot = [p["bytes_up"] + p["bytes_down"] for p in per]
-            steady = tot[1:] or tot
-            out.update({
-                "uplink_bytes_per_round": tot,
-                "uplink_bytes_to_hub_per_round": [p["bytes_up"] for p in per],
-                "uplink_bytes_from_hub_per_round": [p["bytes_down"] for p in per],
-                "uplink_bytes_per_round_median_after_first": statistics.median(steady),
-                "accuracy_per_round": [None if r.accuracy is None else round(r.accuracy, 4) for r in hist],
-                "final_accuracy": None if hist[-1].accuracy is None else round(hist[-1].accuracy, 4),
-                "participants_per_round": [len(r.participants) for r in hist],
-            })
-            if site:
-                out["site_lan_bytes_per_round"] = [sum(v.get("bytes_lan", 0) for v in (r.extra.get("site_lan") or {}).values()) for r in hist]
-            c.log(f"{name}: {out['uplink_bytes_per_round']} B per round, accuracy {out['accuracy_per_round']}")
+
+            def fit(hierarchical: bool) -> tuple[dict[str, Any], Any]:
+                snaps: list[dict[str, int]] = [up.snapshot()]
+                torch.manual_seed(0)
+                fed = Federation(mesh.client, gateways={gw.endpoint_id: ids}) if hierarchical else Federation(mesh.client, ids)
+                strategy = Hierarchical(FedAvg(), FedAvg()) if hierarchical else FedAvg()
+                hist = fed.fit(MLP(), "digits", rounds=args.fl_rounds, strategy=strategy, local_epochs=2, deadline_s=600,
+                               min_clients=args.devices, trainer=trainer, eval_data=load_test_data(), seed=0, name=name,
+                               compression=compression, on_round=lambda rec, w: snaps.append(up.snapshot()))
+                per = [{k: b[k] - a.get(k, 0) for k in ("bytes_up", "bytes_down")} for a, b in zip(snaps, snaps[1:])]
+                tot = [p["bytes_up"] + p["bytes_down"] for p in per]
+                res: dict[str, Any] = {
+                    "uplink_bytes_per_round": tot,
+                    "uplink_bytes_to_hub_per_round": [p["bytes_up"] for p in per],
+                    "uplink_bytes_from_hub_per_round": [p["bytes_down"] for p in per],
+                    "uplink_bytes_per_round_median_after_first": statistics.median(tot[1:] or tot),
+                    "accuracy_per_round": [None if r.accuracy is None else round(r.accuracy, 4) for r in hist],
+                    "final_accuracy": None if hist[-1].accuracy is None else round(hist[-1].accuracy, 4),
+                    "participants_per_round": [len(r.participants) for r in hist],
+                }
+                if hierarchical:
+                    res["site_lan_bytes_per_round"] = [sum(v.get("bytes_lan", 0) for v in (r.extra.get("site_lan") or {}).values())
+                                                       for r in hist]
+                c.log(f"{name}{'' if hierarchical or not site else ' (flat through the gateway)'}: {tot} B per round, "
+                      f"accuracy {res['accuracy_per_round']}")
+                return res, fed.final_weights
+
+            res, final = fit(site)
+            out.update(res)
+            if site:  # flat FedAvg on these very devices (through the gateway's relay): same clients, so the same model
+                flat, flat_final = fit(False)
+                import numpy as np
+
+                flat["max_weight_difference_to_hierarchical"] = max(
+                    float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))) for a, b in zip(final, flat_final))
+                out["flat_through_gateway"] = flat
         finally:
             up.close()
     return out
@@ -282,9 +300,15 @@ def main() -> None:
                 flat = run_fl(False, comp, args, root)
                 hier = run_fl(True, comp, args, root)
                 key = "fl" + (f"_{comp}" if comp else "")
-                out[key] = {"flat": flat, "hierarchical": hier, "uplink_bytes_per_round_ratio": c.ratio(
-                    flat["uplink_bytes_per_round_median_after_first"], hier["uplink_bytes_per_round_median_after_first"]),
-                    "final_accuracy": {"flat": flat["final_accuracy"], "hierarchical": hier["final_accuracy"]}}
+                same = hier.pop("flat_through_gateway")
+                out[key] = {"flat": flat, "hierarchical": hier, "flat_through_gateway": same,
+                            "uplink_bytes_per_round_ratio": c.ratio(
+                                flat["uplink_bytes_per_round_median_after_first"], hier["uplink_bytes_per_round_median_after_first"]),
+                            "uplink_bytes_per_round_ratio_same_devices": c.ratio(
+                                same["uplink_bytes_per_round_median_after_first"], hier["uplink_bytes_per_round_median_after_first"]),
+                            "final_accuracy": {"flat": flat["final_accuracy"], "hierarchical": hier["final_accuracy"],
+                                               "flat_through_gateway": same["final_accuracy"]},
+                            "max_weight_difference_same_devices": same["max_weight_difference_to_hierarchical"]}
                 c.log(f"{key}: flat/hierarchical uplink bytes per round = {out[key]['uplink_bytes_per_round_ratio']}")
     finally:
         if args.keep:
@@ -293,7 +317,11 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
     out["summary"] = {k: {"flat": out[k]["flat"]["uplink_bytes_per_round_median_after_first"],
                           "hierarchical": out[k]["hierarchical"]["uplink_bytes_per_round_median_after_first"],
-                          "ratio": out[k]["uplink_bytes_per_round_ratio"], "final_accuracy": out[k]["final_accuracy"]}
+                          "flat_through_gateway": out[k]["flat_through_gateway"]["uplink_bytes_per_round_median_after_first"],
+                          "ratio": out[k]["uplink_bytes_per_round_ratio"],
+                          "ratio_same_devices": out[k]["uplink_bytes_per_round_ratio_same_devices"],
+                          "final_accuracy": out[k]["final_accuracy"],
+                          "max_weight_difference_same_devices": out[k]["max_weight_difference_same_devices"]}
                       for k in list(out) if k.startswith("fl") and isinstance(out[k], dict) and "flat" in out[k]}
     if base is None or site is None:
         c.finish("site", out, args, started)

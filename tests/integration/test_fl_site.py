@@ -135,6 +135,30 @@ def test_site_round_stays_on_the_lan_and_learns(site: Site) -> None:
     assert crossed < 0.75 * flat_floor, (crossed, flat_floor)
 
 
+def test_hierarchical_on_the_lan_equals_flat_fedavg_on_the_same_devices(site: Site) -> None:
+    """At equal accuracy by construction: FedAvg of the site's FedAvg is FedAvg, so the same devices
+    (same client ids and seeds) must end with the same model whether their round ran flat (each
+    model and update relayed over the uplink) or on the site's LAN; and flat costs more uplink."""
+    import numpy as np
+
+    gw = site.gateway.endpoint_id
+    finals, crossed = {}, {}
+    for mode in ("flat", "site"):
+        before = site.uplink.bytes()
+        torch.manual_seed(0)
+        fed = Federation(site.mesh.client, gateways={gw: site.ids}) if mode == "site" else Federation(site.mesh.client, site.ids)
+        strategy = Hierarchical(FedAvg(), FedAvg()) if mode == "site" else FedAvg()
+        hist = fed.fit(_mlp(), "digits", rounds=2, strategy=strategy, local_epochs=1, deadline_s=60, min_clients=N,
+                       trainer=TRAINER, seed=0)
+        assert all(len(r.participants) == N for r in hist), [(r.participants, r.dropped) for r in hist]
+        crossed[mode] = site.uplink.bytes() - before
+        finals[mode] = fed.final_weights
+    diff = max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))) for a, b in zip(finals["flat"], finals["site"]))
+    assert diff < 1e-5, diff
+    print(f"2 rounds on {N} devices: flat {crossed['flat']} B over the uplink, on the site's LAN {crossed['site']} B")
+    assert crossed["site"] < crossed["flat"], crossed
+
+
 def test_site_round_with_compressed_updates(site: Site) -> None:
     gw = site.gateway.endpoint_id
     fed = Federation(site.mesh.client, gateways={gw: site.ids})
