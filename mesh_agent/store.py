@@ -260,22 +260,31 @@ class AgentStore:
                 pass
 
     async def _many(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
-        """One transaction (one fsync) for a whole batch; autocommit would pay one per row."""
+        """One transaction (one fsync) for a whole batch; autocommit would pay one per row. Run
+        whole on the connection's thread: one thread hop, not three (BEGIN, executemany, COMMIT)."""
         db = self.db
+
+        def tx(conn: sqlite3.Connection) -> None:
+            if len(rows) == 1:  # one autocommit statement is its own transaction
+                conn.execute(sql, rows[0])
+                return
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                conn.executemany(sql, rows)
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:  # SQLite may have rolled back on its own (SQLITE_FULL)
+                    try:
+                        conn.execute("ROLLBACK")
+                    except sqlite3.Error:
+                        pass
+                raise
+
         async with self._tx_lock:
             try:
-                if len(rows) == 1:  # one autocommit statement is its own transaction: 1 thread hop, not 3
-                    await db.execute(sql, rows[0])
-                    return
-                await db.execute("BEGIN IMMEDIATE")
-                await db.executemany(sql, rows)
-                await db.execute("COMMIT")
+                await db._execute(tx, db._conn)
             except sqlite3.Error as exc:
-                await self._rollback(db)
                 raise _write_error(self.path, exc) from None
-            except BaseException:
-                await self._rollback(db)
-                raise
 
     async def queued_tasks(self, exclude: Iterable[str] = ()) -> list[QueuedTask]:
         """Tasks stored but without a result: after a restart these run (again)."""
