@@ -268,7 +268,8 @@ class Gateway:
         self.store: AgentStore = self.agent.store  # one SQLite file: the agent's queue and the relay's
         self._lan: MqttHubLink | None = None
         self._up_wake = asyncio.Event()
-        self._confirm = True  # tell the hub which tasks we hold (after a new tasks frame, after reconnecting)
+        self._confirm = True  # tell the hub about every task we hold (after reconnecting)
+        self._to_confirm: set[str] = set()  # ... and about these, stored since the last confirmation
         self._in_flight: set[asyncio.Task[None]] = set()  # relayed frames waiting for their PUBACK
         self.stats = {"up_frames": 0, "down_frames": 0, "up_bytes": 0, "down_bytes": 0, "dropped": 0, "redelivered": 0, "bodies_to_devices": 0}
 
@@ -365,12 +366,13 @@ class Gateway:
         self.stats["down_frames"] += 1
         self.stats["down_bytes"] += len(frame)
         if kind is Kind.TASKS:
+            ids = frame_task_ids(kind, frame, end, z)
             try:
-                await self.store.relay_put("down", device, kind.value, mid, frame, exp, frame_task_ids(kind, frame, end, z))
+                await self.store.relay_put("down", device, kind.value, mid, frame, exp, ids)
             except StoreError as exc:
                 log.error("could not keep a tasks frame for %s (the hub re-sends after its lease): %s", device, exc)
                 return
-            self._confirm = True
+            self._to_confirm.update(ids)
             self._up_wake.set()
         elif kind is Kind.RESULT_ACK:
             with contextlib.suppress(StoreError):
@@ -458,10 +460,17 @@ class Gateway:
         """Our own signed ``ack`` of the device tasks we hold, committed: the hub then keeps their
         lease for ``site_hold_s`` instead of ``lease_s``. Until it hears this (a frame lost before
         our commit, the uplink down), it re-sends them after ``lease_s``; devices de-duplicate."""
-        ids = await _held_ids(self.store)
-        for i in range(0, len(ids), 2000):
-            await self.agent._send(Kind.ACK, {"ids": ids[i : i + 2000]})
-        self._confirm = False
+        # All of them after a reconnect (a confirmation may have been lost with the session), else only
+        # what arrived since the last one: re-sending every held id per new frame would fill a slow uplink.
+        full, self._confirm = self._confirm, False
+        new, self._to_confirm = self._to_confirm, set()
+        ids = await _held_ids(self.store) if full else sorted(new)
+        try:
+            for i in range(0, len(ids), 2000):
+                await self.agent._send(Kind.ACK, {"ids": ids[i : i + 2000]})
+        except BaseException:
+            self._confirm = True  # not all went: all again once the uplink is back
+            raise
 
     def _count_up(self, frame: bytes) -> None:
         self.stats["up_frames"] += 1
@@ -492,7 +501,7 @@ class Gateway:
                 continue
             try:
                 await self.store.relay_expire(time.time())
-                if self._confirm:
+                if self._confirm or self._to_confirm:
                     await self._confirm_held()
                 now = time.time()
                 for _ in range(100):  # bounded per pass
