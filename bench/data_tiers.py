@@ -12,6 +12,10 @@ against a local count. Ways:
 - ``futures``: reducers get the map Futures as arguments (their agents read the map results,
   lists of local refs, from the hub), submitted before any map finished.
 
+Then locality: 2 local refs of 8 MiB on each agent, one consumer per ref, placed by the
+scheduler (``endpoint="auto"``) against forced onto another agent: time, how many ran where
+their input lies, and the bytes staged through the hub.
+
 One mesh on loopback (the hub as its own process, Mosquitto, one MQTT and two ZeroMQ agents, 2
 workers each) and a redis-server of its own. Writes bench/results/data_tiers.json.
 
@@ -45,6 +49,49 @@ from tests.unit.test_mp_proxies import RedisServer  # noqa: E402
 
 def map_tier(seed: int, store: refs.Store, tier: str) -> list[refs.MeshRef]:
     return [store.put(b, tier=tier) for b in _buckets(seed)]
+
+
+def make_block(seed: int, store: refs.Store, nbytes: int) -> refs.MeshRef:
+    return store.put(bytes([seed % 256]) * nbytes)  # a local ref on the agent that ran this
+
+
+def digest(block: bytes) -> tuple[int, str]:
+    return len(block), os.environ.get("MESH_ENDPOINT_ID", "?")
+
+
+def locality(m: LocalMesh, store: refs.Store, nbytes: int, per_agent: int) -> dict[str, Any]:
+    """Each agent makes ``per_agent`` local refs of ``nbytes``; one consumer task per ref, placed
+    by the scheduler (``endpoint="auto"``: the SDK sends where the ref lies) or forced onto the
+    next agent (every input staged through the hub). Same refs, one after the other."""
+    import redis as redis_lib
+
+    agents = [a.endpoint_id for a in m.agents]
+    made: list[refs.MeshRef] = []
+    for i, ep in enumerate(agents):
+        with Executor(client=Client(m.url, m.token), endpoint=ep, stream=False) as ex:
+            made += [f.result(300) for f in [ex.submit(make_block, i * per_agent + j, store, nbytes) for j in range(per_agent)]]
+    hub = redis_lib.Redis.from_url(store.url)
+    out: dict[str, Any] = {"refs": len(made), "ref_bytes": nbytes}
+    for name in ("forced_elsewhere", "scheduler_auto"):
+        before = set(hub.keys("mesh:ref:*:staged"))
+        t = time.perf_counter()
+        execs = {ep: Executor(client=Client(m.url, m.token), endpoint=ep, stream=False) for ep in agents + ["auto"]}
+        try:
+            futs = []
+            for r in made:  # all submitted before any is awaited, both ways
+                other = agents[(agents.index(r.meta["endpoint"]) + 1) % len(agents)]
+                futs.append((r, execs["auto" if name == "scheduler_auto" else other].submit(digest, r)))
+            got = [(r, f.result(300)) for r, f in futs]
+        finally:
+            for ex in execs.values():
+                ex.shutdown(wait=False)
+        dt = time.perf_counter() - t
+        staged = set(hub.keys("mesh:ref:*:staged")) - before
+        out[name] = {"seconds": round(dt, 3), "ran_where_its_input_lies": sum(1 for r, (n, ep) in got if ep == r.meta["endpoint"]),
+                     "staged_through_hub": len(staged), "bytes_staged_through_hub": len(staged) * nbytes}
+        for k in staged:
+            hub.delete(k)  # the second way must stage again if it needs to
+    return out
 
 
 def reduce_futures(maps: list[list[refs.MeshRef]], r: int, store: refs.Store) -> refs.MeshRef:
@@ -137,6 +184,7 @@ def main() -> None:
 
             hub = redis_lib.Redis.from_url(hub_url)
             out["staged_copies_in_hub_store"] = len(hub.keys("mesh:ref:*:staged"))
+            out["locality_8MiB_inputs"] = locality(m, refs.Store(hub_url), 8 << 20, 2)
             out["agent_local_store_bytes_on_disk"] = {
                 a.cfg.name: sum(p.stat().st_size for p in Path(a.cfg.data_dir).glob("refs.sqlite3*")) for a in m.agents}
         finally:
