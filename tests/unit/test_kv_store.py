@@ -146,3 +146,30 @@ def test_a_refused_login_is_one_clear_error_without_retrying(kv: object) -> None
         refs.Store(forged).put(b"x")
     assert "erin:0" not in str(e.value)  # the credential is not printed
     assert redis.Redis.from_url(kv.url("erin")).dbsize() == 0  # type: ignore[attr-defined]
+
+
+def _raw(kv: object, payload: bytes) -> bytes:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", kv.server.port), timeout=10) as s:  # type: ignore[attr-defined]
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        for _ in range(100):  # bounded: until the server closes
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+    return out
+
+
+def test_bad_wire_input_is_an_error_reply_and_changes_nothing(kv: object) -> None:
+    before = kv.server.keys.used  # type: ignore[attr-defined]
+    assert _raw(kv, b"SET k v\r\n").startswith(b"-NOAUTH")  # no login: nothing runs
+    assert _raw(kv, b"*2\r\n$3\r\nGET\r\n$x\r\n").startswith(b"-ERR Protocol error")
+    assert _raw(kv, b"*999999999\r\n").startswith(b"-ERR Protocol error: invalid multibulk length")
+    user, cred = "frank", kv.url("frank").split("//", 1)[1].split("@")[0].split(":")[1]  # type: ignore[attr-defined]
+    login = b"*3\r\n$4\r\nAUTH\r\n$5\r\nfrank\r\n$40\r\n" + cred.encode() + b"\r\n"
+    out = _raw(kv, login + b"*2\r\n$6\r\nSELECT\r\n$1\r\n1\r\n" + b"*1\r\n$11\r\nMESH.RESULT\r\n")
+    assert out.startswith(b"+OK\r\n-ERR the embedded store has only DB 0\r\n-ERR wrong number of arguments for 'mesh.result'"), out
+    assert kv.server.keys.used == before and kv.server.keys.dbsize(user) == 0  # type: ignore[attr-defined]
