@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cloud_hub.config import HubConfig
+from cloud_hub.lanes import Lanes
 from cloud_hub.observer import DispatchObserver
 from cloud_hub.store import SqliteStore
-from cloud_hub.store.availability import close_stale_sessions, prune_events, record_transition
+from cloud_hub.store.availability import close_stale_sessions, prune_events
+from cloud_hub.store.sqlite import check_results
 from mesh_agent.protocol import (
     UP_KINDS,
     BadFrame,
@@ -142,6 +144,7 @@ class Dispatcher:
         self.stats = {"rejected_frames": 0, "tasks_sent": 0, "results_stored": 0, "duplicate_results": 0, "wills": 0, "goodbyes": 0}
         #: Frame bytes per endpoint since this hub started: [in, out, frames in, frames out, since].
         self.traffic: dict[str, list[float]] = {}
+        self._resumed: set[str] = set()  # endpoints whose kept counters this hub has read back
         self.observer = DispatchObserver()  # the hub plugs in its placement service
         # Replicas (several hubs on one PostgreSQL database and one broker): every replica hears
         # every MQTT frame; only the one holding an endpoint's row in endpoint_owners answers it.
@@ -155,6 +158,9 @@ class Dispatcher:
         # transaction per watchdog pass instead of one durable transaction per heartbeat.
         self._beat_dirty: set[str] = set()
         self._site_of: dict[str, str] = {}  # device -> the site gateway that relays its frames
+        # Incoming frames: different endpoints concurrently, each endpoint's in arrival order
+        # (cloud_hub/lanes.py), so a slow hello does not hold up everyone's acks.
+        self.lanes = Lanes()
 
     def _observe(self, hook: str, *args: Any) -> None:
         try:
@@ -179,7 +185,7 @@ class Dispatcher:
         if not self.replicated:  # availability history: nobody has a session yet (replicas may)
             await self.store.tx(close_stale_sessions)
         for link in links:
-            await link.start(self.on_frame)
+            await link.start(self.enqueue_frame)
             self.links.append(link)
         self._watchdog = asyncio.create_task(self._watch(), name="dispatcher-watchdog")
 
@@ -191,6 +197,9 @@ class Dispatcher:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watchdog
+        # Frames already received get a moment to finish (their acks still go out on live links);
+        # frames arriving meanwhile are dropped: nothing of them was acked, agents send them again.
+        await self.lanes.close()
         for link in self.links:
             await link.stop()
         with contextlib.suppress(Exception):  # the last beats' info and traffic counters, kept across the restart
@@ -261,8 +270,8 @@ class Dispatcher:
     async def _resume_traffic(self, endpoint_id: str) -> None:
         """Go on from the counters kept in the endpoint's info when they hold more than ours (a hub
         restart, or a session another replica held meanwhile)."""
-        rows = await self.store.list_endpoints(endpoint_id=endpoint_id)
-        kept = (rows[0].get("info") or {}).get("traffic") if rows else None
+        info = await self.store.endpoint_info(endpoint_id)
+        kept = (info or {}).get("traffic")
         if not isinstance(kept, dict):
             return
         try:
@@ -440,7 +449,13 @@ class Dispatcher:
             s.pumping = False
 
     # ------------------------------------------------------------------ incoming
+    async def enqueue_frame(self, claimed: str, frame: bytes, link: HubLink) -> None:
+        """What the links call: queue the frame in its channel's lane (handled after that
+        endpoint's earlier frames, alongside other endpoints' frames) and return."""
+        await self.lanes.submit(claimed, lambda: self.on_frame(claimed, frame, link))
+
     async def on_frame(self, claimed: str, frame: bytes, link: HubLink) -> None:
+        """Verify and handle one frame, to the end (the store's commit included)."""
         try:
             endpoint_id = peek_endpoint(frame)
             if endpoint_id != claimed:
@@ -588,17 +603,18 @@ class Dispatcher:
                 s.site_have = {f for f in have[:10_000] if isinstance(f, str) and len(f) == 64}
         if adaptive:  # kept in the shared row: other replicas judge its silence by the same bound
             s.info["beats"] = "adaptive"
-        await self._resume_traffic(env.endpoint)
+        if self.replicated or env.endpoint not in self._resumed:  # alone, once per endpoint: then ours are the newest
+            await self._resume_traffic(env.endpoint)
+            self._resumed.add(env.endpoint)
         self._sessions[env.endpoint] = s
         held = set(b.get("have", []))
-        await self.store.requeue(endpoint_id=env.endpoint)
-        lost = await self.store.requeue(endpoint_id=env.endpoint, not_in=held)
+        # One transaction (one fsync, shared with whatever else is committing): re-queue, reconcile,
+        # online with its info, and the availability transition for a new session.
+        _, lost = await self.store.open_session(env.endpoint, held, now, {**s.info, "capacity": s.capacity, **self.traffic_counters(env.endpoint)},
+                                                transition=old is None)
         if lost:
             log.warning("%s no longer holds %d acked tasks; re-queued", env.endpoint, lost, extra={"endpoint_id": env.endpoint})
-        await self.store.set_endpoint_state(env.endpoint, True, now, {**s.info, "capacity": s.capacity, **self.traffic_counters(env.endpoint)})
         self._observe("endpoint_online", env.endpoint, now, {**s.info, "capacity": s.capacity})
-        if old is None:
-            await self.store.tx(record_transition, env.endpoint, True, now)
         # The welcome's message id is the hello's nonce: the agent matches it before parsing the body.
         welcome = {"reply_to": b["nonce"], "hub_time": time.time(), "heartbeat_s": self.cfg.heartbeat_s, "allow": self._allow_field(env.endpoint),
                    # liveness: how long an agent that beats on change may stay silent, and (MQTT) the
@@ -630,13 +646,11 @@ class Dispatcher:
         if self._sessions.get(ep) is not s:
             return
         del self._sessions[ep]
-        n = await self.store.requeue(endpoint_id=ep)
-        await self.store.set_endpoint_state(ep, False, s.last_seen, {**s.info, "capacity": s.capacity, **self.traffic_counters(ep)})
+        n = await self.store.close_session(ep, s.last_seen, {**s.info, "capacity": s.capacity, **self.traffic_counters(ep)})
         if self.replicated:
             self._owned.pop(ep, None)
             await self.store.release_endpoint(ep, self.replica_id)
         self._observe("endpoint_lost", ep, now, s.last_seen)
-        await self.store.tx(record_transition, ep, False, s.last_seen)
         log.log(level, "endpoint %s offline: %s (silent %.1fs); %d leased tasks re-queued", ep, why, now - s.last_seen, n,
                 extra={"endpoint_id": ep})
 
@@ -654,6 +668,12 @@ class Dispatcher:
 
     async def _on_results(self, s: _Session, body: dict[str, Any]) -> None:
         results = body.get("results", [])
+        try:
+            check_results(results)
+        except ValueError as exc:  # authentic but malformed (a broken agent): nothing of it is stored or acked
+            self.stats["rejected_frames"] += 1
+            log.warning("rejected results frame from %s: %s", s.endpoint_id, exc, extra={"endpoint_id": s.endpoint_id})
+            return
         if self.bus._early:
             self.bus.early(s.endpoint_id, results)
         fresh = await self.store.store_results(s.endpoint_id, results)

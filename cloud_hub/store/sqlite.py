@@ -2,7 +2,9 @@
 
 Every public method is one transaction run on a single dedicated DB thread: the event loop
 never blocks on fsync, there is exactly one writer (no SQLITE_BUSY games), and a multi-statement
-operation (lease a batch, store a batch of results) costs one thread hop and one fsync.
+operation (lease a batch, store a batch of results) costs one thread hop. Transactions that
+arrive while the thread is busy are committed together (group commit, cloud_hub/store/group.py):
+each in its own savepoint, each caller answered only after the COMMIT, one fsync for the group.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
+from cloud_hub.store.group import GroupCommitter
 from cloud_hub.store.migrations import MIGRATIONS
 
 if TYPE_CHECKING:
     from cloud_hub.admission import AdmissionPolicy
     from cloud_hub.store.memo import MemoSettings
 
-__all__ = ["SqliteStore", "StoreError", "hash_token"]
+__all__ = ["SqliteStore", "StoreError", "check_results", "hash_token"]
 
 T = TypeVar("T")
 
@@ -84,9 +87,14 @@ def _chunks(seq: Sequence[T], n: int = 500) -> Iterable[Sequence[T]]:
 
 
 class SqliteStore:
+    #: Group commit of ``tx`` calls; None where a subclass runs its own transactions (PostgreSQL).
+    _group: GroupCommitter | None = None
+
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hub-db")
+        if type(self)._tx is SqliteStore._tx:
+            self._group = GroupCommitter(self._pool, self._conn, self._lost_tx_error)
         self._db: sqlite3.Connection | None = None
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hub-db-read")
         self._rdb: sqlite3.Connection | None = None
@@ -118,11 +126,25 @@ class SqliteStore:
             if not durable:
                 db.execute("PRAGMA synchronous=FULL")
 
+    def _lost_tx_error(self, exc: BaseException) -> BaseException:
+        """What callers see when a whole group's transaction was lost: a full disk in words."""
+        if _disk_full(exc):
+            return StoreFull(f"{self.path}: the disk is full; nothing was written (free space on {self.path.parent})")
+        return exc
+
     async def tx(self, fn: Callable[..., T], *args: Any, durable: bool = True) -> T:
-        """Run ``fn(db, *args)`` as one transaction on the DB thread. ``durable=False`` skips the
-        fsync for state that is rebuilt after a crash anyway (leases and acks: every lease is
-        re-queued at start-up, and agents de-duplicate re-sent tasks)."""
+        """Run ``fn(db, *args)`` as one transaction (or one savepoint of a group commit) on the DB
+        thread; return once it is committed. ``durable=False`` skips the fsync for state that is
+        rebuilt after a crash anyway (leases and acks: every lease is re-queued at start-up, and
+        agents de-duplicate re-sent tasks), unless a durable operation shares its group."""
+        if self._group is not None:
+            return await self._group.submit(fn, args, durable)  # type: ignore[no-any-return]
         return await self._run(lambda: self._tx(fn, *args, durable=durable))
+
+    @property
+    def group_stats(self) -> dict[str, int]:
+        """Transactions committed by group commit and the operations in them (for benches and tests)."""
+        return dict(self._group.stats) if self._group is not None else {}
 
     async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``fn(db)`` on the DB thread without opening a write transaction."""
@@ -635,37 +657,64 @@ class SqliteStore:
         With ``not_in`` (reconciliation after an agent's hello), also tasks the hub believes the
         agent acked but the agent no longer holds (its disk was wiped or replaced).
         """
+        return await self.tx(_requeue, endpoint_id, expired_before, not_in)
+
+    async def open_session(self, endpoint_id: str, held: set[str], now: float, info: dict[str, Any], transition: bool) -> tuple[int, int]:
+        """A hello's writes, in one transaction: the endpoint's leases go back to the queue, acked
+        tasks its agent no longer holds too, the row says online with the hello's info, and (for a
+        new session) the availability history gets its transition. Returns (leases re-queued,
+        acked tasks lost). Why one: a herd of hellos paid four fsynced transactions each, and they
+        queued every other frame behind them (docs/benchmarks.md, swarm)."""
+        from cloud_hub.store.availability import record_transition
+
+        if self._group is None:  # a store that runs its own transactions (PostgreSQL): one call each, as before
+            requeued = await self.requeue(endpoint_id=endpoint_id)
+            lost = await self.requeue(endpoint_id=endpoint_id, not_in=held)
+            await self.set_endpoint_state(endpoint_id, True, now, info)
+            if transition:
+                await self.tx(record_transition, endpoint_id, True, now)
+            return requeued, lost
+
+        def q(db: sqlite3.Connection) -> tuple[int, int]:
+            requeued = _requeue(db, endpoint_id, None, None)
+            lost = _requeue(db, endpoint_id, None, held)
+            db.execute("UPDATE endpoints SET online=1, last_seen=?, info=? WHERE id=?", (now, json.dumps(info), endpoint_id))
+            if transition:
+                record_transition(db, endpoint_id, True, now)
+            return requeued, lost
+
+        return await self.tx(q)
+
+    async def close_session(self, endpoint_id: str, last_seen: float, info: dict[str, Any]) -> int:
+        """A lost session's writes in one transaction: its leases back to the queue (acked tasks
+        stay on the device), the row offline, the transition recorded. Returns leases re-queued."""
+        from cloud_hub.store.availability import record_transition
+
+        if self._group is None:
+            n = await self.requeue(endpoint_id=endpoint_id)
+            await self.set_endpoint_state(endpoint_id, False, last_seen, info)
+            await self.tx(record_transition, endpoint_id, False, last_seen)
+            return n
 
         def q(db: sqlite3.Connection) -> int:
-            n = 0
-            now = time.time()
-            # A task leased ahead to a site gateway (site set) waits there through the device's and
-            # the gateway's lost sessions and a hub restart: only its own (long) lease frees it.
-            if expired_before is not None:
-                n += db.execute(
-                    "UPDATE tasks SET state='queued', leased_until=NULL, site=NULL WHERE state='leased' AND leased_until < ? "
-                    "AND (site IS NULL OR leased_until < ?)",
-                    (expired_before, min(expired_before, now)),
-                ).rowcount
-            if endpoint_id is not None and not_in is None:
-                n += db.execute(
-                    "UPDATE tasks SET state='queued', leased_until=NULL, site=NULL WHERE state='leased' AND endpoint_id=? "
-                    "AND (site IS NULL OR leased_until < ?)",
-                    (endpoint_id, now),
-                ).rowcount
-            if endpoint_id is not None and not_in is not None:
-                acked = [r[0] for r in db.execute("SELECT id FROM tasks WHERE endpoint_id=? AND state='acked'", (endpoint_id,))]
-                lost = [i for i in acked if i not in not_in]
-                db.executemany("UPDATE tasks SET state='queued' WHERE id=? AND state='acked'", [(i,) for i in lost])
-                n += len(lost)
+            n = _requeue(db, endpoint_id, None, None)
+            db.execute("UPDATE endpoints SET online=0, last_seen=?, info=? WHERE id=?", (last_seen, json.dumps(info), endpoint_id))
+            record_transition(db, endpoint_id, False, last_seen)
             return n
 
         return await self.tx(q)
 
+    async def endpoint_info(self, endpoint_id: str) -> dict[str, Any] | None:
+        """The info JSON kept in an endpoint's row (one indexed read, no task counts)."""
+        row = await self._run(lambda: self._conn().execute("SELECT info FROM endpoints WHERE id=?", (endpoint_id,)).fetchone())
+        return None if row is None else json.loads(row[0] or "{}")
+
     async def store_results(self, endpoint_id: str, results: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
-        """Store results exactly once per task; return (task id, user id) of those that were new."""
+        """Store results exactly once per task; return (task id, user id) of those that were new.
+        A malformed batch raises ValueError naming what is wrong, and stores none of it."""
 
         def q(db: sqlite3.Connection) -> list[tuple[str, str]]:
+            check_results(results)
             now = time.time()
             ids = [r["id"] for r in results]
             owners: dict[str, str] = {}
@@ -797,6 +846,54 @@ def _fair_rows(db: Any, endpoint_id: str, n: int, policy: "AdmissionPolicy", loc
     for ts in picked.values():
         ts.sort(key=lambda t: t[5])
     return [r[:5] for r in fair.frame_order(picked, policy.fair, lambda t: t[5])]
+
+
+def check_results(results: Any) -> None:
+    """Raise ValueError, naming the first problem, unless ``results`` is a list of results as an
+    agent sends them (``id`` str, ``ok`` bool, ``data`` bytes; ``started``/``finished``/``pid``
+    numbers or absent). Why here: a batch is stored in one savepoint of a shared group commit,
+    and a malformed one must fail alone, with a message, before anything of it is written."""
+    if not isinstance(results, (list, tuple)):
+        raise ValueError(f"results must be a list, not {type(results).__name__}")
+    for i, r in enumerate(results):
+        if not isinstance(r, dict):
+            raise ValueError(f"result {i} is a {type(r).__name__}, not a map")
+        if not isinstance(r.get("id"), str) or not r["id"]:
+            raise ValueError(f"result {i} has no task id (str)")
+        if not isinstance(r.get("ok"), (bool, int)):
+            raise ValueError(f"result {i} (task {r['id'][:40]}) has no 'ok' (bool)")
+        if not isinstance(r.get("data"), (bytes, bytearray)):
+            raise ValueError(f"result {i} (task {r['id'][:40]}) has no 'data' (bytes)")
+        for k in ("started", "finished", "pid"):
+            v = r.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ValueError(f"result {i} (task {r['id'][:40]}): '{k}' must be a number")
+
+
+def _requeue(db: Any, endpoint_id: str | None, expired_before: float | None, not_in: set[str] | None) -> int:
+    """The body of :meth:`SqliteStore.requeue`, also run inside a hello's one transaction."""
+    n = 0
+    now = time.time()
+    # A task leased ahead to a site gateway (site set) waits there through the device's and
+    # the gateway's lost sessions and a hub restart: only its own (long) lease frees it.
+    if expired_before is not None:
+        n += db.execute(
+            "UPDATE tasks SET state='queued', leased_until=NULL, site=NULL WHERE state='leased' AND leased_until < ? "
+            "AND (site IS NULL OR leased_until < ?)",
+            (expired_before, min(expired_before, now)),
+        ).rowcount
+    if endpoint_id is not None and not_in is None:
+        n += db.execute(
+            "UPDATE tasks SET state='queued', leased_until=NULL, site=NULL WHERE state='leased' AND endpoint_id=? "
+            "AND (site IS NULL OR leased_until < ?)",
+            (endpoint_id, now),
+        ).rowcount
+    if endpoint_id is not None and not_in is not None:
+        acked = [r[0] for r in db.execute("SELECT id FROM tasks WHERE endpoint_id=? AND state='acked'", (endpoint_id,))]
+        lost = [i for i in acked if i not in not_in]
+        db.executemany("UPDATE tasks SET state='queued' WHERE id=? AND state='acked'", [(i,) for i in lost])
+        n += len(lost)
+    return n
 
 
 def _statements(sql: str) -> list[str]:

@@ -16,6 +16,7 @@ task's code is never deserialized (a load harness has no business unpickling any
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import deque
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from mesh_agent.backoff import reconnect_delay  # the agent's own formula, re-exported for the workers
+from mesh_agent.clock import GOOD_RTT_S
 from mesh_agent.protocol import DOWN_KINDS, Envelope, Kind, ProtocolError, ReplayGuard, check_freshness, encode, open_frame, serialize
 
 __all__ = ["Creds", "SwarmEndpoint", "reconnect_delay", "NOOP_RESULT"]
@@ -93,6 +95,7 @@ class SwarmEndpoint:
     prefetch: int = 16
     clock: Callable[[], float] = time.time
     offset: float = 0.0
+    rtt: float = math.inf  # round trip of the welcome behind ``offset`` (as mesh_agent.clock.HubClock)
     welcomed: bool = False
     conn_gen: int = 0  # connections made so far: "reconnected after the broker restart" = a welcome on a newer one
     welcomed_gen: int = -1
@@ -140,12 +143,15 @@ class SwarmEndpoint:
         return self._frame(Kind.FETCH, {"want": self.full})
 
     def heartbeat(self) -> list[bytes]:
-        """A ``lan``-profile beat (every heartbeat_s), plus results unacked for too long."""
-        if not self.welcomed:
-            return []
+        """A ``lan``-profile beat (every heartbeat_s, welcomed or not, as the agent's beat loop
+        runs from the start of the connection), plus results unacked for too long (only in a
+        session). A beat the hub cannot place in a session is answered ``hello_required``: that,
+        not a timer, is how an agent whose hello went unanswered says hello again."""
         self.counters.heartbeats += 1
         out = [self._frame(Kind.HEARTBEAT, {"capacity": self.capacity, "running": 0, "queued": 0, "stored": 0, "outbox": len(self.unacked),
                                             "want": self.full})]
+        if not self.welcomed:
+            return out
         t = self.clock()
         stale = [r for sent, r in self.unacked.values() if t - sent > _RESEND_AFTER_S]
         if stale:
@@ -186,11 +192,15 @@ class SwarmEndpoint:
             t = self.clock()
             sent = self.nonces.get(body["reply_to"], t)
             self.nonces.clear()
-            self.offset = float(body["hub_time"]) - (sent + t) / 2
+            rtt = max(0.0, t - sent)
+            if rtt <= GOOD_RTT_S or rtt <= self.rtt:  # as HubClock.sample: a slow sample never replaces a better one
+                self.offset, self.rtt = float(body["hub_time"]) - (sent + t) / 2, rtt
             self.welcomed, self.welcomed_gen = True, self.conn_gen
             out = [self._fetch()]
             if self.unacked:  # as the agent: every unacked result again after a welcome
                 out.append(self._results([r for _, r in self.unacked.values()]))
+            if rtt > GOOD_RTT_S:  # as the agent: that welcome waited somewhere; measure the hub's clock again
+                out.append(self.hello())
             return out
         if env.kind is Kind.TASKS:
             return self._on_tasks(body["tasks"])

@@ -76,9 +76,12 @@ def test_forged_stale_and_replayed_frames_are_dropped_without_reply() -> None:
     assert ep.counters.rejected == 4 and ep.counters.tasks == 1
 
 
-def test_hello_required_brings_a_new_hello_and_heartbeats_need_a_session() -> None:
+def test_hello_required_brings_a_new_hello_and_heartbeats_go_out_without_a_session() -> None:
     ep = _ep()
-    assert ep.heartbeat() == []  # no session yet: nothing to beat for
+    # As the agent: it beats from the start of the connection; a beat the hub cannot place brings
+    # hello_required (below), which is how an unanswered hello is said again (no timer).
+    early = [_up(f) for f in ep.heartbeat()]
+    assert [e.kind for e in early] == [Kind.HEARTBEAT]
     _welcomed(ep)
     beat = _up(ep.heartbeat()[0])
     assert beat.kind is Kind.HEARTBEAT and beat.body["want"] == ep.full
@@ -100,3 +103,17 @@ def test_reconnect_delay_is_the_agents_backoff_with_jitter() -> None:
 def test_creds_round_trip_through_json() -> None:
     c = Creds(EP, KEY, "zmq", zmq_address="tcp://127.0.0.1:1", zmq_server_key="k" * 40, curve_public="p" * 40, curve_secret="s" * 40)
     assert Creds.from_json(c.to_json()) == c
+
+
+def test_a_late_welcome_brings_one_hello_as_the_agent_does_and_keeps_the_better_clock() -> None:
+    now = [1000.0]
+    ep = _ep(clock=lambda: now[0])
+    hello = _up(ep.connected()[0])
+    now[0] += 0.2  # a quick welcome: trusted
+    ep.on_frame(_hub(Kind.WELCOME, {"reply_to": hello.body["nonce"], "hub_time": 2000.0}, id=hello.body["nonce"]))
+    good = ep.offset
+    hello2 = _up(ep.hello())
+    now[0] += 25.0  # the next one waited 25 s in a queue: too slow to trust (mesh_agent/clock.py, GOOD_RTT_S)
+    out = ep.on_frame(_hub(Kind.WELCOME, {"reply_to": hello2.body["nonce"], "hub_time": 9999.0}, id=hello2.body["nonce"]))
+    assert [_up(f).kind for f in out] == [Kind.FETCH, Kind.HELLO]  # measure the hub's clock again
+    assert ep.offset == good and ep.welcomed
