@@ -299,6 +299,12 @@ class Environments:
                 self._save()
                 raise
 
+    def fail(self, sid: str, message: str) -> None:
+        """Remember that a spec cannot run here (its workers would not start): no retry loop."""
+        self.failed[sid] = message
+        self.stats.failures += 1
+        self._save()
+
     def forget_failure(self, sid: str) -> None:
         """Let a spec that failed be tried again (an operator fixed the index or staged the image)."""
         if self.failed.pop(sid, None) is not None:
@@ -329,13 +335,19 @@ class Environments:
             boot = _bootstrap_dirs()
             wrap = tuple(container_argv(runtime, image, boot, network=bool(spec.get("network"))))
             python, path = "", tuple(boot)  # the prefix ends with the image's python3
-            await self._probe(wrap, f"container image {image!r}")
+            await self._probe([*wrap, "-c", "print('ok')"], f"container image {image!r}")
         elif spec.get("sandbox"):
             bwrap = self._bwrap_path()
             network = bool(spec.get("network"))
             wrap = tuple(bwrap_argv(self.hidden, [venv_dir] if venv_dir is not None else [], network, bwrap))
             if not network:
                 self._check_socket_filter()
+            # Start the sandbox once (with the socket filter where it applies): a kernel that refuses
+            # namespaces or seccomp fails the spec here, in bubblewrap's own words, not in a respawn loop.
+            check = "print('ok')" if network else (
+                f"import sys;sys.path[:0]={_bootstrap_dirs()!r};"
+                "from mesh_agent.engine._seccomp import deny_unix_sockets;deny_unix_sockets();print('ok')")
+            await self._probe([*wrap, python, "-c", check], "sandbox (bubblewrap)", env=sandbox_environ(os.environ))
             return WorkerKind(sid, python, path, env, wrap, "/tmp", venv_key, clean_env=True, deny_sockets=not network)
         return WorkerKind(sid, python, path, env, wrap, cwd, venv_key)
 
@@ -370,9 +382,9 @@ class Environments:
                            "under podman yet (it cannot pass the worker's channel); install apptainer")
         raise EnvError("container requested but no container runtime (apptainer or singularity) is installed on this endpoint")
 
-    async def _probe(self, wrap: Sequence[str], what: str) -> None:
-        """Start the image's python once: a runtime that cannot start here fails the spec with its own words."""
-        code, out = await self._run([*wrap, "-c", "print('ok')"], timeout=300)
+    async def _probe(self, argv: Sequence[str], what: str, env: Mapping[str, str] | None = None) -> None:
+        """Start a wrapped python once: a runtime that cannot start here fails the spec with its own words."""
+        code, out = await self._run(list(argv), timeout=300, env=env)
         if code != 0 or "ok" not in out:
             raise EnvError(f"{what} cannot start on this endpoint: {_tail(out)}")
 
@@ -492,9 +504,10 @@ class Environments:
                 if named else f"pip requirements {reqs!r} cannot be {step} on this endpoint")
         return f"{lead}: {_tail(out)}"
 
-    async def _run(self, argv: list[str], timeout: float = _BUILD_TIMEOUT_S) -> tuple[int, str]:
-        env = {**os.environ, "UV_CACHE_DIR": str(self.root / "uv-cache"), "UV_NO_PROGRESS": "1", "NO_COLOR": "1",
-               "UV_PYTHON_DOWNLOADS": "never"}
+    async def _run(self, argv: list[str], timeout: float = _BUILD_TIMEOUT_S, env: Mapping[str, str] | None = None) -> tuple[int, str]:
+        env = dict(env) if env is not None else {
+            **os.environ, "UV_CACHE_DIR": str(self.root / "uv-cache"), "UV_NO_PROGRESS": "1", "NO_COLOR": "1",
+            "UV_PYTHON_DOWNLOADS": "never"}
         try:
             proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                                                         stderr=asyncio.subprocess.STDOUT, env=env)

@@ -82,6 +82,7 @@ _TICK = 0.1  # seconds between timeout checks, only while tasks are running
 _READ_SIZE = 1 << 18
 _START_TIMEOUT = 120.0  # a Raspberry Pi with a cold SD card can take a while to import
 _RESPAWN_DELAY = 1.0  # after a worker died before it was ready: avoid a hot crash loop
+_MAX_START_FAILURES = 3  # an environment's workers that die starting this often in a row: its tasks fail
 _HEADER = struct.Struct("!i")  # multiprocessing.Connection framing, which the worker reads
 _BIG = struct.Struct("!Q")
 
@@ -235,6 +236,7 @@ class LocalEngine:
         self._kinds: dict[str, WorkerKind] = {}  # spec id -> ready kind
         self._parked: dict[str, list[EngineTask]] = {}  # spec id -> tasks waiting for its build
         self._builds: set[asyncio.Task[None]] = set()
+        self._start_failures: dict[str, int] = {}  # environment kind -> workers that died starting, in a row
         self._prewarm: dict[str, dict] = {}  # spec id -> spec: one worker each, never reaped
         if prewarm:
             from mesh_agent.environment import env_id
@@ -650,12 +652,34 @@ class LocalEngine:
             if not w.ready.done():
                 w.ready.set_exception(RuntimeError(f"engine worker {w.pid} exited during start-up"))
                 w.ready.exception()  # mark retrieved: only start() awaits it, not for replacements
+            if w.kind.key and not any(x.kind.key == w.kind.key and x.is_ready for x in self._workers):
+                n = self._start_failures[w.kind.key] = self._start_failures.get(w.kind.key, 0) + 1
+                if n >= _MAX_START_FAILURES:  # it will not start here: fail its tasks, no respawn loop
+                    w.exited.add_done_callback(functools.partial(self._kind_cannot_start, w.kind.key, w.pid))
+                    return
         if head is not None:
             started = time.time() - (time.monotonic() - w.head_started)
             # Reported once the exit code is known: it names the cause (exit code or signal).
             w.exited.add_done_callback(functools.partial(self._report_death, w.pid, head, started))
         self._replace(w)
         self._pump()
+
+    def _kind_cannot_start(self, key: str, pid: int, exited: asyncio.Future[int | None]) -> None:
+        """Workers of an environment died starting, again and again: fail its queued tasks and
+        remember the spec as failed (not retried until it changes), as for a failed build."""
+        if self._stopping:
+            return
+        code = None if exited.cancelled() else exited.result()
+        message = (f"workers for environment {key} cannot start on this endpoint: {_MAX_START_FAILURES} in a row "
+                   f"exited during start-up (last: {_describe_exit(pid, code)}; the agent's log has their output)")
+        log.error("%s", message)
+        self._kinds.pop(key, None)
+        self._start_failures.pop(key, None)
+        if self._envs is not None:
+            self._envs.fail(key, message)
+        queue = self._queues.pop(key, deque())
+        if queue:
+            self._deliver([self._env_failure(t, message) for t in queue])
 
     def _report_death(self, pid: int, task: EngineTask, started: float, exited: asyncio.Future[int | None]) -> None:
         if self._stopping:
@@ -714,6 +738,8 @@ class LocalEngine:
             results.append(EngineResult(task_id, ok, data, started, finished, w.pid))
         elif kind == "ready":
             w.is_ready = True
+            if w.kind.key:
+                self._start_failures.pop(w.kind.key, None)
             if not w.ready.done():
                 w.ready.set_result(None)
             self._pump()

@@ -432,3 +432,25 @@ async def test_lru_follows_use_not_build_order(tmp_path: Path, wheels: Path, sta
     await sink.wait_for(n + 1, timeout=120)
     pins = sorted(p for k in envs.held() for p in envs._venvs[k].pins)
     assert pins == ["meshtoy==1.0", "meshtoy==3.0"], pins  # 2.0 went: least recently used
+
+
+async def test_environment_whose_workers_cannot_start_fails_its_tasks_without_a_respawn_loop(
+        tmp_path: Path, wheels: Path, started: list[LocalEngine]) -> None:
+    """A venv whose interpreter dies at start-up (here a package's .pth file exits): after a few
+    tries its tasks fail with a clear error, the spec is remembered as failed, the rest runs on."""
+    build_wheel(wheels, "brokenstart", "1.0", files={"brokenstart/__init__.py": "", "brokenstart.pth": "import os; os._exit(3)\n"})
+    sink = Collector()
+    envs = make_envs(tmp_path, wheels)
+    eng = await start(started, sink, envs)
+    bad = {"pip": ["brokenstart"]}
+    eng.submit([with_env(task(f"b{i}", whoami), bad) for i in range(3)] + [task("plain", whoami)])
+    await sink.wait_for(4, timeout=120)
+    for i in range(3):
+        e = error(sink.by_id()[f"b{i}"])
+        assert e["type"] == ENVIRONMENT_ERROR and "cannot start on this endpoint" in e["message"] and "exit" in e["message"]
+    assert sink.by_id()["plain"].ok
+    spawned = eng.stats["workers_spawned"]
+    eng.submit([with_env(task("b-again", whoami), bad)])  # remembered: fails at once, no new worker
+    await sink.wait_for(5, timeout=30)
+    assert error(sink.by_id()["b-again"])["type"] == ENVIRONMENT_ERROR and eng.stats["workers_spawned"] == spawned
+    assert env_id(normalize(bad)) in envs.failed
