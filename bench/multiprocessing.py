@@ -7,7 +7,8 @@ Measured, each beside the standard library's ``multiprocessing`` on this machine
 - fork-join overhead: ``Pool.map(time.sleep, [S] * N)`` wall time minus S, for N workers (cold:
   the first map of a new Pool, counting Pool creation; warm: median of later maps);
 - Pipe round-trip latency by payload size (driver -> remote echo Process -> driver), p50;
-- Pipe and Queue throughput, MB/s, driver -> one remote consumer.
+- Pipe and Queue throughput, MB/s, driver -> one remote consumer;
+- then Pipe and Queue again with the proxies' state in the hub's embedded store instead of Redis.
 
 Next to the Lithops paper's figures (FGCS 2023): about 1 s fork-join at low parallelism, under
 1 ms Redis Pipe latency below 1 KB, about 90 MB/s Pipe throughput.
@@ -166,6 +167,16 @@ def main() -> None:
             out["queue_throughput_MBps"] = {
                 "1KiB x 5000": {"mesh": queue_throughput(mesh, 1024, 5000), "stdlib": queue_throughput(std, 1024, 5000)},
                 "1MiB x 64": {"mesh": queue_throughput(mesh, 1 << 20, 64), "stdlib": queue_throughput(std, 1 << 20, 64)},
+            }
+            # The same proxies with no Redis: state in the hub's embedded store (docs/data.md), same run.
+            mesh.config(redis_url=str(Client(m.url, m.token).request("GET", "/v1/kv")["url"]))
+            out["hub_store_vs_redis"] = {
+                "pipe_rtt_p50_ms": {str(s): {"hub_store": pipe_latency(mesh, s, opts.rounds), "redis": out["pipe_rtt_p50_ms"][str(s)]["mesh"]}
+                                    for s in (64, 1024, 65536, 1 << 20)},
+                "pipe_throughput_MBps 1MiB x 64": {"hub_store": pipe_throughput(mesh, 1 << 20, 64),
+                                                   "redis": out["pipe_throughput_MBps"]["1MiB x 64"]["mesh"]},
+                "queue_throughput_MBps 1KiB x 5000": {"hub_store": queue_throughput(mesh, 1024, 5000),
+                                                      "redis": out["queue_throughput_MBps"]["1KiB x 5000"]["mesh"]},
             }
         finally:
             mesh._state.shutdown_executor()
