@@ -117,6 +117,20 @@ def _read(db: sqlite3.Connection, seq: int, fl_after: float, fids: list[str]) ->
     return s
 
 
+def _timed_read(db: sqlite3.Connection, seq: int, fl_after: float, fids: list[str]) -> tuple[_Snapshot, float]:
+    """``_read`` and the CPU time it took on its thread (what a scrape costs, without the noise
+    of everything else the hub does meanwhile)."""
+    t = time.thread_time()
+    snap = _read(db, seq, fl_after, fids)
+    return snap, time.thread_time() - t
+
+
+def _timed_format(registry: CollectorRegistry) -> tuple[bytes, float]:
+    t = time.thread_time()
+    text = generate_latest(registry)
+    return text, time.thread_time() - t
+
+
 def _cursors(db: sqlite3.Connection) -> tuple[int, float]:
     seq = db.execute("SELECT COALESCE(MAX(seq), 0) FROM results").fetchone()[0]
     fl = db.execute("SELECT COALESCE(MAX(created), 0) FROM fl_rounds").fetchone()[0]
@@ -154,6 +168,7 @@ class HubMetrics:
         self._now = 0.0
         self._lock = asyncio.Lock()
         self.scrapes = 0
+        self.scrape_cpu_s = 0.0  # CPU time of the threads that served scrapes (bench/metrics.py reads it)
         self._families: list[Metric] = []
         self._collector = _Collector(self)
         self.registry.register(self._collector)
@@ -176,14 +191,18 @@ class HubMetrics:
                 await self.start()
             assert self._seq is not None
             unknown = [f for f in set(self.submitted) | set(self.completed) | set(self.failed) if f not in self._names]
-            snap = await self.hub.store.read_parallel(_read, self._seq, self._fl_after, unknown)
+            snap, cpu = await self.hub.store.read_parallel(_timed_read, self._seq, self._fl_after, unknown)
+            t = time.thread_time()
             self._ingest(snap)
             self._snap, self._now = snap, time.time()
             self.scrapes += 1
             # Built here, on the event loop, where the dispatcher's sessions do not change under us;
             # only the formatting (and the process collector) runs on a worker thread.
             self._families = list(self._collector.build())
-            return await asyncio.to_thread(generate_latest, self.registry)
+            self.scrape_cpu_s += cpu + time.thread_time() - t  # this scrape's formatting is added after it
+            text, cpu = await asyncio.to_thread(_timed_format, self.registry)
+            self.scrape_cpu_s += cpu
+            return text
 
     def _ingest(self, snap: _Snapshot) -> None:
         self._names.update({k: v or k[:12] for k, v in snap.names.items()})
@@ -354,6 +373,8 @@ class _Collector:
         # --------------------------------------------------------- the hub itself
         yield from self._hub_host()
         yield GaugeMetricFamily("mesh_hub_scrapes", "Scrapes this hub process answered", value=m.scrapes)
+        yield CounterMetricFamily("mesh_hub_scrape_cpu_seconds", "CPU time the hub spent answering scrapes (reads, building, formatting; "
+                                  "the current scrape's formatting is counted in the next)", value=m.scrape_cpu_s)
 
     def _tasks(self, snap: _Snapshot) -> Iterator[Metric]:
         m = self.m
