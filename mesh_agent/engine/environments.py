@@ -233,6 +233,7 @@ class Environments:
         self.builds: dict[str, tuple[float, int]] = {}
         self._last_build: tuple[float, int] | None = None
         self._locks: dict[str, asyncio.Lock] = {}
+        self._probed: set[tuple[str, ...]] = set()  # wrapped command lines that started fine
         self.stats = BuildStats()
         self._loaded = False
         self._load()  # one small file: what is held and what failed is known before the first task
@@ -383,10 +384,14 @@ class Environments:
         raise EnvError("container requested but no container runtime (apptainer or singularity) is installed on this endpoint")
 
     async def _probe(self, argv: Sequence[str], what: str, env: Mapping[str, str] | None = None) -> None:
-        """Start a wrapped python once: a runtime that cannot start here fails the spec with its own words."""
+        """Start a wrapped python once: a runtime that cannot start here fails the spec with its own words.
+        Once per distinct command line per agent process: a kind rebuilt after eviction is not probed again."""
+        if tuple(argv) in self._probed:
+            return
         code, out = await self._run(list(argv), timeout=300, env=env)
         if code != 0 or "ok" not in out:
             raise EnvError(f"{what} cannot start on this endpoint: {_tail(out)}")
+        self._probed.add(tuple(argv))
 
     def _uv_path(self) -> str:
         if self._uv:
