@@ -198,7 +198,7 @@ def test_scheduler_places_the_consumer_where_its_inputs_lie(mesh: LocalMesh) -> 
     store = refs.Store()
     for holder in (mesh.agents[2], mesh.agents[1], mesh.agents[2]):
         ref = _run(mesh, holder.endpoint_id, make_big, 3, store)
-        with Executor(client=Client(mesh.url, mesh.token), endpoint="auto", stream=False) as ex:
+        with Executor(client=Client(mesh.url, mesh.token), endpoint="auto") as ex:  # the default: the WebSocket stream
             g = ex.submit(where, ref)
             got = g.result(120)
         rows = Client(mesh.url, mesh.token).scheduler_decisions(task_id=g.task_id)  # type: ignore[attr-defined]
