@@ -623,7 +623,14 @@ class Dispatcher:
                    **({"keepalive_s": keepalive_for(self.cfg.mqtt_lost_after_s)} if adaptive else {})}
         if isinstance(site, dict):
             welcome["site"] = {"devices": await self._site_welcome(env.endpoint), "hold_s": self.cfg.site_hold_s}
-        await self._send(s, Kind.WELCOME, welcome, msg_id=b["nonce"])
+        try:
+            await self._send(s, Kind.WELCOME, welcome, msg_id=b["nonce"])
+        except LinkError as exc:
+            # Not sent (a broker too busy to ack in time, a link down): end the session, so the
+            # agent's next frame is answered hello_required and it says hello again. Kept, it would
+            # beat into a session whose welcome it never got, and never fetch.
+            await self._lose(env.endpoint, s, time.time(), f"its welcome could not be sent ({exc})")
+            return
         self.kick_site(env.endpoint)
         log.info("endpoint %s online via %s (capacity %d)", env.endpoint, link.name, s.capacity, extra={"endpoint_id": env.endpoint})
 
