@@ -41,7 +41,7 @@ from typing import Any, Iterable, Mapping, Sequence
 # hashlib, shutil, sysconfig and mesh_agent.environment are imported where used: the agent loads
 # this module at start, and those cost it about 1.3 MB of RSS on an endpoint that never builds one.
 
-__all__ = ["EnvError", "WorkerKind", "DEFAULT_KIND", "Environments", "bwrap_argv", "container_argv", "abi_tag"]
+__all__ = ["EnvError", "WorkerKind", "DEFAULT_KIND", "Environments", "bwrap_argv", "container_argv", "channel_prefix", "abi_tag"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,24 @@ class WorkerKind:
     venv: str | None = None  # the venv key this kind keeps in use (not evicted while workers live)
     clean_env: bool = False  # start from SANDBOX_ENV, not the agent's environment (sandboxed workers)
     deny_sockets: bool = False  # the worker refuses new Unix sockets (mesh_agent/engine/_seccomp.py)
+    #: The fd the worker's channel must sit at inside the wrapper: podman passes only fds 3..3+N-1
+    #: (``--preserve-fds N``), so the channel is moved to 3 first and nothing else of the agent's goes in.
+    channel_fd: int | None = None
+
+
+def channel_prefix(kind: WorkerKind, fd: int) -> tuple[list[str], int]:
+    """The argv in front of ``kind.wrap`` and the fd number the worker is told, for a channel open
+    at ``fd`` in the agent (pure). Without ``channel_fd`` the fd is inherited as it is."""
+    want = kind.channel_fd
+    if want is None or want == fd:
+        return [], fd
+    # A short-lived Python (not /bin/sh: dash refuses fd numbers above 9) dups the socket onto
+    # `want`, closes the original and execs the wrapper (podman); about one interpreter start per spawn.
+    return [sys.executable, "-c", _MOVE_FD, str(fd), str(want)], want
+
+
+_MOVE_FD = ("import os,sys;a,b=int(sys.argv[1]),int(sys.argv[2]);os.dup2(a,b);os.close(a);"
+            "os.execvp(sys.argv[3],sys.argv[3:])")
 
 
 DEFAULT_KIND = WorkerKind()
@@ -122,7 +140,8 @@ def container_argv(runtime: str, image: str, bootstrap: Sequence[str], network: 
             argv += ["--bind", f"{b}:{b}:ro"]
         return argv + [apptainer_image(image), "python3"]
     if name == "podman":
-        argv = [runtime, "run", "--rm", "-i", "--network", "slirp4netns" if network else "none"]
+        # --preserve-fds 1: the worker's channel, moved to fd 3 by channel_prefix(), and nothing else.
+        argv = [runtime, "run", "--rm", "-i", "--preserve-fds", "1", "--network", "slirp4netns" if network else "none"]
         for b in bootstrap:
             argv += ["-v", f"{b}:{b}:ro"]
         return argv + [image, "python3"]
@@ -326,6 +345,7 @@ class Environments:
             path = (str(self._site_packages(venv_dir)),)
         wrap: tuple[str, ...] = ()
         cwd = None
+        channel_fd: int | None = None
         image = spec.get("container")
         if image is not None:
             staged = staged_path(image)
@@ -335,6 +355,7 @@ class Environments:
             runtime = self._container_runtime()
             boot = _bootstrap_dirs()
             wrap = tuple(container_argv(runtime, image, boot, network=bool(spec.get("network"))))
+            channel_fd = 3 if Path(runtime).name == "podman" else None
             python, path = "", tuple(boot)  # the prefix ends with the image's python3
             await self._probe([*wrap, "-c", "print('ok')"], f"container image {image!r}")
         elif spec.get("sandbox"):
@@ -350,7 +371,7 @@ class Environments:
                 "from mesh_agent.engine._seccomp import deny_unix_sockets;deny_unix_sockets();print('ok')")
             await self._probe([*wrap, python, "-c", check], "sandbox (bubblewrap)", env=sandbox_environ(os.environ))
             return WorkerKind(sid, python, path, env, wrap, "/tmp", venv_key, clean_env=True, deny_sockets=not network)
-        return WorkerKind(sid, python, path, env, wrap, cwd, venv_key)
+        return WorkerKind(sid, python, path, env, wrap, cwd, venv_key, channel_fd=channel_fd)
 
     @staticmethod
     def _check_socket_filter() -> None:
@@ -376,12 +397,10 @@ class Environments:
             found = _which(name)
             if found:
                 return found
-        if _which("podman"):
-            # podman passes inherited fds only as 3..N (--preserve-fds); the worker's channel is not
-            # at 3, and passing everything below it would hand the agent's own files to the container.
-            raise EnvError("container requested but only podman is installed on this endpoint, and workers cannot run "
-                           "under podman yet (it cannot pass the worker's channel); install apptainer")
-        raise EnvError("container requested but no container runtime (apptainer or singularity) is installed on this endpoint")
+        found = _which("podman")
+        if found:
+            return found
+        raise EnvError("container requested but no container runtime (apptainer, singularity or podman) is installed on this endpoint")
 
     async def _probe(self, argv: Sequence[str], what: str, env: Mapping[str, str] | None = None) -> None:
         """Start a wrapped python once: a runtime that cannot start here fails the spec with its own words.

@@ -57,7 +57,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from mesh_agent.engine.environments import DEFAULT_KIND, EnvError, Environments, WorkerKind, sandbox_environ
+from mesh_agent.engine.environments import DEFAULT_KIND, EnvError, Environments, WorkerKind, channel_prefix, sandbox_environ
 from mesh_agent.protocol.serialize import serialize
 
 __all__ = [
@@ -453,10 +453,11 @@ class LocalEngine:
         if kind.python:  # the agent's interpreter or a venv's: our import path behind the venv's own
             path += [p if p else os.getcwd() for p in sys.path]
         # Wrapped (bwrap, a container): our pid is not the worker's parent; the wrapper dies with us instead.
-        args = {"fd": child_sock.fileno(), "mem": self._memory_limit_mb, "ppid": 0 if kind.wrap else os.getpid(), "path": path}
+        prefix, worker_fd = channel_prefix(kind, child_sock.fileno())
+        args = {"fd": worker_fd, "mem": self._memory_limit_mb, "ppid": 0 if kind.wrap else os.getpid(), "path": path}
         if kind.deny_sockets:
             args["nosock"] = True
-        argv = [*kind.wrap, *([kind.python] if kind.python else []), "-c", _BOOT, json.dumps(args)]
+        argv = [*prefix, *kind.wrap, *([kind.python] if kind.python else []), "-c", _BOOT, json.dumps(args)]
         try:
             popen = subprocess.Popen(
                 argv,
