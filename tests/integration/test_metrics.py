@@ -136,6 +136,12 @@ def test_metrics_token_and_full_detail(tmp_path: Any) -> None:
         assert hub.hub.metrics.scrapes == 0  # refused scrapes read and ingest nothing
         m = scrape(hub.url, "s3cret")
         assert value(m, "mesh_hub_scrapes") == 1
+        # gzip when asked (Prometheus asks), plain text when not
+        z = httpx.get(f"{hub.url}/metrics", headers={"Authorization": "Bearer s3cret", "Accept-Encoding": "gzip"}, timeout=30)
+        plain = httpx.get(f"{hub.url}/metrics", headers={"Authorization": "Bearer s3cret", "Accept-Encoding": "identity"}, timeout=30)
+        assert z.headers.get("content-encoding") == "gzip" and "content-encoding" not in plain.headers
+        assert z.num_bytes_downloaded < len(z.content) and "mesh_hub_scrapes 2.0" in z.text
+        assert "mesh_hub_scrapes 3.0" in plain.text
     finally:
         hub.stop()
     with pytest.raises(ValueError):
