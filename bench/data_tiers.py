@@ -89,6 +89,13 @@ def locality(m: LocalMesh, store: refs.Store, nbytes: int, per_agent: int) -> di
         staged = set(hub.keys("mesh:ref:*:staged")) - before
         out[name] = {"seconds": round(dt, 3), "ran_where_its_input_lies": sum(1 for r, (n, ep) in got if ep == r.meta["endpoint"]),
                      "staged_through_hub": len(staged), "bytes_staged_through_hub": len(staged) * nbytes}
+        if name == "scheduler_auto":  # why a consumer went elsewhere: the predictions the scheduler compared
+            c = Client(m.url, m.token)
+            out[name]["misplaced_decisions"] = [
+                {"input_on": r.meta["endpoint"], "ran_on": ep,
+                 "compared": [{k: p[k] for k in ("endpoint_id", "total", "transfer_in", "queue", "cold", "run", "outage")}
+                              for d in c.scheduler_decisions(task_id=f.task_id)["decisions"] for p in d["compared"]]}  # type: ignore[attr-defined]
+                for (r, f), (_, (_, ep)) in zip(futs, got) if ep != r.meta["endpoint"]]
         for k in staged:
             hub.delete(k)  # the second way must stage again if it needs to
     return out
@@ -158,8 +165,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         redis = RedisServer(Path(tmp))
         m = LocalMesh(Path(tmp) / "mesh", heartbeat_s=1.0, hub_process=True)
-        m.start()
         try:
+            m.start()  # inside: a start that fails half way (a port taken meanwhile) still stops what it started
             m.add_agent("wc-mqtt", "mqtt", workers=2)
             m.add_agent("wc-zmq", "zmq", workers=2)
             m.add_agent("wc-zmq2", "zmq", workers=2)
