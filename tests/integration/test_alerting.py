@@ -113,7 +113,8 @@ def monitored_mesh(tmp_path: Path) -> Iterator[tuple[LocalMesh, str, str, tuple[
         mesh.start()
         assert mesh.hub is not None
         hub_addr = mesh.hub.url.removeprefix("http://")
-        am_port, prom_port = free_port(), free_port()
+        am_port = free_port()
+        prom_port = next(p for p in (free_port() for _ in range(20)) if p != am_port)
         am_dir = tmp_path / "alertmanager"
         am_dir.mkdir()
         (am_dir / "alertmanager.yml").write_text(yaml.safe_dump({

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import configparser
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from cloud_hub.broker import free_port
 from cloud_hub.config import HubConfig
 from cloud_hub.server import HubThread
 
@@ -26,8 +26,12 @@ def probe(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_probes_against_a_hub_whose_broker_is_unreachable(tmp_path: Path) -> None:
-    # a broker port nobody listens on: REST is up, the hub is not ready, and says why
-    cfg = HubConfig(db_path=tmp_path / "hub.sqlite3", port=0, mqtt_host="127.0.0.1", mqtt_port=free_port(), zmq_bind=None)
+    # A broker port nobody listens on: REST is up, the hub is not ready, and says why. The port
+    # stays bound (not listening) for the whole test, so nothing else, the hub's own HTTP port
+    # included, can be handed it: connections to it are refused.
+    hold = socket.socket()
+    hold.bind(("127.0.0.1", 0))
+    cfg = HubConfig(db_path=tmp_path / "hub.sqlite3", port=0, mqtt_host="127.0.0.1", mqtt_port=hold.getsockname()[1], zmq_bind=None)
     hub = HubThread(cfg).start()
     try:
         live = probe(f"{hub.url}/healthz")
@@ -37,6 +41,7 @@ def test_probes_against_a_hub_whose_broker_is_unreachable(tmp_path: Path) -> Non
         assert "HTTP 503" in ready.stderr and '"ready": false' in ready.stderr and "broker" in ready.stderr
     finally:
         hub.stop()
+        hold.close()
     gone = probe("--wait", "1", f"{hub.url}/healthz")  # stopped: nobody answers
     assert gone.returncode == 1 and "no answer" in gone.stderr
 
