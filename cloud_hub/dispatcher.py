@@ -26,6 +26,7 @@ from typing import Any
 from cloud_hub.config import HubConfig
 from cloud_hub.lanes import Lanes
 from cloud_hub.observer import DispatchObserver
+from cloud_hub.site_lease import ConfirmClock
 from cloud_hub.store import SqliteStore
 from cloud_hub.store.availability import close_stale_sessions, prune_events
 from cloud_hub.store.sqlite import check_results
@@ -112,6 +113,7 @@ class _Session:
     site_pumping: bool = False
     site_cache: bool = False  # a site gateway that caches function bodies: each crosses the uplink once
     site_have: set[str] = field(default_factory=set)  # function ids that gateway holds
+    site_clock: ConfirmClock | None = None  # a site gateway: how long its confirmations take (cloud_hub/site_lease.py)
 
 
 def per_day(t: list[float], now: float | None = None) -> dict[str, float]:
@@ -362,9 +364,12 @@ class Dispatcher:
                 room = g.site_hold - await self.store.count_site_leased(g.endpoint_id)
                 if room <= 0:
                     break
-                # lease_s until the gateway confirms it stored them (its own ack), then site_hold_s: a
-                # frame lost on the way (the gateway died before its commit) is sent again soon.
-                by_dev, bodies = await self.store.lease_site(g.endpoint_id, devices, min(room, _LEASE_BATCH), self.cfg.lease_s, _LEASE_BYTES)
+                # A few times the gateway's measured confirmation delay (at least lease_s) until it
+                # confirms it stored them (its own ack), then site_hold_s: a frame lost on the way (the
+                # gateway died before its commit) is sent again soon, and a slow uplink is not flooded
+                # with re-sends of batches whose confirmation is merely late.
+                unconfirmed_s = g.site_clock.lease_s() if g.site_clock is not None else self.cfg.lease_s
+                by_dev, bodies = await self.store.lease_site(g.endpoint_id, devices, min(room, _LEASE_BATCH), unconfirmed_s, _LEASE_BYTES)
                 if not by_dev:
                     break
                 if g.site_cache:
@@ -396,6 +401,8 @@ class Dispatcher:
                         log.warning("leasing ahead to site %s failed (%s); %d tasks re-queued", g.endpoint_id, exc, n, extra={"endpoint_id": g.endpoint_id})
                         return
                     self._count(dev, len(frame), out=True)
+                    if g.site_clock is not None:
+                        g.site_clock.sent([t["id"] for t in tasks], time.monotonic())
                     self.stats["tasks_sent"] += len(tasks)
                     self.stats["site_leased"] = self.stats.get("site_leased", 0) + len(tasks)
         except Exception:
@@ -590,6 +597,9 @@ class Dispatcher:
         if isinstance(site, dict):  # a site gateway (docs/sites.md)
             hold = site.get("hold")
             s.site_hold = max(0, min(int(hold), 100_000)) if isinstance(hold, int) and not isinstance(hold, bool) else 0
+            if s.site_hold > 0:  # a re-hello keeps what was learned about the uplink
+                s.site_clock = old.site_clock if old is not None and old.site_clock is not None else \
+                    ConfirmClock(min(self.cfg.lease_s, self.cfg.site_hold_s), self.cfg.site_hold_s)
             where = site.get("broker")
             if isinstance(where, str) and where.count(":") == 1 and where.rsplit(":", 1)[1].isdigit():
                 s.site_broker = (where.rsplit(":", 1)[0], int(where.rsplit(":", 1)[1]))
@@ -669,6 +679,8 @@ class Dispatcher:
         await self.store.ack(s.endpoint_id, body.get("ids", []))
         if s.site_hold > 0 and body.get("ids"):  # a gateway confirms it holds tasks for its devices
             await self.store.hold_site(s.endpoint_id, body["ids"], time.time() + self.cfg.site_hold_s)
+            if s.site_clock is not None:
+                s.site_clock.confirmed(body["ids"], time.monotonic())
         gw = self._site_of.get(s.endpoint_id)
         if gw is not None:  # room at the site again
             self.kick_site(gw)
