@@ -113,13 +113,19 @@ def abi_tag() -> str:
     return f"{sys.implementation.cache_tag}-{sysconfig.get_platform()}"
 
 
-def bwrap_argv(hidden: Iterable[Path], ro_binds: Iterable[Path] = (), network: bool = False, bwrap: str = "bwrap") -> list[str]:
+def bwrap_argv(hidden: Iterable[Path], ro_binds: Iterable[Path] = (), network: bool = False, bwrap: str = "bwrap",
+               code: Iterable[Path] = ()) -> list[str]:
     """The bubblewrap prefix for a sandboxed worker (pure). Later mounts go on top of earlier
-    ones, so a venv under the hidden data directory is bound back read-only after the tmpfs."""
+    ones: ``code`` (the agent's own package and interpreter paths, when they live under /tmp) is
+    bound back read-only over the private /tmp *before* the data directory is hidden, so a data
+    directory inside such a path stays hidden; a venv under the hidden data directory is bound
+    back read-only after it."""
     argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--chdir", "/tmp"]
     if not network:
         argv.append("--unshare-net")
+    for p in sorted({str(Path(c)) for c in code}):
+        argv += ["--ro-bind", p, p]
     for p in sorted({str(Path(h)) for h in hidden}):
         argv += ["--tmpfs", p]
     for p in ro_binds:
@@ -361,7 +367,7 @@ class Environments:
         elif spec.get("sandbox"):
             bwrap = self._bwrap_path()
             network = bool(spec.get("network"))
-            wrap = tuple(bwrap_argv(self.hidden, [venv_dir] if venv_dir is not None else [], network, bwrap))
+            wrap = tuple(bwrap_argv(self.hidden, [venv_dir] if venv_dir is not None else [], network, bwrap, code=_code_under_tmp()))
             if not network:
                 self._check_socket_filter()
             # Start the sandbox once (with the socket filter where it applies): a kernel that refuses
@@ -584,6 +590,21 @@ class Environments:
 def _bootstrap_dirs() -> list[str]:
     """Directories a worker needs to import ``mesh_agent.engine._worker`` (the package's parent)."""
     return [str(Path(__file__).resolve().parents[2])]
+
+
+def _code_under_tmp() -> list[str]:
+    """The agent's package and interpreter paths that the sandbox's private /tmp would hide (an
+    agent installed or checked out under /tmp): bound back read-only so its workers can import."""
+    tmp = Path("/tmp")
+    found: set[str] = set()
+    for raw in [*_bootstrap_dirs(), sys.prefix, sys.exec_prefix, *sys.path]:
+        if not raw:
+            continue
+        p = Path(raw).resolve()
+        if p != tmp and p.is_relative_to(tmp) and p.exists():
+            found.add(str(p))
+    # Nested paths are covered by their parent's bind.
+    return sorted(p for p in found if not any(p != q and Path(p).is_relative_to(q) for q in found))
 
 
 def _tail(out: str, lines: int = 6) -> str:

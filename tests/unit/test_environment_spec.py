@@ -83,6 +83,14 @@ def test_bwrap_argv_hides_state_binds_venv_back_and_cuts_network() -> None:
     assert "--unshare-net" not in bwrap_argv([], network=True)
 
 
+def test_bwrap_argv_binds_code_under_tmp_before_hiding_state() -> None:
+    # An agent checked out under /tmp (a CI clone): its code is bound back over the private /tmp,
+    # and a data directory inside it is hidden again on top.
+    argv = bwrap_argv([Path("/tmp/clone/run/agent")], [], code=[Path("/tmp/clone")])
+    s = " ".join(argv)
+    assert s.index("--tmpfs /tmp ") < s.index("--ro-bind /tmp/clone /tmp/clone") < s.index("--tmpfs /tmp/clone/run/agent")
+
+
 def test_container_argv_binds_the_bootstrap_read_only() -> None:
     a = container_argv("/usr/bin/apptainer", "/img/fl.sif", ["/opt/mesh"])
     assert a[:2] == ["/usr/bin/apptainer", "exec"] and "/opt/mesh:/opt/mesh:ro" in a and a[-2:] == ["/img/fl.sif", "python3"]
