@@ -673,7 +673,9 @@ class Agent:
         await self._set_hub_allow(body)  # before any of these tasks is considered for running
         try:
             # 2 s: more than the error of our estimate of the hub's clock (half a short round trip).
-            await self.store.add_tasks(functions, tasks, on_fresh=start, rerun_acked_before=getattr(self, "_frame_signed_at", 0.0) - 2.0)
+            held_back: list[str] = []
+            await self.store.add_tasks(functions, tasks, on_fresh=start, rerun_acked_before=getattr(self, "_frame_signed_at", 0.0) - 2.0,
+                                       held_back=held_back)
         except StoreError as exc:
             # Not stored, so not acknowledged: the hub keeps them and sends them again. (Tasks
             # already started above still run; their results reach the hub, which keeps one.)
@@ -688,8 +690,10 @@ class Agent:
         if missing:
             bodies = await self.store.function_bodies({fid for _, fid, *_ in missing})
             self._submit(missing, bodies)  # before the ack: a link that fails now must not strand them
-        # Ack everything, duplicates included: the hub may have missed our earlier ack.
-        await self._send(Kind.ACK, {"ids": [t["id"] for t in tasks]})
+        # Ack everything, duplicates included (the hub may have missed our earlier ack), except
+        # finished tasks held back by the store (see MeshStore.add_tasks): the hub signs them again.
+        skip = set(held_back)
+        await self._send(Kind.ACK, {"ids": [t["id"] for t in tasks if t["id"] not in skip]})
         return True
 
     async def _on_result_ack(self, body: dict[str, Any]) -> None:

@@ -165,6 +165,7 @@ class AgentStore:
     async def add_tasks(
         self, functions: dict[str, bytes], tasks: Sequence[dict[str, Any]],
         on_fresh: Callable[[list[str]], None] | None = None, *, rerun_acked_before: float | None = None,
+        held_back: list[str] | None = None,
     ) -> list[str]:
         """Store a batch durably in one transaction; return the ids that were new (not duplicates).
 
@@ -174,6 +175,12 @@ class AgentStore:
         after the task finished is a hub that no longer has the result (restored from a backup),
         while a replayed frame was signed before the task first ran, so replaying it never makes
         a task run twice. None: every task already known is a duplicate.
+
+        ``held_back`` (a list, filled in): tasks whose result the hub acknowledged and that were
+        not run again because the frame's signing time was within the margin of their finish. The
+        agent must not acknowledge these: a hub restored from a backup moments after they finished
+        would otherwise mark them delivered and wait for a result forever. Unacknowledged, its lease
+        expires and it signs them again later, past the margin (a replay still never runs).
 
         ``on_fresh(ids)`` is called once the duplicates are known, before the insert is written:
         the agent starts running new tasks while their rows are committed instead of after (the
@@ -185,11 +192,12 @@ class AgentStore:
         now = time.time()
         db = self.db
         async with self._tx_lock:
-            return await self._add_tasks(db, now, functions, tasks, on_fresh, rerun_acked_before)
+            return await self._add_tasks(db, now, functions, tasks, on_fresh, rerun_acked_before, held_back)
 
     async def _add_tasks(
         self, db: aiosqlite.Connection, now: float, functions: dict[str, bytes], tasks: Sequence[dict[str, Any]],
         on_fresh: Callable[[list[str]], None] | None, rerun_acked_before: float | None = None,
+        held_back: list[str] | None = None,
     ) -> list[str]:
         """The whole transaction in one call on the connection's thread: one thread hop per
         batch instead of one per statement (BEGIN, SELECT, INSERTs, COMMIT: 4-5 hops, each a
@@ -217,6 +225,8 @@ class AgentStore:
                             rerun.append(tid)
                         else:
                             known.add(tid)
+                            if state == "acked" and rerun_acked_before is not None and held_back is not None:
+                                held_back.append(tid)
                 if rerun:
                     conn.executemany("DELETE FROM tasks WHERE id=? AND state='acked'", [(t,) for t in rerun])
                     log.warning("%d tasks sent again after their results were acknowledged (a hub restored from a backup?): "

@@ -45,6 +45,8 @@ MAX_FRAME = 8 * 2**20
 #: Close codes (4000-4999 are the application's): the reason says what to do.
 CLOSE_AUTH = 4401
 CLOSE_BAD_FRAME = 4400
+#: An idle stream re-reads the store this often even without a wake-up (one indexed query).
+_IDLE_REQUERY_S = 2.0
 CLOSE_TRY_LATER = 1013  # RFC 6455 "try again later": Globus Auth unreachable, hub stopping
 _RESULTS_PER_FRAME = 2000
 _MAX_PLACED = 100_000  # tasks remembered per early-results stream (about 150 B each, 15 MB at most); past it, stored copies only
@@ -285,7 +287,10 @@ class _Conn:
                     cursor = rows[-1]["seq"]
                     await self._send_stored(cursor, rows)
                     continue
-                await ev.wait()
+                # Bounded: a wake-up that comes before the stored rows are visible to this read (or a
+                # store path that never notifies) costs at most this long, never a stuck stream.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(ev.wait(), _IDLE_REQUERY_S)
         except (asyncio.CancelledError, WebSocketDisconnect):
             raise
         except Exception as exc:  # the store failed: close, the client reconnects and resumes from its cursor

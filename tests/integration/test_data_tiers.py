@@ -196,6 +196,11 @@ def test_scheduler_places_the_consumer_where_its_inputs_lie(mesh: LocalMesh) -> 
     runs on X (the SDK sends where its ref arguments lie; placement adds the bytes an endpoint
     lacks to Delta's transfer time). Each holder in turn, so registration order cannot decide."""
     store = refs.Store()
+    # Warm `where` everywhere first: on loopback an 8 MiB transfer costs ~20 ms, less than a cold
+    # start, so a holder where the function is cold rightly lost to a warm endpoint (seen in CI).
+    # With the cold-start term equal everywhere, the inputs are what differs.
+    for a in mesh.agents:
+        _run(mesh, a.endpoint_id, where, b"warm")
     for holder in (mesh.agents[2], mesh.agents[1], mesh.agents[2]):
         ref = _run(mesh, holder.endpoint_id, make_big, 3, store)
         with Executor(client=Client(mesh.url, mesh.token), endpoint="auto") as ex:  # the default: the WebSocket stream
