@@ -688,9 +688,9 @@ class PlacementService(DispatchObserver):
     async def _replace_stranded(self, endpoint_id: str) -> None:
         """Tasks placed on a lost endpoint that never left the hub go where they can run now."""
 
-        def find(db: sqlite3.Connection) -> list[tuple[str, str, str, str, int]]:
+        def find(db: sqlite3.Connection) -> list[tuple[str, str, str, str, int, str | None]]:
             return db.execute(
-                "SELECT t.id, t.user_id, t.function_id, d.detail, LENGTH(t.args) FROM tasks t "
+                "SELECT t.id, t.user_id, t.function_id, d.detail, LENGTH(t.args), t.env FROM tasks t "
                 "JOIN scheduler_decisions d ON d.task_id = t.id AND d.state = 'placed' "
                 "WHERE t.endpoint_id = ? AND t.state = 'queued' AND t.dispatched IS NULL "
                 "ORDER BY t.created LIMIT ?",
@@ -704,14 +704,14 @@ class PlacementService(DispatchObserver):
         if node is None or node.ep.online:  # it came back meanwhile: leave them
             return
         now = time.time()
-        infos, reqs, users = [], {}, {}
-        for tid, uid, fid, detail, nbytes in rows:
+        infos, reqs, users, envs = [], {}, {}, {}
+        for tid, uid, fid, detail, nbytes, env in rows:
             d = json.loads(detail)
             sel = d["selector"]
             req = _Req(sel["kind"], sel.get("endpoints"), sel.get("tags"), d.get("constraints") or {})
             self.sched.task_requeued(tid, now)
             infos.append(req.task_info(uid, tid, fid, nbytes or 0))
-            reqs[tid], users[tid] = req, uid
+            reqs[tid], users[tid], envs[tid] = req, uid, env
         self._apply_allow_lists(infos)  # where nothing else is allowed, placement fails: they wait
         try:
             placements = await self._place(infos, now)
@@ -721,13 +721,20 @@ class PlacementService(DispatchObserver):
         if not moves:
             return
         decisions = [self._decision_row(users[pl.task_id], pl, reqs[pl.task_id]) for pl in moves]
+        # The sandbox rule of the submit path holds on the new endpoint too: a task that ran
+        # unsandboxed on its submitter's own endpoint is sandboxed on an endpoint someone else owns.
+        from cloud_hub.api.environments import env_for
+        from mesh_agent.environment import decode
+
+        owners = await self.store.endpoint_owners_of({pl.endpoint_id for pl in moves})
+        new_env = [env_for(decode(envs[pl.task_id]), users[pl.task_id], owners.get(pl.endpoint_id)) for pl in moves]
 
         def move(db: sqlite3.Connection) -> list[int]:
             ok = []
             for i, pl in enumerate(moves):
                 n = db.execute(
-                    "UPDATE tasks SET endpoint_id=? WHERE id=? AND endpoint_id=? AND state='queued' AND dispatched IS NULL",
-                    (pl.endpoint_id, pl.task_id, endpoint_id),
+                    "UPDATE tasks SET endpoint_id=?, env=? WHERE id=? AND endpoint_id=? AND state='queued' AND dispatched IS NULL",
+                    (pl.endpoint_id, new_env[i], pl.task_id, endpoint_id),
                 ).rowcount
                 if n:
                     db.execute("UPDATE scheduler_decisions SET state='moved' WHERE task_id=? AND state='placed'", (pl.task_id,))

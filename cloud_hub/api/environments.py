@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from cloud_hub.api.hub import Hub
     from cloud_hub.api.schemas import TaskIn
 
-__all__ = ["task_environments", "apply_environments"]
+__all__ = ["task_environments", "apply_environments", "env_for"]
 
 
 def task_environments(tasks: Sequence["TaskIn"]) -> list[dict[str, Any] | None]:
@@ -34,19 +34,27 @@ def task_environments(tasks: Sequence["TaskIn"]) -> list[dict[str, Any] | None]:
     return out
 
 
+def env_for(spec: dict[str, Any] | None, user: str, owner: str | None) -> str | None:
+    """The stored ``env`` of a task by ``user`` on an endpoint enrolled by ``owner``.
+
+    One rule for every path that puts a task on an endpoint (submit, and a re-placement off a
+    lost endpoint): anyone's task on an endpoint they do not own runs sandboxed, tagged with its
+    submitter as the tenant. Never loosens: a spec already sandboxed stays sandboxed."""
+    if owner is not None and owner != user and not (spec or {}).get("sandbox"):
+        spec = {**(spec or {}), "sandbox": True}
+    if spec and spec.get("sandbox"):
+        # The submitter, never what a client claims: sandboxed workers of two users are never
+        # the same process (one user's function could read what another's left in memory or /tmp).
+        spec = normalize({**spec, "tenant": user})
+    elif spec:
+        spec = normalize({k: v for k, v in spec.items() if k != "tenant"})
+    return encode(spec) if spec else None
+
+
 async def apply_environments(h: "Hub", user: str, rows: list[dict[str, Any]], specs: list[dict[str, Any] | None]) -> None:
     """Set each row's ``env``: its spec, sandboxed where the endpoint it was placed on belongs to
     someone else. One indexed query per submit, for the endpoints of this batch only."""
     eps = {r["endpoint_id"] for r in rows if r["endpoint_id"] is not None}
     owners = await h.store.endpoint_owners_of(eps) if eps else {}
     for r, spec in zip(rows, specs):
-        owner = owners.get(r["endpoint_id"])
-        if owner is not None and owner != user and not (spec or {}).get("sandbox"):
-            spec = {**(spec or {}), "sandbox": True}
-        if spec and spec.get("sandbox"):
-            # The submitter, never what a client claims: sandboxed workers of two users are never
-            # the same process (one user's function could read what another's left in memory or /tmp).
-            spec = normalize({**spec, "tenant": user})
-        elif spec:
-            spec = normalize({k: v for k, v in spec.items() if k != "tenant"})
-        r["env"] = encode(spec) if spec else None
+        r["env"] = env_for(spec, user, owners.get(r["endpoint_id"]))

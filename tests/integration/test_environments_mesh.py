@@ -177,3 +177,79 @@ def test_auto_placement_prefers_the_endpoint_that_holds_the_environment(mesh: An
             placed.append(f.endpoint_id)  # type: ignore[attr-defined]
     assert set(placed) == {agent.endpoint_id}
     assert not (Path(other.cfg.data_dir) / "envs" / "index.json").exists()  # the other never built it
+
+
+def probe_key(path: str) -> str:
+    """Slow enough that work queues at the hub; says whether the agent's key file is visible."""
+    import time
+
+    time.sleep(0.3)
+    try:
+        with open(path) as f:
+            f.read(1)
+        return "read"
+    except FileNotFoundError:
+        return "hidden"
+
+
+def test_work_moved_off_a_lost_endpoint_onto_a_shared_one_is_sandboxed_there(mesh: Any) -> None:
+    """Carol's tasks wait at the hub for her own endpoint (unsandboxed there: it is hers); it is
+    lost, and the scheduler moves them to alice's endpoint that alice shares with her. On alice's
+    machine they must run sandboxed, exactly as if carol had submitted them there: the re-placement
+    path applies the submit path's rule (cloud_hub/api/environments.py ``env_for``)."""
+    from mesh_agent.cli import enroll
+
+    m, agent = mesh
+    ep = agent.endpoint_id
+
+    async def mint() -> str:
+        store = await SqliteStore(m.hub_cfg.db_path).open()
+        try:
+            return await store.create_api_token(await store.create_user("dora"), "test")
+        finally:
+            await store.close()
+
+    dora = Client(m.url, asyncio.run(mint()), trusted_endpoints=[ep])
+    m.client.share_endpoint(ep, "dora")
+    cfg_path = m.workdir / "agents" / "dora-own.yaml"
+    cfg = enroll(m.url, dora.create_enrollment_token(), "dora-own", cfg_path, transport="mqtt", workers=1, prefetch=0)
+    own = AgentProcess(cfg, cfg_path, m.workdir / "agents" / "dora-own.log")
+    m.agents.append(own)
+    own.start()
+    key_file = str(agent.cfg.credentials_file)
+    try:
+        deadline = time.monotonic() + 90  # dora's endpoint: only dora sees it
+        while not any(e["id"] == own.endpoint_id and e["online"] for e in dora.list_endpoints()):
+            assert time.monotonic() < deadline, own.log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        with Executor(dora, endpoint=[own.endpoint_id, ep]) as ex:
+            futs = [ex.submit(probe_key, key_file) for _ in range(24)]
+            deadline = time.monotonic() + 60
+            while not all(hasattr(f, "endpoint_id") for f in futs):
+                assert time.monotonic() < deadline, "batch not submitted"
+                time.sleep(0.02)
+            on_own = [f for f in futs if f.endpoint_id == own.endpoint_id]
+            assert len(on_own) >= 3, "the scheduler put (almost) nothing on dora's own endpoint"
+            own.kill()
+            placement = m.hub.hub.placement  # type: ignore[union-attr]
+            deadline = time.monotonic() + 60
+            while placement.stats["moved"] == 0:
+                assert time.monotonic() < deadline, "nothing re-placed after dora's endpoint was lost"
+                time.sleep(0.1)
+            with sqlite3.connect(m.hub_cfg.db_path) as c:
+                dora_id = c.execute("SELECT id FROM users WHERE name='dora'").fetchone()[0]
+                moved = [r for r in c.execute(
+                    "SELECT t.id, t.env FROM tasks t WHERE t.endpoint_id=? AND t.user_id=? AND t.id IN "
+                    "(SELECT task_id FROM scheduler_decisions WHERE state='moved')", (ep, dora_id))]
+            assert moved, "no task of dora's was moved to the shared endpoint"
+            for _, env in moved:
+                assert env is not None and '"sandbox":true' in env and f'"tenant":"{dora_id}"' in env, env
+            moved_ids = {tid for tid, _ in moved}
+            own.start()  # what its queue already held finishes there
+            outcome = {f.task_id: f.result(timeout=180) for f in futs}  # type: ignore[attr-defined]
+    finally:
+        dora.close()
+        if own.proc is not None and own.proc.poll() is None:
+            own.kill()
+    assert {outcome[t] for t in moved_ids} == {"hidden"}, "a moved task read the agent's key on a machine dora does not own"
+    assert "key" in Path(key_file).read_text()
