@@ -1,9 +1,9 @@
 """The submit path's admission control and memoization, and the hooks they need in the dispatcher.
 
-``_accept`` (cloud_hub/api/app.py) calls :meth:`Admission.check` before placing anything, and
+``accept`` (cloud_hub/api/submit.py) calls :meth:`Admission.check` before placing anything, and
 :meth:`Admission.memo_split` to answer cache hits without dispatch. The rules are in
 cloud_hub/admission.py (pure); the memo rows in cloud_hub/store/memo.py. Both REST and any other
-submit path that goes through ``_accept`` get the same answers.
+submit path that goes through ``accept`` get the same answers.
 """
 
 from __future__ import annotations

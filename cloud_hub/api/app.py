@@ -9,12 +9,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import hashlib
-import json
 import logging
 import sqlite3
 import time
-import uuid
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, AsyncIterator
 
@@ -28,9 +25,9 @@ from cloud_hub.api import kv as kv_api
 from cloud_hub.api import scheduler as scheduler_api
 from cloud_hub.api import stream as stream_api
 from cloud_hub.api import task_groups as task_groups_api
-from cloud_hub.api.task_groups import CODE_METHODS, checked_functions, function_writer
-from cloud_hub.api.environments import apply_environments, task_environments
+from cloud_hub.api.task_groups import CODE_METHODS, checked_functions
 from cloud_hub.api.deps import ERRORS, HubDep, UserDep
+from cloud_hub.api.submit import accept, check_size
 from cloud_hub.api.hub import Hub, endpoint_out
 from cloud_hub.api.schemas import (
     BatchIn,
@@ -55,7 +52,6 @@ from cloud_hub.api.schemas import (
 )
 from cloud_hub.config import HubConfig
 from cloud_hub.console import router as console_router
-from cloud_hub.placement import PlacementError
 from cloud_hub.store import StoreFull
 from mesh_agent.protocol import SerializationError, function_id, method_of, new_key
 
@@ -139,7 +135,7 @@ def create_app(cfg: HubConfig) -> FastAPI:
     # -------------------------------------------------------------- functions
     @app.post("/v1/functions", response_model=FunctionOut, status_code=201)
     async def register_function(body: FunctionIn, h: HubDep, user: UserDep) -> FunctionOut:
-        _check_size(h, "function body", body.body)
+        check_size(h, "function body", body.body)
         try:
             if method_of(body.body) not in CODE_METHODS:
                 raise SerializationError(f"function body must be serialized code ({', '.join(CODE_METHODS)})")
@@ -290,7 +286,7 @@ def create_app(cfg: HubConfig) -> FastAPI:
 
     @app.post("/v1/tasks", response_model=TaskOut, status_code=201)
     async def submit(body: TaskIn, h: HubDep, user: UserDep) -> TaskOut:
-        ids, eps = await _accept(h, user, [body], body.idempotency_key)
+        ids, eps = await accept(h, user, [body], body.idempotency_key)
         return TaskOut(task_id=ids[0], endpoint_id=eps[0])
 
     @app.post("/v1/tasks/batch", response_model=BatchOut, status_code=201)
@@ -300,7 +296,7 @@ def create_app(cfg: HubConfig) -> FastAPI:
         if any(t.idempotency_key is not None for t in body.tasks):
             raise HTTPException(422, "idempotency_key belongs on the batch, not on its tasks")
         functions = checked_functions(h, body.functions)  # bodies riding with the batch (cloud_hub/api/task_groups.py)
-        ids, eps = await _accept(h, user, body.tasks, body.idempotency_key, functions=functions, group=body.task_group_id)
+        ids, eps = await accept(h, user, body.tasks, body.idempotency_key, functions=functions, group=body.task_group_id)
         return BatchOut(task_ids=ids, endpoint_ids=eps)
 
     @app.get("/v1/tasks/{task_id}", response_model=TaskStatus)
@@ -354,125 +350,6 @@ def create_app(cfg: HubConfig) -> FastAPI:
     app.include_router(kv_api.router)  # /v1/kv and the embedded store's lifespan (cloud_hub/api/kv.py)
     app.include_router(stream_api.router)  # /v1/stream: the SDK's WebSocket (cloud_hub/api/stream.py)
     return app
-
-
-def _check_size(h: Hub, what: str, blob: bytes) -> None:
-    if len(blob) > h.cfg.max_payload_bytes:
-        raise HTTPException(
-            413,
-            f"{what} is {len(blob)} bytes, over the {h.cfg.max_payload_bytes}-byte limit; "
-            "stage large data separately and pass a reference",
-        )
-
-
-def _request_hash(tasks: list[TaskIn]) -> str:
-    body = json.dumps([t.model_dump(mode="json", exclude={"idempotency_key"}) for t in tasks], sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(body.encode()).hexdigest()
-
-
-async def _replayed(h: Hub, user: str, key: str, request_hash: str) -> tuple[list[str], list[str]] | None:
-    """The tasks an earlier submit with this key made, or None; 409 if the key came with another request."""
-    seen = await h.store.submit_key(user, key)
-    if seen is None:
-        return None
-    if seen[0] != request_hash:
-        raise HTTPException(409, f"idempotency key {key} was used for a different request; use a new key per submit")
-    return seen[1], seen[2]  # type: ignore[return-value]
-
-
-async def _accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None = None, *, functions: dict[str, tuple[str, bytes]] | None = None,
-                  group: str | None = None) -> tuple[list[str], list[str]]:
-    """Validate every task, place those with a selector ("auto", a list, tags), then insert all
-    (with the placement decisions and the idempotency key) in one transaction, then wake the
-    dispatcher. With a key seen before, answer what that submit made and insert nothing."""
-    request_hash = _request_hash(tasks) if key is not None else ""
-    if key is not None and (done := await _replayed(h, user, key, request_hash)) is not None:
-        return done
-    for i, t in enumerate(tasks):
-        _check_size(h, f"task {i} arguments", t.args)
-        try:
-            method_of(t.args)
-        except SerializationError as exc:
-            raise HTTPException(422, f"task {i} arguments: {exc}") from None
-    env_specs = task_environments(tasks)  # 422 naming the task and key, before anything is stored
-    eps: set[str] = set()
-    for t in tasks:
-        if isinstance(t.endpoint_id, list):
-            eps.update(t.endpoint_id)
-        elif isinstance(t.endpoint_id, str) and t.endpoint_id != "auto":
-            eps.add(t.endpoint_id)
-    fids = {t.function_id for t in tasks}
-    found_eps, found_fids = await h.store.owned_refs(user, eps, fids)
-    if eps - found_eps:
-        raise HTTPException(404, f"unknown endpoint {sorted(eps - found_eps)[0]}")
-    if fids - found_fids - set(functions or ()):
-        raise HTTPException(404, f"unknown function {sorted(fids - found_fids - set(functions or ()))[0]} (register it first)")
-    now = time.time()
-    rows = [
-        {
-            "id": uuid.uuid4().hex,
-            "user_id": user,
-            "endpoint_id": t.endpoint_id if isinstance(t.endpoint_id, str) and t.endpoint_id != "auto" else None,
-            "function_id": t.function_id,
-            "args": t.args,
-            "created": now,
-            "expires": now + (t.ttl_s or h.cfg.task_ttl_s),
-            "timeout": t.timeout_s,
-            "task_group_id": group,
-            "memo_key": t.cache_key,
-        }
-        for t in tasks
-    ]
-    # Memoization and admission (cloud_hub/api/admit.py): cached results answer their tasks with no
-    # dispatch; the rest must fit under the queue bounds (else 429 + Retry-After, nothing stored).
-    hits = await h.admission.memo_split(user, tasks, now)
-    run = [i for i in range(len(tasks)) if i not in hits]
-    run_tasks, run_rows = [tasks[i] for i in run], [rows[i] for i in run]
-    await h.admission.check(user, run_tasks)
-    for i, hit in hits.items():
-        rows[i]["endpoint_id"] = hit.endpoint_id
-        if hit.joined:  # the same call is still queued or running: this submit gets that task
-            rows[i]["id"] = hit.task_id
-    try:
-        decisions = await h.placement.place(user, run_tasks, run_rows, now) if run_rows else []
-    except PlacementError as exc:
-        raise HTTPException(exc.status, str(exc)) from None
-    for i, r in zip(run, run_rows):  # on the endpoint each task will run on, named or placed
-        allowed = h.dispatcher.allow_list(r["endpoint_id"])
-        if allowed is not None and r["function_id"] not in allowed:
-            h.placement.retract(r["id"] for r in run_rows)
-            raise HTTPException(403, f"task {i}: function {r['function_id']} is not on endpoint {r['endpoint_id']}'s allow-list")
-    await apply_environments(h, user, rows, env_specs)  # after placement: others' endpoints sandbox by default
-    write_decisions = h.placement.writer(decisions)
-    misses: dict[str, int] = {}
-    for r in run_rows:
-        if r["memo_key"]:
-            misses[r["function_id"]] = misses.get(r["function_id"], 0) + 1
-    write_memo = h.admission.memo_writer(user, [(rows[i], hit) for i, hit in hits.items()], misses, now)
-
-    def also(db: Any) -> None:
-        if write_decisions is not None:
-            write_decisions(db)
-        if write_memo is not None:
-            write_memo(db)
-        if key is not None:
-            h.store.put_submit_key(db, user, key, request_hash, [r["id"] for r in rows], [r["endpoint_id"] for r in rows], now)
-
-    try:
-        await h.store.insert_tasks(run_rows, also=also, before=function_writer(user, functions) if functions else None)
-    except BaseException:
-        h.placement.retract(r["id"] for r in run_rows)
-        # The same key, submitted concurrently (a client retrying before its first attempt
-        # answered), won the race: answer what it made.
-        if key is not None and (done := await _replayed(h, user, key, request_hash)) is not None:
-            return done
-        raise
-    h.metrics.tasks_submitted(rows)
-    if hits:
-        h.bus.notify({user})  # their results are stored already
-    for ep in {r["endpoint_id"] for r in run_rows}:
-        h.dispatcher.kick(ep)
-    return [r["id"] for r in rows], [r["endpoint_id"] for r in rows]
 
 
 def _valid_curve_key(key: str | None) -> bool:

@@ -5,7 +5,7 @@ poll that is re-issued after each answer; on a 2-core box those hops were most o
 of the warm round trip. The stream keeps one authenticated connection open and pushes each result
 as soon as it is stored.
 
-Durability is the REST path's, unchanged: a submit frame goes through the same ``_accept`` (same
+Durability is the REST path's, unchanged: a submit frame goes through the same ``accept`` (cloud_hub/api/submit.py) (same
 validation, placement, idempotency key, one transaction) and is answered ``accepted`` only after
 that transaction committed. Results are read from the store after the cursor the client names in
 its ``hello``, so a reconnecting client gets everything it may have missed again (at least once);
@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from cloud_hub.api.hub import Hub
 from cloud_hub.api.schemas import BatchIn
+from cloud_hub.api.submit import accept
 from cloud_hub.globus_auth import GlobusUnavailable
 from cloud_hub.store import StoreFull
 
@@ -190,7 +191,6 @@ class _Conn:
 
     async def _submit(self, ref: int, batch: Any) -> dict[str, Any]:
         """The REST batch submit, answered as a frame; a refusal names the HTTP status it would have had."""
-        from cloud_hub.api.app import _accept  # the app imports this module: resolved at call time
         from cloud_hub.api.task_groups import checked_functions
 
         h, cfg = self.hub, self.hub.cfg
@@ -201,7 +201,7 @@ class _Conn:
             if any(t.idempotency_key is not None for t in body.tasks):
                 raise HTTPException(422, "idempotency_key belongs on the batch, not on its tasks")
             functions = checked_functions(h, body.functions)
-            ids, eps = await _accept(h, self.user, body.tasks, body.idempotency_key, functions=functions, group=body.task_group_id)
+            ids, eps = await accept(h, self.user, body.tasks, body.idempotency_key, functions=functions, group=body.task_group_id)
         except ValidationError as exc:
             return {"op": "refused", "ref": ref, "status": 422, "detail": _validation_detail(exc)}
         except HTTPException as exc:
