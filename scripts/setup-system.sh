@@ -28,12 +28,14 @@ if [ ${#need[@]} -gt 0 ]; then
   else
     echo "setup: missing ${need[*]}; install them (e.g. sudo apt-get install ${need[*]})." >&2
     echo "setup: without mosquitto the hub falls back to its embedded broker; without chromium the console tests fail;" >&2
-    echo "setup: without nats-server the clustered-broker test skips." >&2
+    echo "setup: without nats-server the clustered-broker test skips; without redis-server the multiprocessing tests fail." >&2
   fi
 fi
 
-# A Redis for `from cloud_hub.client import multiprocessing` programs (MESH_REDIS_URL defaults to
-# redis://127.0.0.1:6379/0): started here where none answers and the package's service did not start one.
+# A Redis on 127.0.0.1:6379 for `from cloud_hub.client import multiprocessing` programs that set
+# MESH_REDIS_URL=redis://127.0.0.1:6379/0 (unset, the proxies use the hub's embedded store instead;
+# docs/multiprocessing.md): started here where none answers and the package's service did not start one.
+# The tests need only the binary: they start their own redis-server on free loopback ports.
 if [ "$root" = 1 ] && command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 \
    && ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
   echo "setup: starting redis-server on 127.0.0.1:6379"

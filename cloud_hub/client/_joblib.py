@@ -44,7 +44,11 @@ class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
         if n_jobs < 0:
             from cloud_hub.client.multiprocessing import cpu_count
 
-            return max(cpu_count() + 1 + n_jobs, 1)
+            try:
+                total = cpu_count()
+            except NotImplementedError:  # no selected endpoint online: as joblib with an unknown count
+                total = 1
+            return max(total + 1 + n_jobs, 1)
         return int(n_jobs)
 
     def configure(self, n_jobs: int = 1, parallel: Any = None, prefer: Any = None, require: Any = None, **kw: Any) -> int:

@@ -81,9 +81,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalMesh, 
     m = LocalMesh(tmp_path_factory.mktemp("mpmesh"), heartbeat_s=0.5, lost_after_s=3.0)
     m.start()
     try:
-        m.add_agent("mp-mqtt", "mqtt", workers=2)
-        m.add_agent("mp-zmq", "zmq", workers=2)
-        m.add_agent("mp-zmq2", "zmq", workers=2)
+        m.add_agent("mp-mqtt", "mqtt", workers=2, tags=["mp-mqtt"])
+        m.add_agent("mp-zmq", "zmq", workers=2, tags=["mp-zmq"])
+        m.add_agent("mp-zmq2", "zmq", workers=2, tags=["mp-zmq"])
         m.wait_online(timeout=90)
         yield m, redis
     finally:
@@ -123,10 +123,24 @@ def test_producer_consumer_with_queue_lock_event(env: Env) -> None:
     assert "".join(_field(out, "exitcodes")) == "[0,0,0]"
 
 
+def _hub_tasks(mesh: LocalMesh) -> dict[str, tuple[str, str]]:
+    """Every task the hub holds: id -> (endpoint id, state)."""
+    import sqlite3
+
+    with sqlite3.connect(mesh.hub_cfg.db_path) as db:
+        return {r[0]: (r[1], r[2]) for r in db.execute("SELECT id, endpoint_id, state FROM tasks")}
+
+
 def test_gridsearch_through_joblib_backend(env: Env) -> None:
+    before = _hub_tasks(env.mesh)
     mesh = _field(env.run("gridsearch.py", "mesh"), "best")
+    ran = {k: v for k, v in _hub_tasks(env.mesh).items() if k not in before}
     local = _field(env.run("gridsearch.py", "sequential"), "best")
     assert mesh == local
+    # the fits ran as tasks on the agents (GridSearchCV's 6 candidates x 3 folds, in joblib's batches)
+    assert ran, "GridSearchCV ran no task on the mesh"
+    assert {ep for ep, _ in ran.values()} <= {a.endpoint_id for a in env.mesh.agents}
+    assert {state for _, state in ran.values()} == {"done"}
 
 
 def test_evolution_strategies_with_array_and_manager(env: Env, tmp_path: Path) -> None:
@@ -167,6 +181,11 @@ try:
     pool.map(lambda x: lock, [1])
 except TypeError as e:
     print('unpicklable', e)
+bad = multiprocessing.Process(target=lambda: lock)
+try:
+    bad.start()
+except TypeError as e:
+    print('unpicklable-process', e, bad.pid, bad.exitcode)
 pool.close()
 try:
     pool.map(sq, [1])
@@ -183,6 +202,7 @@ print('exitcode', p.exitcode, p.is_alive())
     assert "callback [1, 4]" in lines and "async [1, 4]" in lines
     assert "remote ZeroDivisionError" in lines
     assert "unpicklable cannot pickle '_thread.lock' object" in lines
+    assert "unpicklable-process cannot pickle '_thread.lock' object None None" in lines  # refused by start(), nothing submitted
     assert "closed Pool not running" in lines
     assert "exitcode 1 False" in lines and "ZeroDivisionError" in out.stderr  # the child's traceback, as the stdlib prints it
 
@@ -348,3 +368,137 @@ print('got', sorted(got))
     assert out.returncode == 0, out.stderr
     assert "killed-exitcode 1" in out.stdout
     assert "got [('killed', 0), ('ok', 1), ('ok', 2), ('ok', 3)]" in out.stdout
+
+
+# ------------------------------------------------------------------ endpoint selectors, in this process
+@pytest.fixture
+def mp_here(env: Env) -> Iterator[Any]:
+    """``cloud_hub.client.multiprocessing`` configured in this process for ``env``'s mesh and store;
+    ``configure(endpoint=...)`` picks the selector. The module's settings are put back after."""
+    from cloud_hub.client import multiprocessing as mp
+    from cloud_hub.client.multiprocessing import _state
+
+    saved = dict(_state._settings)
+
+    def configure(endpoint: Any) -> Any:
+        mp.config(client=Client(env.mesh.url, env.mesh.token), redis_url=env.store_url, endpoint=endpoint)
+        return mp
+
+    try:
+        yield configure
+    finally:
+        _state.shutdown_executor()
+        with _state._lock:
+            _state._settings.clear()
+            _state._settings.update(saved)
+
+
+def where_am_i(x: int) -> tuple[int, str]:
+    import os
+    import time
+
+    time.sleep(0.05)  # long enough that one endpoint does not take every chunk before the others start
+    return x, os.environ["MESH_ENDPOINT_ID"]  # set by the agent for its workers (mesh_agent.datasets)
+
+
+def record_endpoint(q: Any) -> None:
+    import os
+
+    q.put(os.environ["MESH_ENDPOINT_ID"])
+
+
+def _ids(env: Env, *names: str) -> list[str]:
+    by_name = {a.cfg.name: a.endpoint_id for a in env.mesh.agents}
+    return [by_name[n] for n in names]
+
+
+def test_cpu_count_counts_only_the_selected_endpoints(env: Env, mp_here: Any) -> None:
+    assert mp_here("auto").cpu_count() == 6
+    assert mp_here(_ids(env, "mp-mqtt")).cpu_count() == 2
+    assert mp_here(_ids(env, "mp-mqtt", "mp-zmq2")).cpu_count() == 4
+    assert mp_here(_ids(env, "mp-zmq")[0]).cpu_count() == 2
+    assert mp_here({"tags": ["mp-zmq"]}).cpu_count() == 4
+    # no endpoint carries the tag: the standard library's "cannot tell", never the whole fleet
+    mp = mp_here({"tags": ["no-such-tag"]})
+    with pytest.raises(NotImplementedError, match="no online endpoint matches"):
+        mp.cpu_count()
+    assert mp.Pool()._processes == 1  # a Pool still opens, as the stdlib's does with os.cpu_count() None
+    from cloud_hub.client._joblib import MeshBackend
+
+    assert MeshBackend().effective_n_jobs(-1) == 1  # joblib's n_jobs=-1 likewise
+    mp_here({"tags": ["mp-zmq"]})
+    assert MeshBackend().effective_n_jobs(-1) == 4
+
+
+@pytest.mark.parametrize("selector", ["ids", "tags"])
+def test_pool_and_process_run_only_on_the_selected_endpoints(env: Env, mp_here: Any, selector: str) -> None:
+    chosen = set(_ids(env, "mp-zmq", "mp-zmq2"))  # tagged mp-zmq; mp-mqtt is left out either way
+    mp = mp_here(sorted(chosen) if selector == "ids" else {"tags": ["mp-zmq"]})
+    with mp.Pool() as pool:
+        out = pool.map(where_am_i, range(24), chunksize=1)
+    assert [x for x, _ in out] == list(range(24))
+    assert {ep for _, ep in out} <= chosen, {ep for _, ep in out} - chosen
+    q = mp.Queue()
+    procs = [mp.Process(target=record_endpoint, args=(q,)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    got = {q.get(timeout=10) for _ in procs}
+    assert got <= chosen, got - chosen
+
+
+# ------------------------------------------------------------------ a consumer's agent SIGKILLed
+def consume(q: Any, log: Any, gate: Any) -> None:
+    """Log each item got; the third item of the first run waits on ``gate`` (where the test kills
+    the agent), so that item is taken from the queue and never logged."""
+    import os
+    import queue as _q
+
+    log.put(("start", os.environ["MESH_ENDPOINT_ID"]))
+    n = 0
+    for _ in range(1000):
+        try:
+            item = q.get(timeout=2)
+        except _q.Empty:
+            return
+        n += 1
+        if n == 3 and not gate.is_set():
+            gate.wait(300)
+        log.put(("item", item))
+
+
+def test_queue_when_the_consumers_agent_is_sigkilled(env: Env, mp_here: Any) -> None:
+    """The Process task is stored on its agent, which re-runs it from the start when it comes back
+    (at least once for the task); each queue item still goes to one ``get`` only (at most once),
+    so the item the killed run had taken is lost, and the re-run takes the rest."""
+    import time
+
+    victim = next(a for a in env.mesh.agents if a.cfg.name == "mp-zmq2")
+    mp = mp_here(victim.endpoint_id)
+    q, log, gate = mp.Queue(), mp.Queue(), mp.Event()
+    for i in range(10):
+        q.put(i)
+    p = mp.Process(target=consume, args=(q, log, gate))
+    p.start()
+    for _ in range(1200):  # the first run logged 0 and 1 and took 2: it waits on the gate
+        if q.qsize() == 7 and log.qsize() == 3:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the consumer did not reach the gate: {q.qsize()} items left, {log.qsize()} logged")
+    assert p.is_alive()
+    victim.kill()  # SIGKILL the agent and its workers, the consumer with them
+    gate.set()
+    victim.start()
+    p.join(180)
+    env.mesh.wait_online(victim, timeout=90)
+    assert p.exitcode == 0
+    entries = []
+    while not log.empty():
+        entries.append(log.get(timeout=5))
+    assert entries[:3] == [("start", victim.endpoint_id), ("item", 0), ("item", 1)]
+    assert entries[3] == ("start", victim.endpoint_id)  # the same task, run again from the start
+    assert entries[4:] == [("item", i) for i in range(3, 10)]  # item 2 is lost; no item came twice
+    assert q.empty()

@@ -33,11 +33,12 @@ def _free_port() -> int:
 class RedisServer:
     """A throwaway redis-server on loopback (never the system one on 6379)."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, port: int | None = None) -> None:
+        """``port``: that one (a restart of a server stopped before), else a free one."""
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.fail("redis-server is required: run ./taskw setup (apt-get install redis-server)")
-        self.port = _free_port()
+        self.port = port or _free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                                       "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -238,3 +239,61 @@ def test_redis_down_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.Monke
     finally:
         if server.proc.poll() is None:
             server.stop()
+
+
+def test_redis_down_then_back_within_the_retry_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis stops, and comes back on the same address while a call is retrying: the call succeeds."""
+    server = RedisServer(tmp_path)
+    monkeypatch.setenv("MESH_REDIS_RETRY_S", "60")
+    mp.config(redis_url=server.url)
+    servers = [server]
+
+    def come_back() -> None:
+        time.sleep(1.0)  # the put below starts while nothing listens, and retries
+        servers.append(RedisServer(tmp_path, port=server.port))
+
+    try:
+        q = mp.Queue()
+        q.put("before")
+        server.stop()  # waits for the exit: from here nothing answers on that port
+        t = threading.Thread(target=come_back)
+        t.start()
+        q.put("during")  # retried with backoff until the new server answers
+        t.join(60)
+        assert len(servers) == 2
+        # the new server is empty (no persistence): only what was written after it came back is there
+        assert q.get(timeout=10) == "during"
+        assert q.empty()
+    finally:
+        for s in servers:
+            if s.proc.poll() is None:
+                s.stop()
+
+
+def test_simple_queue_between_processes_and_closed(rs: RedisServer) -> None:
+    q = mp.SimpleQueue()
+    assert q.empty()
+    out = _child("for i in range(3): o0.put(('x', i))", rs.url, q)
+    assert out.returncode == 0, out.stderr
+    assert not q.empty()
+    assert [q.get() for _ in range(3)] == [("x", 0), ("x", 1), ("x", 2)]
+    assert q.empty()
+    q.put(1)
+    out = _child("print('got', o0.get())", rs.url, q)
+    assert out.returncode == 0 and "got 1" in out.stdout, out.stderr
+    q.close()
+    with pytest.raises(OSError, match="handle is closed"):
+        q.get()
+    with pytest.raises(OSError, match="handle is closed"):
+        q.put(2)
+
+
+def test_unpicklable_process_target_is_the_stdlib_error() -> None:
+    """Raised by ``start()`` in the program, before anything is submitted (no hub is needed to see it)."""
+    lock = threading.Lock()
+    p = mp.Process(target=lambda: lock)
+    with pytest.raises(TypeError, match="cannot pickle '_thread.lock' object"):
+        p.start()
+    assert p.pid is None and p.exitcode is None and not p.is_alive()
+    with pytest.raises(AssertionError, match="can only join a started process"):
+        p.join(1)

@@ -4,7 +4,8 @@ Why on the Executor and not on long-lived workers pulling from Redis (Lithops' d
 agents already keep warm worker processes, and the Executor already batches submits (one request
 for a whole ``map``), retries through hub restarts, ships the program's own code by value and
 brings remote tracebacks back. A Pool chunk is one task; the mesh runs a task at least once, so a
-chunk whose agent died is run again elsewhere rather than lost.
+chunk whose agent was killed is run again from its start when that agent comes back (the agent
+keeps it in its durable queue) rather than lost; chunks the hub had not sent yet go elsewhere.
 
 ``initializer(*initargs)`` runs once per worker process per Pool (the agent's workers are warm
 and reused), as the standard library runs it once per pool process.
@@ -75,24 +76,31 @@ def _picklable(obj: Any) -> None:
     cloudpickle.dumps(obj)
 
 
+def _tags(e: dict[str, Any]) -> set[str]:
+    return set((e.get("info") or {}).get("tags") or e.get("tags") or [])
+
+
 def cpu_count() -> int:
-    """The fleet's capacity: worker slots of the online endpoints this program may use."""
+    """The fleet's capacity: worker slots of the online endpoints the configured selector would
+    use (``"auto"``: every endpoint this program may use; an id or a list of ids: those; ``{"tags":
+    [...]}``: those carrying every tag). None of them online raises ``NotImplementedError``, as the
+    standard library's ``cpu_count()`` does when it cannot tell (never the whole fleet instead)."""
     sel = _state.settings()["endpoint"]
     eps = _state.executor().client.list_endpoints()
     if isinstance(sel, str) and sel != "auto":
         eps = [e for e in eps if e["id"] == sel]
-    elif isinstance(sel, list):
+    elif isinstance(sel, (list, tuple)):
         eps = [e for e in eps if e["id"] in sel]
-    elif isinstance(sel, dict) and sel.get("tags"):
-        want = set(sel["tags"])
-        eps = [e for e in eps if want <= set((e.get("info") or {}).get("tags") or e.get("tags") or [])] or eps
+    elif isinstance(sel, dict):
+        want = set(sel.get("tags") or ())
+        eps = [e for e in eps if want <= _tags(e)]
     total = 0
     for e in eps:
         if e.get("online"):
             info = e.get("info") or {}
             total += int(info.get("capacity") or info.get("workers") or 1)
     if total < 1:
-        raise NotImplementedError("cannot determine the number of CPUs: no online endpoint for this program")
+        raise NotImplementedError(f"cannot determine the number of CPUs: no online endpoint matches this program's selector {sel!r}")
     return total
 
 
@@ -207,7 +215,12 @@ class Pool:
         if maxtasksperchild is not None and (not isinstance(maxtasksperchild, int) or maxtasksperchild <= 0):
             raise ValueError("maxtasksperchild must be a positive int or None")
         self._ex = _state.executor()
-        self._processes = processes or cpu_count()
+        if processes is None:
+            try:
+                processes = cpu_count()
+            except NotImplementedError:  # no matching endpoint online yet: the stdlib's ``os.cpu_count() or 1``
+                processes = 1
+        self._processes = processes
         self._initializer, self._initargs = initializer, tuple(initargs)
         if initializer is not None:
             _picklable((initializer, self._initargs))

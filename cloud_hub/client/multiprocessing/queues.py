@@ -108,10 +108,21 @@ class JoinableQueue(Queue):
 
 
 class SimpleQueue(Queue):
-    """``multiprocessing.SimpleQueue``: ``put``, ``get``, ``empty``, ``close``."""
+    """``multiprocessing.SimpleQueue``: ``put(obj)``, ``get()`` (blocks), ``empty``, ``close``;
+    after ``close`` both raise ``OSError: handle is closed``, as the standard library's do."""
 
     def __init__(self) -> None:
         super().__init__(0)
+
+    def put(self, obj: Any) -> None:  # type: ignore[override]
+        if self._closed:
+            raise OSError("handle is closed")
+        super().put(obj)
+
+    def get(self) -> Any:  # type: ignore[override]
+        if self._closed:
+            raise OSError("handle is closed")
+        return super().get()
 
 
 class Connection(Resource):
