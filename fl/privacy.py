@@ -62,8 +62,9 @@ def clip_weights_delta(new: Sequence[np.ndarray], base: Sequence[np.ndarray], ma
 @dataclass
 class DPConfig:
     """``noise_multiplier`` z (std = z * clip_norm), ``clip_norm`` C, ``mode`` central|local,
-    ``delta`` of (epsilon, delta)-DP, ``sample_rate`` q (None: computed per round as clients
-    asked / clients in the federation)."""
+    ``delta`` of (epsilon, delta)-DP, ``sample_rate`` q for amplification by subsampling, only
+    with ``selection="random"`` (None: clients asked / clients in the federation there; every
+    other selection is accounted with q = 1, see ``fl.drivers.features.Features.dp_sample_rate``)."""
 
     noise_multiplier: float
     clip_norm: float = 1.0

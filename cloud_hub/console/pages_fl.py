@@ -68,6 +68,25 @@ def participation_chart(rounds: list[dict[str, Any]]) -> charts.Chart:
                         legend=[("used", "used"), ("late", "stragglers"), ("drop", "dropped")])
 
 
+def client_traffic(rounds: list[dict[str, Any]]) -> dict[int, list[tuple[str, Any, Any]]]:
+    """Per round: ``(client, bytes up, bytes down)`` for every client with a figure, sorted by
+    client id (None where one direction has none, e.g. a client whose update never came back).
+    Secure rounds count the masked vector up and the global model down, as plain rounds do."""
+    out: dict[int, list[tuple[str, Any, Any]]] = {}
+    for r in rounds:
+        extra = r.get("extra") or {}
+        up, dn = extra.get("bytes_up"), extra.get("bytes_down")
+        up = up if isinstance(up, dict) else {}
+        dn = dn if isinstance(dn, dict) else {}
+        rows = []
+        for c in sorted(set(up) | set(dn)):
+            u, d = up.get(c), dn.get(c)
+            rows.append((str(c), u if isinstance(u, (int, float)) else None, d if isinstance(d, (int, float)) else None))
+        if rows:
+            out[int(r["round"])] = rows
+    return out
+
+
 def _register(router: APIRouter, h: Helpers) -> None:
     from cloud_hub.store.fl import FLNotFound, FLStore
 
@@ -91,7 +110,7 @@ def _register(router: APIRouter, h: Helpers) -> None:
                                 classes={"accuracy": "s3"}, y_floor=0.0, y_ceiling=1.0, percent=True)
         ctx = await h.ctx(request, viewer, "fl", run["name"])
         return render("fl_run.html", **ctx, run=run, rounds=list(reversed(rounds)), names=names, loss=loss, acc=acc,
-                      participation=participation_chart(rounds), config=json.dumps(run.get("config") or {}, indent=2))
+                      participation=participation_chart(rounds), traffic=client_traffic(rounds), config=json.dumps(run.get("config") or {}, indent=2))
 
 
 PAGE = OptionalPage(key="fl", href="/console/fl", label="FL runs", summary=summary, register=_register)

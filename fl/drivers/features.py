@@ -7,7 +7,12 @@ dp=...)`` builds one and runs its synchronous rounds with :class:`FeatureSyncDri
 * ``secagg`` (:class:`fl.secagg.SecAggConfig`): each round is the four SecAgg+ stages
   (advertise keys, share keys, train + masked input, unmask) as mesh tasks; the hub relays only
   public keys, AES-GCM ciphertexts, masked vectors and shares; the driver sees the unmasked sum.
-  Too many dropouts skip the round (reason in its record), never a wrong model.
+  Too many dropouts skip the round (reason in its record), never a wrong model. With
+  ``fit(compression="q8"|"fp16")`` the device quantizes on a grid shared by all clients into a
+  16- or 24-bit field (2 or 3 bytes a coordinate instead of 4); the grid's range is
+  ``SecAggConfig.quant_range`` or adapted each round: ``QUANT_HEADROOM`` x the largest
+  coordinate of the last mean update (capped at the DP clip norm), the first round at the DP clip
+  norm, or at the full 32-bit width without DP (no scale known yet). Top-k is refused in fit().
 * ``dp`` (:class:`fl.privacy.DPConfig`): deltas clipped to ``clip_norm`` (on the device with
   secure aggregation, else at the driver), Gaussian noise at the driver (``central``) or on
   each device (``local``); the record gets ``dp: {epsilon, delta, noise_multiplier,
@@ -40,6 +45,10 @@ __all__ = ["Features", "SELECTIONS", "sync_with", "FeatureSyncDriver"]
 
 #: client selection policies: the strategy's own, the scheduler's predictions, uniform
 SELECTIONS = ("strategy", "predicted", "random")
+#: adapted range of the shared quantization grid (secure aggregation with q8/fp16): this many
+#: times the largest coordinate of the last round's mean update; individual updates of non-IID
+#: clients are larger than their mean, and a coordinate past the range is clipped
+QUANT_HEADROOM = 8.0
 
 
 def _config(value: Any, cls: type, what: str) -> Any:
@@ -89,6 +98,22 @@ class Features:
             raise ValueError(f"fairness_rounds must be an integer >= 1, not {self.fairness_rounds!r}")
         if isinstance(self.weight_cap, bool) or not isinstance(self.weight_cap, int) or self.weight_cap < 1:
             raise ValueError(f"weight_cap must be an integer >= 1, not {self.weight_cap!r}")
+        if self.dp is not None and self.dp.sample_rate is not None and self.dp.sample_rate < 1 and self.selection != "random":
+            raise ValueError(f"dp sample_rate={self.dp.sample_rate} claims amplification by subsampling, which holds only "
+                             f"when clients are drawn uniformly at random (selection='random'), not with "
+                             f"selection={self.selection!r}; leave sample_rate unset (accounted as q = 1)")
+
+    def dp_sample_rate(self, asked: int, population: int) -> float:
+        """The q the accountant composes a round with. Amplification by subsampling assumes
+        each client is in the round with probability q independently of the data and of the
+        driver's state; only ``selection="random"`` (uniform draws) comes close, and it is
+        accounted as Poisson sampling with q = asked / population (or the configured
+        ``sample_rate``), the usual approximation for fixed-size uniform sampling. The strategy's
+        or the scheduler's choice (``"predicted"``: deterministic from predictions and history)
+        gets q = 1, no amplification; so does local DP (each device's noise stands alone)."""
+        if self.dp is None or self.dp.mode == "local" or self.selection != "random":
+            return 1.0
+        return float(self.dp.sample_rate or min(1.0, asked / max(1, population)))
 
     @property
     def active(self) -> bool:
@@ -124,6 +149,12 @@ class FeatureSyncDriver(SyncDriver):
         self.secagg, self.dp, self.selection = f.secagg, f.dp, f.selection
         self.clients_per_round, self.fairness_rounds, self.weight_cap = f.clients_per_round, f.fairness_rounds, f.weight_cap
         self.accountant = None if self.dp is None else PrivacyAccountant(self.dp.noise_multiplier, self.dp.delta)
+        comp = run.compression
+        if self.secagg is not None and comp is not None and comp.sparsify is not None:
+            raise ValueError(f"secure aggregation cannot carry a sparse update (compression={comp.describe()!r}): a masked "
+                             "vector must be dense, or it shows which coordinates each client sent; use compression='q8' "
+                             "or 'fp16', which are quantized on a shared grid into a narrower field")
+        self._quant_range: Optional[float] = None
         self._last_asked: Dict[str, int] = {}
         self._rng = np.random.default_rng(run.seed + 7)
         self._sel_info: Dict[str, Any] = {}
@@ -200,10 +231,10 @@ class FeatureSyncDriver(SyncDriver):
             cfg["dp_local"] = {"clip_norm": self.dp.clip_norm, "noise_std": self.dp.noise_std}
         return cfg
 
-    def _dp_extra(self, participants: int, population: int) -> Dict[str, Any]:
+    def _dp_extra(self, participants: int, population: int, asked: Optional[int] = None) -> Dict[str, Any]:
         if self.dp is None or self.accountant is None or participants == 0:
             return {}
-        q = 1.0 if self.dp.mode == "local" else float(self.dp.sample_rate or min(1.0, participants / max(1, population)))
+        q = self.features.dp_sample_rate(max(participants, asked or 0), population)
         self.accountant.step(q)
         return {"dp": {"epsilon": round_(self.accountant.epsilon(), 4), "delta": self.dp.delta,
                        "noise_multiplier": self.dp.noise_multiplier, "clip_norm": self.dp.clip_norm,
@@ -227,7 +258,8 @@ class FeatureSyncDriver(SyncDriver):
             rec.extra["selection"] = self._sel_info
             self._sel_info = {}
         if self.dp is not None and self.secagg is None and not rec.extra.get("skipped"):
-            rec.extra.update(self._dp_extra(len(rec.participants), len(self.fed._clients(self.endpoint_rows()))))
+            rec.extra.update(self._dp_extra(len(rec.participants), len(self.fed._clients(self.endpoint_rows())),
+                                            len(rec.extra.get("asked") or [])))
         if self.accountant is not None:
             state = {**state, "dp_accountant": self.accountant.to_state()}
         return super().finish_round(history, rec, weights, state)
@@ -246,6 +278,10 @@ class FeatureSyncDriver(SyncDriver):
 
         run = self.run
         version, last = self.resume_point(history)
+        quantized = run.compression is not None and run.compression.quantize is not None
+        if quantized:
+            self._quant_range = self.secagg.quant_range or state.get("secagg_quant_range") or (
+                self.dp.clip_norm if self.dp is not None else None)
         for r in range(start_round, run.rounds + 1):
             t0 = time.monotonic()
             self.outage_s = 0.0
@@ -265,7 +301,9 @@ class FeatureSyncDriver(SyncDriver):
                                    clip_norm=dp.clip_norm if dp else 1e3, weight_cap=1 if dp else self.weight_cap,
                                    max_clients=max(len(asked), 2),
                                    local_noise_std=(dp.noise_std if dp and dp.mode == "local" else 0.0),
-                                   central_noise_std=(dp.noise_std if dp and dp.mode == "central" else 0.0), rng=self._rng)
+                                   central_noise_std=(dp.noise_std if dp and dp.mode == "central" else 0.0), rng=self._rng,
+                                   quant_range=self._quant_range if quantized else None)
+                extra.update(self._secure_traffic(res))
             if res is None or res.weights is None:
                 reason = res.reason if res is not None else f"{len(asked)} client(s) asked, secure aggregation needs {self.secagg.threshold}"
                 extra.update({"skipped": True, "reason": reason, "version": version})
@@ -274,6 +312,8 @@ class FeatureSyncDriver(SyncDriver):
                 rec = RoundRecord(r, last[0], last[1], [], [c for c in asked if res is None or c in res.not_back],
                                   dict(res.not_back) if res else {}, time.monotonic() - t0, extra)
             else:
+                if quantized and not self.secagg.quant_range:
+                    self._quant_range = self._next_quant_range(weights, res.weights)
                 weights = res.weights
                 version += 1
                 ev = self.evaluate(r, weights, [])
@@ -282,14 +322,42 @@ class FeatureSyncDriver(SyncDriver):
                 extra.update({"version": version, "dropped_after_masking": res.dropped_after_masking,
                               "secagg_stage_s": res.stages_s, "num_samples": int(sum(i.get("num_samples", 0) for i in res.infos.values())),
                               "train_time_s": {c: i.get("train_time_s") for c, i in res.infos.items()}})
-                extra.update(self._dp_extra(len(res.survivors), len(self.fed._clients(self.endpoint_rows()))))
+                extra.update(self._dp_extra(len(res.survivors), len(self.fed._clients(self.endpoint_rows())), len(asked)))
                 rec = RoundRecord(r, last[0], last[1], list(res.survivors),
                                   [c for c in asked if c in res.not_back and c not in res.survivors],
                                   {c: why for c, why in res.not_back.items() if c not in res.survivors},
                                   time.monotonic() - t0, extra)
-            if not self.finish_round(history, rec, weights, {"version": version}):
+            ck: Dict[str, Any] = {"version": version}
+            if quantized and self._quant_range is not None:
+                ck["secagg_quant_range"] = self._quant_range
+            if not self.finish_round(history, rec, weights, ck):
                 break
         return weights
+
+    @staticmethod
+    def _secure_traffic(res: Any) -> Dict[str, Any]:
+        """Bytes of a secure round for its record: the masked vectors up and the global model
+        down per client (as plain rounds record them), the protocol's own messages, the field."""
+        out: Dict[str, Any] = {"bytes_up": dict(res.bytes_up), "bytes_down": dict(res.bytes_down),
+                               "bytes_up_total": int(sum(res.bytes_up.values())),
+                               "bytes_down_total": int(sum(res.bytes_down.values())),
+                               "secagg_overhead_bytes": dict(res.overhead_bytes), "secagg_field_bits": res.field_bits}
+        if res.quant_range is not None:
+            out["secagg_quant_range"] = round_(res.quant_range, 9)
+        return out
+
+    def _next_quant_range(self, old: Weights, new: Weights) -> Optional[float]:
+        """The grid range for the next round from this round's mean update (public: the driver
+        holds the unmasked mean anyway); capped at the DP clip norm, which bounds a coordinate."""
+        from fl.secagg.field import flatten
+
+        top = float(np.max(np.abs(flatten(new)[0] - flatten(old)[0]), initial=0.0))
+        if not (top > 0 and np.isfinite(top)):
+            return self._quant_range
+        r = QUANT_HEADROOM * top
+        if self.dp is not None:
+            r = min(r, float(self.dp.clip_norm))
+        return r
 
 
 def round_(x: Any, nd: int = 6) -> Any:

@@ -7,12 +7,13 @@ Rounds of one secure aggregation, ``tag`` naming it (run id and round):
    ``s`` (to agree pairwise mask seeds); the public halves go to the server.
 2. **share** (client): the server sends each client its neighbours' public keys (SecAgg+: a
    sparse random graph of ``neighbors`` peers instead of everyone; ``None`` = all). The client
-   draws a self-mask seed ``b``, Shamir-splits ``b`` and its ``s`` private key among its
+   draws a self-mask seed ``b``, Shamir-splits ``b`` and its ``s`` private key (PyCryptodome,
+   :mod:`fl.secagg.shamir`) among its
    neighbours and itself (threshold ``t``), and encrypts each neighbour's pair of shares with
    AES-GCM under a key agreed with that neighbour's ``c`` key (HKDF-SHA256). The server only
    relays ciphertexts.
 3. **masked input** (client): ``y = encode(x) + PRG(b) + sum_v sign(u, v) * PRG(s_uv)`` over
-   Z_{2^32} for each neighbour ``v`` that took part in step 2; the server sees only ``y``.
+   Z_{2^bits} (32 bits; 16 or 24 with a quantizing compression, :mod:`fl.secagg.field`) for each neighbour ``v`` that took part in step 2; the server sees only ``y``.
 4. **unmask** (client): told who sent ``y`` (survivors) and who dropped after step 2, a client
    reveals its share of ``b_u`` for each survivor and of ``s_u``'s private key for each dropped
    neighbour, never both for the same peer (that would unmask an individual input). The server
@@ -42,7 +43,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from . import shamir
-from .field import prg
+from .field import field_mask, pack, prg, unpack
 
 __all__ = [
     "SecAggConfig", "SecAggError", "SecAggAbort", "ServerSession",
@@ -64,12 +65,18 @@ class SecAggAbort(RuntimeError):
 class SecAggConfig:
     """``threshold``: shares needed to rebuild a secret, so at most ``holders - threshold``
     clients may drop after masking (holders = neighbours + self). ``neighbors``: SecAgg+
-    graph degree (None: every client shares with every other)."""
+    graph degree (None: every client shares with every other). ``quant_range``: with a q8/fp16
+    ``compression``, the per-coordinate range ``[-r, r]`` of the shared quantization grid (None:
+    the driver adapts it each round, :mod:`fl.drivers.features`)."""
 
     threshold: int
     neighbors: Optional[int] = None
+    quant_range: Optional[float] = None
 
     def __post_init__(self) -> None:
+        if self.quant_range is not None and (isinstance(self.quant_range, bool) or not isinstance(self.quant_range, (int, float))
+                                             or not (0 < float(self.quant_range) < float("inf"))):
+            raise ValueError(f"quant_range must be a positive finite number, not {self.quant_range!r}")
         if self.threshold < 2:
             raise ValueError("threshold must be >= 2 (one share would reveal the secret)")
         if self.neighbors is not None and self.neighbors < self.threshold - 1:
@@ -150,14 +157,14 @@ def client_share(state: Dict[str, Any], msg: Mapping[str, Any]) -> Tuple[Dict[st
     if not 2 <= t <= len(keys):
         raise SecAggError(f"threshold {t} does not fit {len(keys)} share holders")
     b = secrets.token_bytes(32)
-    xs = [index[p] for p in sorted(keys)]
-    b_sh = shamir.split(b, xs, t)
-    sk_sh = shamir.split(state["s_sk"], xs, t)
+    pos = shamir.positions(keys)  # share points 1..n: this client's holders in sorted order
+    b_sh = shamir.split(b, len(pos), t)
+    sk_sh = shamir.split(state["s_sk"], len(pos), t)
     out: Dict[str, bytes] = {}
     for peer in sorted(keys):
         key = _agree(state["c_sk"], keys[peer]["c_pk"], _pair_info("enc", state["tag"], me, peer))
-        plain = json.dumps({"from": me, "to": peer, "x": index[peer], "b": b_sh[index[peer]].hex(),
-                            "sk": sk_sh[index[peer]].hex()}).encode()
+        plain = json.dumps({"from": me, "to": peer, "x": pos[peer], "b": b_sh[pos[peer]].hex(),
+                            "sk": sk_sh[pos[peer]].hex()}).encode()
         nonce = os.urandom(12)
         out[peer] = nonce + AESGCM(key).encrypt(nonce, plain, f"{state['tag']}|{me}|{peer}".encode())
     new = {**state, "stage": "shared", "b": b, "t": t, "peers": keys, "index": index}
@@ -165,24 +172,28 @@ def client_share(state: Dict[str, Any], msg: Mapping[str, Any]) -> Tuple[Dict[st
 
 
 def client_mask(state: Dict[str, Any], encoded: np.ndarray, inbox: Mapping[str, bytes],
-                shared: Sequence[str]) -> Tuple[bytes, Dict[str, Any]]:
-    """Step 3. ``encoded``: this client's input already in the field (uint32); ``inbox``: the
-    ciphertexts other clients addressed to it (kept for step 4); ``shared``: the clients that
-    finished step 2. Returns (masked vector as little-endian bytes, new state)."""
+                shared: Sequence[str], bits: int = 32) -> Tuple[bytes, Dict[str, Any]]:
+    """Step 3. ``encoded``: this client's input already in the field Z_{2^bits} (uint32);
+    ``inbox``: the ciphertexts other clients addressed to it (kept for step 4); ``shared``: the
+    clients that finished step 2. Returns (masked vector, ``bits/8`` little-endian bytes per
+    element, and the new state)."""
     me, tag = state["me"], state["tag"]
     if state.get("stage") != "shared":
         raise SecAggError("masking step does not follow this device's share step")
     live = [p for p in shared if p in state["peers"] and p != me]
     if me not in shared:
         raise SecAggError("the server says this client did not share its keys")
+    mask = field_mask(bits)
     x = np.asarray(encoded, dtype=np.uint32)
+    if np.any(x > mask):
+        raise SecAggError(f"encoded input does not lie in the {bits}-bit field")
     y = x + prg(_self_seed(state["b"], tag), len(x))
     for p in live:
         seed = _agree(state["s_sk"], state["peers"][p]["s_pk"], _pair_info("mask", tag, me, p))
         m = prg(seed, len(x))
         y = y + m if me < p else y - m
     kept = {str(k): bytes(v) for k, v in inbox.items() if str(k) in state["peers"]}
-    return y.astype("<u4").tobytes(), {**state, "stage": "masked", "inbox": kept, "live": list(live), "dim": len(x)}
+    return pack(y & mask, bits), {**state, "stage": "masked", "inbox": kept, "live": list(live), "dim": len(x)}
 
 
 def client_unmask(state: Dict[str, Any], survivors: Sequence[str], dropped: Sequence[str]) -> Dict[str, Any]:
@@ -231,6 +242,8 @@ class ServerSession:
     shared: List[str] = field(default_factory=list)
     masked: Dict[str, np.ndarray] = field(default_factory=dict)
     dim: Optional[int] = None
+    #: the field of the masked vectors: Z_{2^bits} (set before the masked inputs arrive)
+    bits: int = 32
 
     def _need(self, have: int, stage: str) -> None:
         if have < self.config.threshold:
@@ -275,7 +288,10 @@ class ServerSession:
         """Step 3 answer: one masked vector."""
         if client not in self.shared:
             raise SecAggError(f"masked input from {client!r}, which did not share keys")
-        v = np.frombuffer(bytes(y), dtype="<u4").astype(np.uint32)
+        try:
+            v = unpack(bytes(y), self.bits)
+        except ValueError as exc:
+            raise SecAggError(f"masked input from {client!r}: {exc}") from None
         if self.dim is None:
             self.dim = len(v)
         if len(v) != self.dim:
@@ -290,7 +306,7 @@ class ServerSession:
         return {c: {"tag": self.tag, "survivors": surv, "dropped": dropped} for c in surv}
 
     def finish(self, reveals: Sequence[Mapping[str, Any]]) -> Tuple[np.ndarray, List[str]]:
-        """The unmasked sum (uint32 field elements) of the survivors' inputs, and who they are.
+        """The unmasked sum (uint32 elements of Z_{2^bits}) of the survivors' inputs, and who they are.
 
         Raises :class:`SecAggAbort` when a secret lacks ``threshold`` shares."""
         assert self.dim is not None
@@ -302,13 +318,13 @@ class ServerSession:
             holder = str(r["client"])
             if holder not in self.masked:
                 continue
-            x = self.index[holder]
+            # the holder's share point for each owner: its place among the owner's holders
             for owner, hx in dict(r.get("b") or {}).items():
                 if owner in b_sh and holder in self.graph[owner] + [owner]:
-                    b_sh[owner][x] = bytes.fromhex(hx)
+                    b_sh[owner][shamir.positions(self.graph[owner] + [owner])[holder]] = bytes.fromhex(hx)
             for owner, hx in dict(r.get("sk") or {}).items():
                 if owner in sk_sh and holder in self.graph[owner]:
-                    sk_sh[owner][x] = bytes.fromhex(hx)
+                    sk_sh[owner][shamir.positions(self.graph[owner] + [owner])[holder]] = bytes.fromhex(hx)
         t = self.config.threshold
         short = [c for c, s in list(b_sh.items()) + list(sk_sh.items()) if len(s) < t]
         if short:
@@ -325,4 +341,4 @@ class ServerSession:
                     seed = _agree(sk, self.keys[w]["s_pk"], _pair_info("mask", self.tag, v, w))
                     m = prg(seed, self.dim)
                     total = total - m if w < v else total + m  # w added +m if w < v; undo it
-        return total, surv
+        return total & field_mask(self.bits), surv

@@ -11,7 +11,11 @@ unmasking. The ``train`` step trains with the inner app, turns the result into a
 the global model, clips it (L2, ``clip_norm``: the server cannot clip what it cannot see),
 optionally adds local DP noise, multiplies by the client's weight (``min(n, weight_cap) /
 weight_cap``, appended as one more coordinate so the server can divide), encodes it into the
-field and masks it.
+field and masks it. With a quantizing uplink compression in the train task (``uplink``: q8 or
+fp16), the encoding is that quantization on the grid the driver names (``secagg.quant``:
+:class:`fl.secagg.field.QuantCodec`), in a 16- or 24-bit field, so the masked vector is 2 or 3
+bytes a coordinate instead of 4; top-k is refused (a masked vector is dense, or it would show
+which coordinates the client sent).
 
 Driver side (:func:`secure_round`): advertise -> share -> train+mask -> unmask, each a mesh
 task per client; the hub only relays public keys, AES-GCM ciphertexts, masked vectors and
@@ -25,7 +29,7 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -34,7 +38,7 @@ import numpy as np
 from fl.client import PROTOCOL, ClientApp, TaskError, client_seed
 from fl.wire import decode_weights
 
-from .field import FieldCodec, flatten, unflatten
+from .field import FieldCodec, QuantCodec, flatten, unflatten
 from .protocol import (SecAggAbort, SecAggConfig, SecAggError, ServerSession, client_advertise, client_mask,
                        client_share, client_unmask)
 
@@ -117,7 +121,35 @@ class StateStore:
 
 
 # ---------------------------------------------------------------- device side
-def encode_delta(delta: np.ndarray, num_samples: int, *, clip_norm: float, weight_cap: int, codec: FieldCodec,
+def quant_code_bits(uplink: Any) -> Optional[int]:
+    """The code width a train task's ``uplink`` compression spec asks of a secure update: 8
+    (q8), 16 (fp16) or None (no compression). Top-k is refused: a masked vector is dense."""
+    if uplink is None:
+        return None
+    from fl.compression import FP16, Q8, CompressionError, from_spec
+
+    try:
+        comp = from_spec(uplink)
+    except CompressionError as exc:
+        raise TaskError(str(exc)) from None
+    if comp.sparsify is not None:
+        raise TaskError(f"secure aggregation cannot send a sparse update ({comp.describe()}): the masked vector "
+                        "would show which coordinates the client kept; use compression='q8' or 'fp16'")
+    return 8 if isinstance(comp.quantize, Q8) else 16 if isinstance(comp.quantize, FP16) else None
+
+
+def make_codec(sa: Mapping[str, Any], code_bits: Optional[int]) -> "FieldCodec | QuantCodec":
+    """The field encoding of a secure train task: 32-bit fixed point, or (``sa["quant"]`` set)
+    the shared quantization grid of the run's compression."""
+    q = sa.get("quant")
+    if q is None:
+        return FieldCodec(float(sa["field_clip"]), int(sa["max_clients"]))
+    if code_bits is None or int(q.get("code_bits", -1)) != code_bits:
+        raise TaskError(f"secure train task asks for {q.get('code_bits')}-bit quantization, its uplink spec for {code_bits}")
+    return QuantCodec(code_bits, float(q["range"]), int(sa["max_clients"]))
+
+
+def encode_delta(delta: np.ndarray, num_samples: int, *, clip_norm: float, weight_cap: int, codec: "FieldCodec | QuantCodec",
                  rng: np.random.Generator, noise_std: float = 0.0) -> Tuple[np.ndarray, float]:
     """Clip the delta to L2 ``clip_norm``, add local noise, weight it, append the weight,
     encode into the field. Returns (field vector, the delta's norm before clipping)."""
@@ -193,11 +225,14 @@ class SecureClientApp(ClientApp):
         g, _ = flatten(weights)
         l, _ = flatten(new)
         sa = task["secagg"]
-        codec = FieldCodec(float(sa["field_clip"]), int(sa["max_clients"]))
+        try:
+            codec = make_codec(sa, quant_code_bits(tt.get("uplink")))
+        except ValueError as exc:
+            raise TaskError(f"bad secure-aggregation settings: {exc}") from None
         rng = np.random.default_rng(seed)
         enc, norm = encode_delta(l - g, n, clip_norm=float(sa["clip_norm"]), weight_cap=int(sa["weight_cap"]),
                                  codec=codec, rng=rng, noise_std=float(sa.get("local_noise_std", 0.0)))
-        y, state = client_mask(state, enc, task["request"]["inbox"], task["request"]["shared"])
+        y, state = client_mask(state, enc, task["request"]["inbox"], task["request"]["shared"], codec.field_bits)
         store.put(tag, me, state)
         return {"y": y, "num_samples": int(n), "metrics": {k: float(v) for k, v in (metrics or {}).items()
                                                             if isinstance(v, (int, float))},
@@ -235,20 +270,56 @@ class SecureRoundResult:
     infos: Dict[str, Dict[str, Any]]
     reason: Optional[str] = None
     stages_s: Optional[Dict[str, float]] = None
+    #: bytes of model data per client: the masked vector up, the global weights down
+    bytes_up: Dict[str, int] = field(default_factory=dict)
+    bytes_down: Dict[str, int] = field(default_factory=dict)
+    #: protocol bytes besides the model (keys, encrypted shares, revealed shares), all clients
+    overhead_bytes: Dict[str, int] = field(default_factory=dict)
+    #: the field of the masked vectors (32; 16/24 with a quantizing compression) and the grid's range
+    field_bits: int = 32
+    quant_range: Optional[float] = None
+
+
+def _nbytes(obj: Any) -> int:
+    """Rough payload size of a protocol message: its bytes and strings (keys, ciphertexts, hex shares)."""
+    if isinstance(obj, (bytes, bytearray)):
+        return len(obj)
+    if isinstance(obj, str):
+        return len(obj)
+    if isinstance(obj, Mapping):
+        return sum(_nbytes(k) + _nbytes(v) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 8 if isinstance(obj, (int, float)) else 0
 
 
 def secure_round(ask: Ask, tag: str, clients: Sequence[str], current: Sequence[np.ndarray],
                  train_task: Callable[[str], Dict[str, Any]], *, config: SecAggConfig, clip_norm: float,
                  field_clip: Optional[float] = None, weight_cap: int = 1000, max_clients: int = 1000,
                  local_noise_std: float = 0.0, central_noise_std: float = 0.0,
-                 rng: Optional[np.random.Generator] = None) -> SecureRoundResult:
+                 rng: Optional[np.random.Generator] = None, quant_range: Optional[float] = None) -> SecureRoundResult:
     """One securely aggregated round. ``train_task(client)`` is the ordinary train task body.
 
-    Returns the new global weights (current + mean survivor delta, plus central noise), or
-    ``weights=None`` with the reason when too few clients remain (never a partial sum)."""
+    ``quant_range``: with a quantizing ``uplink`` compression in the train tasks (q8, fp16), the
+    per-coordinate range of the shared grid (:class:`QuantCodec`); None keeps the 32-bit
+    fixed-point field. Returns the new global weights (current + mean survivor delta, plus
+    central noise), or ``weights=None`` with the reason when too few clients remain (never a
+    partial sum)."""
     rng = rng or np.random.default_rng()
     field_clip = float(field_clip if field_clip is not None else max(clip_norm, 1.0) * 4)
     srv = ServerSession(tag, config)
+    codec: "FieldCodec | QuantCodec" = FieldCodec(field_clip, max_clients)
+    quant: Optional[Dict[str, Any]] = None
+    if quant_range is not None:
+        bits = quant_code_bits((train_task(clients[0]) if clients else {}).get("uplink")) if clients else None
+        if bits is None:
+            raise ValueError("quant_range needs train tasks with a q8 or fp16 uplink compression")
+        codec = QuantCodec(bits, float(quant_range), max_clients)
+        quant = {"code_bits": bits, "range": float(quant_range)}
+    srv.bits = codec.field_bits
+    overhead = {"up": 0, "down": 0}
+    bytes_up: Dict[str, int] = {}
+    bytes_down: Dict[str, int] = {}
     base = {"v": PROTOCOL, "kind": "secagg", "tag": tag}
     not_back: Dict[str, str] = {}
     times: Dict[str, float] = {}
@@ -262,6 +333,10 @@ def secure_round(ask: Ask, tag: str, clients: Sequence[str], current: Sequence[n
             v = got.get(c)
             if isinstance(v, dict) and v.get("kind") == "secagg" and v.get("stage") == name and v.get("client_id") == c:
                 ok[c] = v
+                if name == "train":
+                    bytes_up[c] = len(v.get("y") or b"")
+                else:
+                    overhead["up"] += _nbytes(v.get("msg"))
             else:
                 not_back.setdefault(c, f"{name}: {v if isinstance(v, str) else 'no answer by the deadline'}")
         return ok
@@ -272,11 +347,20 @@ def secure_round(ask: Ask, tag: str, clients: Sequence[str], current: Sequence[n
     try:
         adv = stage("advertise", {c: {} for c in clients})
         share_req = srv.share_requests([a["msg"] for a in adv.values()])
+        overhead["down"] += _nbytes(share_req)
         shr = stage("share", {c: {"request": r} for c, r in share_req.items()})
         mask_req = srv.mask_requests([s["msg"] for s in shr.values()])
-        sa = {"clip_norm": clip_norm, "field_clip": field_clip, "weight_cap": weight_cap, "max_clients": max_clients,
-              "local_noise_std": local_noise_std}
-        tr = stage("train", {c: {"request": r, "train": train_task(c), "secagg": sa} for c, r in mask_req.items()})
+        overhead["down"] += _nbytes(mask_req)
+        sa: Dict[str, Any] = {"clip_norm": clip_norm, "field_clip": field_clip, "weight_cap": weight_cap,
+                              "max_clients": max_clients, "local_noise_std": local_noise_std}
+        if quant is not None:
+            sa["quant"] = quant
+        train_reqs = {c: {"request": r, "train": train_task(c), "secagg": sa} for c, r in mask_req.items()}
+        for c, r in train_reqs.items():
+            w = r["train"].get("weights")
+            if isinstance(w, (bytes, bytearray)):
+                bytes_down[c] = len(w)
+        tr = stage("train", train_reqs)
         for c, v in tr.items():
             try:
                 srv.add_masked(c, v["y"])
@@ -287,17 +371,20 @@ def secure_round(ask: Ask, tag: str, clients: Sequence[str], current: Sequence[n
         unmask_req = srv.unmask_requests()
         survivors = sorted(srv.masked)
         dropped = [c for c in srv.shared if c not in srv.masked]
+        overhead["down"] += _nbytes(unmask_req)
         rev = stage("unmask", unmask_req)
         total, survivors = srv.finish([r["msg"] for r in rev.values()])
     except SecAggAbort as exc:
-        return SecureRoundResult(None, [], dropped, not_back, infos, str(exc), times)
-    codec = FieldCodec(field_clip, max_clients)
+        return SecureRoundResult(None, [], dropped, not_back, infos, str(exc), times, bytes_up, bytes_down, overhead,
+                                 codec.field_bits, quant_range)
     s = codec.decode(total, len(survivors))
     wsum = s[-1]
     if not wsum > 0:
-        return SecureRoundResult(None, [], dropped, not_back, infos, "secure sum has no weight", times)
+        return SecureRoundResult(None, [], dropped, not_back, infos, "secure sum has no weight", times, bytes_up,
+                                 bytes_down, overhead, codec.field_bits, quant_range)
     g, spec = flatten(current)
     noise = rng.normal(0.0, central_noise_std, len(g)) if central_noise_std > 0 else 0.0
     # central DP: noise on the sum of clipped, weighted deltas, before the division
     mean_delta = (s[:-1] + noise) / wsum
-    return SecureRoundResult(unflatten(g + mean_delta, spec), survivors, dropped, not_back, infos, None, times)
+    return SecureRoundResult(unflatten(g + mean_delta, spec), survivors, dropped, not_back, infos, None, times,
+                             bytes_up, bytes_down, overhead, codec.field_bits, quant_range)

@@ -1,58 +1,66 @@
-"""Shamir secret sharing of 32-byte seeds over the prime field GF(2^521 - 1).
+"""Shamir secret sharing of 32-byte secrets (mask seeds, X25519 private keys), by PyCryptodome.
 
-Why written here: Shamir's scheme is polynomial arithmetic over a prime field, not a cipher or
-a hash; the randomness comes from :mod:`secrets`. A 32-byte secret (< 2^256) always fits below
-the Mersenne prime 2^521 - 1, so a seed is shared whole, in one polynomial.
+The ``cryptography`` package has no secret sharing, so the scheme comes from PyCryptodome's
+:class:`Crypto.Protocol.SecretSharing.Shamir` (polynomials over GF(2^128), 16-byte secrets, the
+coefficients from its CSPRNG): a 32-byte secret is split as two 16-byte halves, each shared
+independently with the same threshold, and a share is the two 16-byte half-shares side by side.
+Fewer than ``threshold`` shares reveal nothing about either half; ``threshold`` of them rebuild
+both. Nothing here is arithmetic of our own.
+
+Shares sit at the points ``1..n`` (PyCryptodome's indices): the protocol gives the holders of
+one client's secrets, its neighbours and itself, the points ``1..n`` in sorted order
+(:func:`positions`).
 """
 
 from __future__ import annotations
 
-import secrets
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Dict, Mapping, Sequence
 
-__all__ = ["PRIME", "split", "combine", "ShamirError"]
+from Crypto.Protocol.SecretSharing import Shamir
 
-PRIME = (1 << 521) - 1
-_SHARE_BYTES = 66
+__all__ = ["SECRET_BYTES", "SHARE_BYTES", "split", "combine", "positions", "ShamirError"]
+
+SECRET_BYTES = 32
+SHARE_BYTES = 32
+_HALF = 16
 
 
 class ShamirError(ValueError):
     """Too few or inconsistent shares to reconstruct a secret."""
 
 
-def split(secret: bytes, xs: Sequence[int], threshold: int) -> Dict[int, bytes]:
-    """Shares of ``secret`` at the points ``xs`` (distinct, 1..2^16); any ``threshold`` of them
+def positions(holders: Sequence[str]) -> Dict[str, int]:
+    """The share point of each holder of one secret: ``1..n`` in sorted order."""
+    ids = sorted(str(h) for h in holders)
+    if len(set(ids)) != len(ids):
+        raise ValueError("share holders must be distinct")
+    return {h: i + 1 for i, h in enumerate(ids)}
+
+
+def split(secret: bytes, n: int, threshold: int) -> Dict[int, bytes]:
+    """``n`` shares of a 32-byte ``secret`` at the points ``1..n``; any ``threshold`` of them
     reconstruct it, fewer reveal nothing about it."""
-    if not 1 <= threshold <= len(xs):
-        raise ValueError(f"threshold {threshold} must be 1..{len(xs)} (the number of shares)")
-    if len(set(xs)) != len(xs) or any(not 0 < x < 1 << 16 for x in xs):
-        raise ValueError("share points must be distinct integers in 1..65535")
-    s = int.from_bytes(secret, "big")
-    if s >= PRIME or len(secret) > 64:
-        raise ValueError("secret too large")
-    coeffs = [s] + [secrets.randbelow(PRIME) for _ in range(threshold - 1)]
-    out = {}
-    for x in xs:
-        y = 0
-        for c in reversed(coeffs):  # Horner
-            y = (y * x + c) % PRIME
-        out[int(x)] = y.to_bytes(_SHARE_BYTES, "big")
-    return out
+    if len(secret) != SECRET_BYTES:
+        raise ValueError(f"a shared secret is {SECRET_BYTES} bytes, not {len(secret)}")
+    if not 2 <= threshold <= n:
+        raise ValueError(f"threshold {threshold} must be 2..{n} (the number of shares)")
+    if n >= 1 << 16:
+        raise ValueError("at most 65535 shares")
+    lo = dict(Shamir.split(threshold, n, bytes(secret[:_HALF])))
+    hi = dict(Shamir.split(threshold, n, bytes(secret[_HALF:])))
+    return {int(x): lo[x] + hi[x] for x in range(1, n + 1)}
 
 
-def combine(shares: Mapping[int, bytes], threshold: int, length: int = 32) -> bytes:
-    """The secret from at least ``threshold`` shares ``{x: y}`` (Lagrange interpolation at 0)."""
+def combine(shares: Mapping[int, bytes], threshold: int) -> bytes:
+    """The secret from at least ``threshold`` shares ``{point: share}``."""
     if len(shares) < threshold:
         raise ShamirError(f"{len(shares)} share(s), {threshold} needed")
-    pts: List[Tuple[int, int]] = [(int(x), int.from_bytes(y, "big")) for x, y in sorted(shares.items())][:threshold]
-    secret = 0
-    for i, (xi, yi) in enumerate(pts):
-        num, den = 1, 1
-        for j, (xj, _) in enumerate(pts):
-            if i != j:
-                num = num * (-xj) % PRIME
-                den = den * (xi - xj) % PRIME
-        secret = (secret + yi * num * pow(den, -1, PRIME)) % PRIME
-    if secret >> (8 * length):
-        raise ShamirError("shares are inconsistent (reconstructed value out of range)")
-    return secret.to_bytes(length, "big")
+    pts = sorted((int(x), bytes(y)) for x, y in shares.items())[:threshold]
+    if any(not 0 < x < 1 << 16 or len(y) != SHARE_BYTES for x, y in pts):
+        raise ShamirError(f"a share is a point in 1..65535 and {SHARE_BYTES} bytes")
+    try:
+        lo = Shamir.combine([(x, y[:_HALF]) for x, y in pts])
+        hi = Shamir.combine([(x, y[_HALF:]) for x, y in pts])
+    except ValueError as exc:
+        raise ShamirError(f"shares do not combine: {exc}") from None
+    return lo + hi

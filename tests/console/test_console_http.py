@@ -301,3 +301,42 @@ def test_fl_run_page_shows_model_traffic_per_round(hub: HubThread) -> None:
         sdk.fl_put_round(run["id"], 1, rec, encode_weights([np.zeros(2, np.float32)]))
     page = page_client.get(f"/console/fl/{run['id']}").text
     assert "Traffic ↑ / ↓" in page and "1.8 KiB / 16.9 KiB" in page and "uplink compression topk:0.25+q8" in page
+
+
+def test_fl_run_page_shows_bytes_per_client_per_round(hub: HubThread) -> None:
+    """Issue 11: the up/down figures of each client in each round, next to the round's totals;
+    a secure round's masked vectors count like plain updates; a client with no update back shows a dash."""
+    import re
+
+    import numpy as np
+
+    from fl.wire import encode_weights
+
+    token = _token_for(hub, "gwen")
+    page_client = _sign_in(hub, token)
+    r1 = {"round": 1, "loss": 0.5, "accuracy": 0.8, "participants": ["ep-a", "ep-b"], "stragglers": ["ep-c"], "dropped": {},
+          "round_time_s": 1.0, "extra": {"bytes_up": {"ep-a": 3072, "ep-b": 5120}, "bytes_down": {"ep-a": 20480, "ep-b": 20480, "ep-c": 20480},
+                                          "bytes_up_total": 8192, "bytes_down_total": 61440}}
+    r2 = {"round": 2, "loss": 0.4, "accuracy": 0.85, "participants": ["ep-a", "ep-b"], "stragglers": [], "dropped": {},
+          "round_time_s": 1.0, "extra": {"secure_aggregation": True, "secagg_field_bits": 16,
+                                          "bytes_up": {"ep-a": 1536, "ep-b": 1536}, "bytes_down": {"ep-a": 10240, "ep-b": 10240},
+                                          "bytes_up_total": 3072, "bytes_down_total": 20480}}
+    with Client(hub.url, token) as sdk:
+        run = sdk.fl_create_run("gwen-run", strategy="fedavg", rounds_planned=2, clients=["ep-a", "ep-b", "ep-c"],
+                                client_names={"ep-a": "alpha", "ep-b": "bravo", "ep-c": "charlie"}, config={"compression": "q8"})
+        sdk.fl_put_round(run["id"], 1, r1, encode_weights([np.zeros(2, np.float32)]))
+        sdk.fl_put_round(run["id"], 2, r2, encode_weights([np.zeros(2, np.float32)]))
+    page = page_client.get(f"/console/fl/{run['id']}").text
+    assert "8.0 KiB / 60.0 KiB" in page and "3.0 KiB / 20.0 KiB" in page  # the totals stay
+
+    def row(rnd: int, client: str) -> str:
+        block = page.split(f'data-key="traffic-{rnd}"', 1)[1].split("</details>", 1)[0]
+        m = re.search(rf'<tr data-client="{client}">(.*?)</tr>', block, re.S)
+        assert m, (rnd, client)
+        return re.sub(r"<[^>]+>", " ", m.group(1)).split()
+
+    assert row(1, "ep-a") == ["alpha", "3.0", "KiB", "20.0", "KiB"]
+    assert row(1, "ep-b") == ["bravo", "5.0", "KiB", "20.0", "KiB"]
+    assert row(1, "ep-c") == ["charlie", "–", "20.0", "KiB"]  # a straggler: sent the model, nothing back
+    assert row(2, "ep-a") == ["alpha", "1.5", "KiB", "10.0", "KiB"]
+    assert 'data-client="ep-c"' not in page.split('data-key="traffic-2"', 1)[1].split("</details>", 1)[0]

@@ -66,6 +66,32 @@ def test_secure_aggregation_with_central_dp_on_four_agents(mesh):
         assert d.is_dir() and not list(d.glob("*.json"))
 
 
+def test_secure_aggregation_with_q8_compression_trains_and_records_bytes(mesh):
+    """Issue 11: compression and masking compose. Round 1 has no scale for the shared grid yet and
+    goes in the 32-bit field; from round 2 the devices quantize to q8 on the grid the driver
+    adapted from round 1's mean update, masked in Z_{2^16}: half the bytes per masked update."""
+    m, agents = mesh
+    ids = [a.endpoint_id for a in agents]
+    fed = Federation(m.client, ids, poll_s=0.5, secagg={"threshold": 3})
+    hist = fed.fit(_mlp(), "digits", rounds=3, strategy=FedAvg(), local_epochs=1, deadline_s=60, min_clients=3,
+                   trainer=TRAINER, eval_data=load_test_data(), warmup_s=120, compression="q8")
+    dim = sum(int(w.size) for w in fed.final_weights) + 1  # the update and its weight
+    assert [r.extra["secagg_field_bits"] for r in hist] == [32, 16, 16]
+    for rec in hist:
+        assert rec.extra["secure_aggregation"] is True and not rec.extra.get("skipped"), rec.extra
+        assert sorted(rec.participants) == sorted(ids)
+        width = rec.extra["secagg_field_bits"] // 8
+        assert rec.extra["bytes_up"] == {c: width * dim for c in ids}
+        assert rec.extra["bytes_up_total"] == width * dim * len(ids)
+        assert set(rec.extra["bytes_down"]) == set(ids) and rec.extra["bytes_down_total"] > 0
+        assert rec.extra["secagg_overhead_bytes"]["up"] > 0
+    r2 = hist[1].extra["secagg_quant_range"]
+    assert 0 < r2 < 4000 and "secagg_quant_range" not in hist[0].extra  # below the 32-bit field clip
+    assert hist[-1].accuracy > hist.metadata["initial_eval"]["accuracy"] + 0.1
+    stored = m.client.fl_run(fed.run_id)["rounds"]
+    assert stored[-1]["extra"]["bytes_up"] == {c: 2 * dim for c in ids}  # in the hub's round history too
+
+
 def test_too_few_clients_for_the_threshold_skip_the_round(mesh):
     m, agents = mesh
     fed = Federation(m.client, [a.endpoint_id for a in agents[:2]], poll_s=0.5)
@@ -137,5 +163,10 @@ def test_options_that_do_not_fit_the_run_are_refused_in_fit_before_anything_is_s
     fed = Federation(m.client, ids, selection="random", clients_per_round=2)
     with pytest.raises(ValueError, match="either to Federation"):
         fed.fit(_mlp(), "digits", rounds=1, strategy=FedAvg(), trainer=TRAINER, driver=sync_with(dp={"noise_multiplier": 1.0}))
+    assert fed.run_id is None and fed.driver is None
+    # a sparse update cannot be masked: refused before the run is made
+    fed = Federation(m.client, ids, secagg={"threshold": 3})
+    with pytest.raises(ValueError, match="secure aggregation cannot carry a sparse update.*topk:0.1"):
+        fed.fit(_mlp(), "digits", rounds=1, strategy=FedAvg(), trainer=TRAINER, compression="topk:0.1+q8")
     assert fed.run_id is None and fed.driver is None
     assert len(m.client.fl_runs(limit=500)) == before

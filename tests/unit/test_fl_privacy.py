@@ -76,3 +76,27 @@ def test_bad_config_is_refused():
                     ({"noise_multiplier": 1, "clip_norm": 0}, "clip_norm"), ({"noise_multiplier": 1, "delta": 2}, "delta")]:
         with pytest.raises(ValueError, match=msg):
             DPConfig(**kw)
+
+
+def test_subsampling_amplification_only_for_uniform_random_selection():
+    """Issue 11: the accountant's q. Deterministic selection (the scheduler's predictions, or the
+    strategy's own choice) gets q = 1; only selection="random" is accounted as subsampled."""
+    from fl.drivers.features import Features
+
+    dp = {"noise_multiplier": 1.0, "clip_norm": 1.0}
+    assert Features(dp=dp, selection="predicted", clients_per_round=2).dp_sample_rate(2, 10) == 1.0
+    assert Features(dp=dp).dp_sample_rate(2, 10) == 1.0
+    assert Features(dp={**dp, "mode": "local"}, selection="random", clients_per_round=2).dp_sample_rate(2, 10) == 1.0
+    assert Features(dp=dp, selection="random", clients_per_round=2).dp_sample_rate(2, 10) == pytest.approx(0.2)
+    assert Features(dp={**dp, "sample_rate": 0.3}, selection="random", clients_per_round=2).dp_sample_rate(2, 10) == 0.3
+    # the epsilon that follows: q = 1 spends more than the amplified q = 0.2 for the same rounds
+    full, sub = PrivacyAccountant(1.0, 1e-5), PrivacyAccountant(1.0, 1e-5)
+    for _ in range(5):
+        full.step(Features(dp=dp, selection="predicted", clients_per_round=2).dp_sample_rate(2, 10))
+        sub.step(Features(dp=dp, selection="random", clients_per_round=2).dp_sample_rate(2, 10))
+    assert full.epsilon() > 2 * sub.epsilon()
+    # a sample rate that claims amplification without uniform draws is refused
+    for sel, extra in [("predicted", {"clients_per_round": 2}), ("strategy", {})]:
+        with pytest.raises(ValueError, match="amplification by subsampling.*selection='random'"):
+            Features(dp={**dp, "sample_rate": 0.2}, selection=sel, **extra)
+    assert Features(dp={**dp, "sample_rate": 1.0}, selection="predicted", clients_per_round=2).dp_sample_rate(2, 10) == 1.0
