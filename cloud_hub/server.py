@@ -157,7 +157,11 @@ class HubThread:
         self._loop = asyncio.get_running_loop()
         await self.server.serve()
 
-    def start(self, timeout: float = 20.0) -> "HubThread":
+    def start(self, timeout: float = 20.0, *, wait_broker: bool = True) -> "HubThread":
+        """Start and wait until REST serves. ``wait_broker``: then also wait (at most 10 s more)
+        for the MQTT link's first connect attempt to end, either way, so that agents started right
+        after are heard at their first hello (``mesh-hub serve`` does not wait: REST never waits
+        on the broker)."""
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -166,6 +170,10 @@ class HubThread:
             if time.monotonic() > deadline:
                 raise TimeoutError("hub did not start")
             time.sleep(0.02)
+        if wait_broker:
+            deadline = time.monotonic() + 10.0
+            while not all(getattr(link, "attempted", True) for link in list(self.hub.dispatcher.links)) and time.monotonic() < deadline:
+                time.sleep(0.02)
         return self
 
     def stop(self, timeout: float = 60.0) -> None:

@@ -114,6 +114,10 @@ class Hub:
                     identifier=self.cfg.mqtt_client_id,
                     tls_context=_hub_mqtt_tls(self.cfg),
                     brokers=BrokerList(self.cfg.broker_nodes()),  # mqtt_hosts: a cluster's other nodes to fail over to
+                    # REST must not wait on the broker: a broker that drops packets would hold the
+                    # API down for the whole connect timeout. The link connects in the background;
+                    # /readyz answers 503 with the reason until it is up.
+                    first_attempt_wait_s=0,
                 )
             )
         if self.cfg.zmq_bind:

@@ -193,10 +193,14 @@ class MqttHubLink:
         identifier: str = "mesh-hub",
         tls_context: ssl.SSLContext | None = None,
         brokers: BrokerList | None = None,
+        first_attempt_wait_s: float = 10.0,
     ) -> None:
         """``brokers``: the nodes of a clustered broker, tried in order from the first; a lost or
-        refused connection moves to the next one (``host``/``port`` are then not used)."""
+        refused connection moves to the next one (``host``/``port`` are then not used).
+        ``first_attempt_wait_s``: how long ``start`` waits for the first connect attempt to end
+        (0: not at all; the hub's own link, whose REST API must not wait on the broker)."""
         self._brokers = brokers or BrokerList([(host, port)])
+        self._first_wait = first_attempt_wait_s
         host, port = self._brokers.current
         self._args = (host, port, identifier, username, password, 30)
         self._tls_context = tls_context  # a broker on another machine: MQTT over TLS
@@ -206,26 +210,34 @@ class MqttHubLink:
         self._attempted = asyncio.Event()  # the first connect attempt ended, either way
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        #: why the link is down (None while connected or before the first attempt): for /readyz
-        self.last_error: str | None = "not connected yet"
+        #: why the link is down (None while connected): for /readyz
+        self.last_error: str | None = f"broker {self.address}: not connected yet (first connect attempt under way)"
 
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
 
     @property
+    def attempted(self) -> bool:
+        """The first connect attempt ended, either way."""
+        return self._attempted.is_set()
+
+    @property
     def address(self) -> str:
         return f"mqtt://{self._args[0]}:{self._args[1]}"
 
     async def start(self, on_frame: FrameHandler) -> None:
-        """Start connecting; wait for the first attempt only (at most 10 s), not for success.
+        """Start connecting; wait for the first attempt only (at most ``first_attempt_wait_s``), not
+        for success; the link keeps retrying in the background.
 
-        The REST API must come up while the broker is unreachable (the link keeps retrying in the
-        background and /readyz says why it is not ready), yet when the broker is there the link is
-        up before the hub serves, so an agent's first hello is heard."""
+        The hub passes 0: its REST API must come up at once even when the broker silently drops
+        packets (a first attempt then lasts the whole 10 s connect timeout), and /readyz says why
+        it is not ready. An agent whose first hello came before the hub's link subscribed is told
+        to say hello again at its next heartbeat."""
         self._task = asyncio.create_task(self._run(on_frame), name="mqtt-hub-link")
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._attempted.wait(), 10)
+        if self._first_wait > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._attempted.wait(), self._first_wait)
 
     async def _run(self, on_frame: FrameHandler) -> None:
         delay = 0.2

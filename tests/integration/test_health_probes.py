@@ -9,8 +9,10 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from cloud_hub.config import HubConfig
@@ -44,6 +46,40 @@ def test_probes_against_a_hub_whose_broker_is_unreachable(tmp_path: Path) -> Non
         hold.close()
     gone = probe("--wait", "1", f"{hub.url}/healthz")  # stopped: nobody answers
     assert gone.returncode == 1 and "no answer" in gone.stderr
+
+
+def test_rest_does_not_wait_for_a_broker_that_never_answers(tmp_path: Path) -> None:
+    """A blackholed broker: the TCP connection is accepted (by the kernel's backlog) and nothing
+    is ever read or answered, so the hub's MQTT CONNECT gets no CONNACK and its first attempt
+    lasts aiomqtt's whole 10 s connect timeout. REST must be up long before that, with /readyz
+    refusing and naming the broker."""
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)  # never read from: no CONNACK, no RST
+    port = hole.getsockname()[1]
+    cfg = HubConfig(db_path=tmp_path / "hub.sqlite3", port=0, mqtt_host="127.0.0.1", mqtt_port=port, zmq_bind=None)
+    t0 = time.monotonic()
+    hub = HubThread(cfg).start(wait_broker=False)
+    try:
+        live = httpx.get(f"{hub.url}/healthz", timeout=5)
+        took = time.monotonic() - t0
+        assert live.status_code == 200 and live.json()["ok"] is True
+        assert took < 5.0, f"REST took {took:.1f}s to answer: it waited on the broker"  # a loose liveness bound (was >= 10 s)
+        ready = httpx.get(f"{hub.url}/readyz", timeout=5)
+        assert ready.status_code == 503, ready.text
+        body = ready.json()
+        assert body["ready"] is False and body["database"] == "ok" and body["migrations"] == "done"
+        # the first attempt is still under way: REST did not wait for it to end
+        assert body["broker"] == f"broker mqtt://127.0.0.1:{port}: not connected yet (first connect attempt under way)", body
+        hole.settimeout(10)
+        conn, _ = hole.accept()  # the hub's link really dialled the blackhole (we take it, and still never answer)
+        probe_ready = probe(f"{hub.url}/readyz")
+        assert probe_ready.returncode == 1 and "HTTP 503" in probe_ready.stderr and f"mqtt://127.0.0.1:{port}" in probe_ready.stderr
+        assert probe(f"{hub.url}/healthz").returncode == 0
+    finally:
+        hub.stop()
+        hole.close()
+    conn.close()
 
 
 def test_probe_refuses_what_is_not_a_url() -> None:
