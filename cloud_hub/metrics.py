@@ -253,10 +253,17 @@ class HubMetrics:
 
     def silence_allowed(self, endpoint_id: str, bound: float, last_seen: float, now: float) -> float:
         """``bound``, the liveness bound the endpoint's beats keep, plus the silence its own outage
-        history calls normal (``scheduler.availability.Availability.normal_silence``)."""
+        history calls normal (``scheduler.availability.Availability.normal_silence``). A device
+        behind a site gateway (``BehindGateway``) is silent at the hub when it or its site's uplink
+        is down, so the larger of what each of the two models calls normal."""
+        from scheduler.availability import BehindGateway
+
         node = self.hub.placement.sched.fleet.nodes.get(endpoint_id)
         av = getattr(node, "avail", None)
-        return bound + (av.normal_silence(now, last_seen) if av is not None else 0.0)
+        if av is None:
+            return bound
+        models = (av.device, av.uplink) if isinstance(av, BehindGateway) else (av,)
+        return bound + max(x.normal_silence(now, last_seen) for x in models)
 
 
 def _num(v: Any) -> float | None:

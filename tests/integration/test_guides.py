@@ -9,8 +9,16 @@ cannot drift apart: edit a marked block and this test runs the new text.
 What it covers: an own Mosquitto run as the unprivileged user ``mosquitto`` with the setgid
 folder of step 1, SQLite and PostgreSQL hubs, agents enrolled by token, work submitted, one agent
 SIGKILLed and restarted, the hub restarted, every task with exactly one result; and the FL
-tutorial's run, interrupted with Ctrl-C and resumed from the run id it prints. Never port 1883:
-Debian's own mosquitto may hold it.
+tutorial's run, interrupted with Ctrl-C and resumed from the run id it prints.
+
+Both run on a machine where a Mosquitto holds port 1883, as issue 19 requires (installing Debian's
+``mosquitto`` package starts one there, anonymous clients allowed): the system's own when it runs,
+else one this test starts on 1883 the way that package runs it (``held_1883``). The operations
+guide then takes its documented way around it (another port in the broker's ``listener`` line and
+in ``--mqtt-port``), and the test checks that neither the hub nor the agents ever talk to 1883 and
+that its holder is undisturbed. The FL tutorial's hub block is first run as written, on 1883: it
+must stop with the one line the tutorial promises, naming the port and its holder; then with
+another port.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from typing import Iterator
 
 import pytest
 
-from cloud_hub.broker import find_mosquitto, free_port
+from cloud_hub.broker import MosquittoBroker, find_mosquitto, free_port, port_holder, port_taken
 from tests.integration.operator_helpers import BIN, Proc, wait_http
 from tests.pg import pg_url  # noqa: F401  (fixture)
 
@@ -117,6 +125,38 @@ def scratch() -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.fixture
+def held_1883(tmp_path: Path) -> Iterator[str]:
+    """127.0.0.1:1883 held by a Mosquitto while the test runs; yields who holds it (``port_holder``).
+    The system's broker when one listens there; else an anonymous Mosquitto on loopback started
+    here (Debian's default set-up), stopped afterwards."""
+    if find_mosquitto() is None:
+        pytest.fail("mosquitto is required: run ./taskw setup (apt-get install mosquitto)")
+    standin = None
+    if not port_taken("127.0.0.1", 1883):
+        standin = MosquittoBroker(tmp_path / "debian-like-1883", port=1883).start()  # allow_anonymous true
+    try:
+        assert port_taken("127.0.0.1", 1883), "port 1883 should be held for this test"
+        yield port_holder("127.0.0.1", 1883) or "another process"
+    finally:
+        if standin is not None:
+            standin.stop()
+
+
+def _peer_ports(proc: Proc) -> set[int]:
+    """Remote TCP ports of every connection of a process and its children (a ``bash -c`` block)."""
+    import psutil
+
+    root = psutil.Process(proc.proc.pid)
+    ports: set[int] = set()
+    for p in (root, *root.children(recursive=True)):
+        try:
+            ports |= {c.raddr.port for c in p.net_connections(kind="tcp") if c.raddr}
+        except psutil.Error:
+            continue
+    return ports
+
+
 def _slow_square(x: int) -> int:
     import time as _t
 
@@ -128,6 +168,7 @@ def _slow_square(x: int) -> int:
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 def test_operations_guide_step_by_step(backend: str, scratch: Path, request: pytest.FixtureRequest) -> None:
     _need_root_and_mosquitto()
+    holder = request.getfixturevalue("held_1883")  # the guide's "another port" way around Debian's broker
     mqtt, rest, zmq = free_port(), free_port(), free_port()
     assert 1883 not in (mqtt, rest, zmq)
     subs = {}
@@ -167,6 +208,10 @@ def test_operations_guide_step_by_step(backend: str, scratch: Path, request: pyt
             hub.wait_for(r"enrolled endpoint ep-\w+ \(name '" + name + "'")
         assert (scratch / "home" / "mesh" / "dev-2-queue" / "queue.sqlite3").exists()
         assert g.run("ops-work").strip() == "2470"
+        # Everyone talks to the guide's broker, nobody to the anonymous one on 1883.
+        for p in (hub, *agents.values()):
+            peers = _peer_ports(p)
+            assert mqtt in peers and 1883 not in peers, (p.log.name, peers)
 
         # Beyond the guide's happy path: an agent dies mid-run and the hub restarts; nothing is lost or doubled.
         from cloud_hub.client import Client
@@ -192,6 +237,7 @@ def test_operations_guide_step_by_step(backend: str, scratch: Path, request: pyt
     finally:
         g.stop_all()
     assert "hub stopped" in hub.text()
+    assert (port_holder("127.0.0.1", 1883) or "another process") == holder  # 1883's broker still up, the same process
 
 
 def _ready(g: Guide) -> None:
@@ -206,12 +252,22 @@ def _ready(g: Guide) -> None:
 
 
 # ------------------------------------------------------------------ docs/fl-tutorial.md
-def test_fl_tutorial_run_interrupt_and_resume(scratch: Path) -> None:
-    if find_mosquitto() is None:
-        pytest.fail("mosquitto is required: run ./taskw setup (apt-get install mosquitto)")
+def test_fl_tutorial_run_interrupt_and_resume(scratch: Path, held_1883: str) -> None:
     pytest.importorskip("torch")
     mqtt, rest, zmq = free_port(), free_port(), free_port()
     g = Guide("fl-tutorial.md", scratch, {"1883": str(mqtt), "8700": str(rest), "8701": str(zmq)})
+    # As written, on a machine where 1883 is taken: one line naming the port and its holder, exit
+    # non-zero, nothing announced, REST never up (in a folder of its own: its broker files stay apart).
+    taken = scratch / "on-1883"
+    taken.mkdir()
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", g.text("fl-hub", {"1883": "1883"})], capture_output=True, text=True,
+                       env=g.env, cwd=taken, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert f"cannot start the embedded broker: 127.0.0.1:1883 is already in use by {held_1883}" in out, out
+    assert "per-endpoint logins and ACLs" not in out and "hub listening" not in out and "MQTT link up" not in out, out
+    assert len(r.stderr.strip().splitlines()) == 1 and not r.stdout.strip(), out  # one line
+    assert port_taken("127.0.0.1", 1883) and not port_taken("127.0.0.1", rest)
     # rounds=20 as written: a round on warm agents can take well under the 0.1 s poll, and with fewer
     # rounds the whole run could end before the Ctrl-C lands (seen once in CI with rounds=3).
     try:

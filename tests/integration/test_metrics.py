@@ -163,3 +163,101 @@ def test_metrics_on_postgresql(tmp_path: Any, pg_url: str) -> None:  # noqa: F81
             assert "mesh_hub_disk_free_bytes" not in m  # PostgreSQL: the database host's disk is not ours to watch
     finally:
         hub.stop()
+
+
+def _put_round(client: Any, run_id: str, rnd: int, participants: list[str], dropped: dict[str, str], round_time_s: float,
+               status: str = "running") -> None:
+    """A round record through the hub's FL API (what ``fl.Federation`` stores after each round)."""
+    import base64
+
+    import numpy as np
+
+    from fl.wire import encode_weights
+
+    weights = base64.b64encode(encode_weights([np.zeros(4, dtype=np.float32)])).decode()
+    record = {"round": rnd, "participants": participants, "stragglers": [], "dropped": dropped, "round_time_s": round_time_s}
+    client.request("PUT", f"/v1/fl/runs/{run_id}/rounds/{rnd}", json={"record": record, "weights": weights, "status": status})
+
+
+def test_metrics_of_sites_fl_scheduler_and_full_detail(tmp_path: Any) -> None:
+    """One mesh, ``metrics_endpoint_detail: full``, a site gateway (a real ``mesh-agent gateway``)
+    with a real device behind it: online counts by site, the site's uplink, per-endpoint bytes and
+    device counters, the scheduler's prediction error of placed tasks, FL rounds and runs as the FL
+    API stored them; then the gateway is SIGKILLed and its site's uplink reads 0."""
+    with LocalMesh(tmp_path, heartbeat_s=0.5, lost_after_s=2.5, lease_s=4.0,
+                   hub_overrides={"metrics_endpoint_detail": "full", "site_hold_s": 60.0}) as mesh:
+        gw = mesh.add_gateway("gw-metrics", hold=8, workers=1)
+        dev = mesh.add_site_device("pi-behind", gw)
+        mesh.wait_online(gw, dev, timeout=60)
+        assert mesh.hub is not None
+        url, g, d = mesh.hub.url, gw.endpoint_id, dev.endpoint_id
+
+        # ---- sites: the device counts under its gateway's site, the gateway under the direct ones
+        def sites() -> Any:
+            m = scrape(url)
+            online = {(lab["transport"], lab["site"]): v for lab, v in m.get("mesh_endpoints_online", [])}
+            return m if sum(v for (_, site), v in online.items() if site == g) == 1 and sum(online.values()) == 2 else None
+
+        m = wait_for(sites, "the device online under its site")
+        assert sum(v for lab, v in m["mesh_endpoints_online"] if lab["site"] == "") == 1  # the gateway itself
+        assert value(m, "mesh_site_uplink_up", site=g, name="gw-metrics") == 1
+        assert value(m, "mesh_site_devices", site=g) == 1
+        assert [lab for lab, _ in m["mesh_site_uplink_up"]] == [{"site": g, "name": "gw-metrics"}]  # only gateways with devices
+        # a device behind a gateway has two availability models (its own, its uplink's): it gets an allowance too
+        assert value(m, "mesh_endpoint_silence_allowed_seconds", endpoint=d, name="pi-behind") >= mesh.hub_cfg.lost_after_s
+
+        # ---- the scheduler's prediction error: tasks placed by a selector (a list), not pinned
+        with Executor(mesh.client, endpoint=[d]) as ex:
+            assert [f.result(60) for f in [ex.submit(double, i) for i in range(4)]] == [0, 2, 4, 6]
+        with Executor(mesh.client, endpoint_id=d) as ex:  # a concrete id: no placement, no prediction
+            assert ex.submit(double, 9).result(60) == 18
+        decisions = mesh.client.scheduler_decisions()["decisions"]
+        predicted = [x for x in decisions if x.get("predicted_s")]
+        assert len(decisions) == 4 and len(predicted) == 4, decisions
+        m = scrape(url)
+        assert value(m, "mesh_scheduler_prediction_error_ratio_count") == 4
+        assert value(m, "mesh_scheduler_prediction_error_ratio_sum") >= 0
+        assert value(m, "mesh_scheduler_prediction_error_ratio_bucket", le="+Inf") == 4
+        assert value(m, "mesh_task_submit_to_result_seconds_count") == 5
+
+        # ---- full detail: per-endpoint frame bytes and device counters, for both endpoints
+        def detail() -> Any:
+            m = scrape(url)
+            disk = {lab["endpoint"]: v for lab, v in m.get("mesh_device_disk_free_bytes", [])}
+            return m if set(disk) == {g, d} and all(v > 0 for v in disk.values()) else None
+
+        m = wait_for(detail, "device counters of both endpoints")
+        for ep in (g, d):
+            assert value(m, "mesh_endpoint_frame_bytes_received_total", endpoint=ep) > 0
+            assert value(m, "mesh_endpoint_frame_bytes_sent_total", endpoint=ep) > 0
+            assert value(m, "mesh_device_worker_restarts", endpoint=ep) == 0
+        assert {lab["endpoint"] for lab, _ in m["mesh_endpoint_frame_bytes_received_total"]} == {g, d}
+        assert sum(v for _, v in m["mesh_endpoint_frame_bytes_received_total"]) == sum(v for _, v in m["mesh_frame_bytes_received_total"])
+
+        # ---- FL, through the hub's FL API: one run of two rounds (the second loses a client), one failed run
+        c = mesh.client
+        base = scrape(url)
+        assert value(base, "mesh_fl_rounds_total") == 0 and value(base, "mesh_fl_round_seconds_count") == 0
+        run = c.request("POST", "/v1/fl/runs", json={"name": "tiny", "strategy": "fedavg", "rounds_planned": 2, "clients": [g, d]})
+        _put_round(c, run["id"], 1, [g, d], {}, 2.0)
+        _put_round(c, run["id"], 2, [g], {d: "timed out"}, 7.0, status="finished")
+        bad = c.request("POST", "/v1/fl/runs", json={"name": "doomed", "strategy": "fedavg", "rounds_planned": 1, "clients": [g]})
+        c.request("PATCH", f"/v1/fl/runs/{bad['id']}", json={"status": "failed", "error": "client crashed"})
+        m = scrape(url)
+        assert value(m, "mesh_fl_rounds_total") == 2
+        assert value(m, "mesh_fl_clients_asked_total") == 4
+        assert value(m, "mesh_fl_clients_answered_total") == 3
+        assert value(m, "mesh_fl_round_seconds_count") == 2
+        assert value(m, "mesh_fl_round_seconds_sum") == pytest.approx(9.0)
+        assert value(m, "mesh_fl_round_seconds_bucket", le="5.0") == 1  # 2 s in, 7 s not
+        assert value(m, "mesh_fl_runs", status="finished") == 1
+        assert value(m, "mesh_fl_runs", status="failed") == 1
+        assert value(m, "mesh_fl_runs", status="running") == 0
+        assert value(scrape(url), "mesh_fl_rounds_total") == 2  # counted once
+
+        # ---- the gateway dies: its site's uplink reads 0 (what MeshSiteUplinkDown watches)
+        gw.kill()
+        mesh.wait_online(gw, online=False, timeout=60)
+        m = wait_for(lambda: (lambda m: m if value(m, "mesh_site_uplink_up", site=g, name="gw-metrics") == 0 else None)(scrape(url)),
+                     "the site's uplink to read 0")
+        assert value(m, "mesh_site_devices", site=g) == 1
