@@ -113,9 +113,8 @@ def _resolve(client: Client, endpoints: Optional[Sequence[str]], tags: Optional[
 
 def _gather(client: Client, pending: Dict[str, str], timeout_s: float) -> Dict[str, Any]:
     """task id -> (ok, value) for tasks back within ``timeout_s`` (bounded long polls)."""
-    import base64
 
-    from cloud_hub.client._results import decode_result
+    from cloud_hub.client._results import decode_row
 
     out: Dict[str, Any] = {}
     end = time.monotonic() + timeout_s
@@ -123,7 +122,7 @@ def _gather(client: Client, pending: Dict[str, str], timeout_s: float) -> Dict[s
         left = [t for t in pending if t not in out]
         for row in client.wait_results(left, min(10.0, max(0.1, end - time.monotonic()))):
             try:
-                out[row["task_id"]] = decode_result(row["ok"], base64.b64decode(row["data"]))
+                out[row["task_id"]] = decode_row(row, client.trusted_endpoints)  # others' endpoints: plain data only
             except Exception as exc:
                 out[row["task_id"]] = (False, exc)
     return out
