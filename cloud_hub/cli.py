@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -107,29 +107,125 @@ def serve(
             embedded.stop()
 
 
-@token_app.command("create")
-def token_create(
-    user: str = typer.Option(..., "--user", help="user name (created if missing)"),
-    name: str = typer.Option("cli", "--name"),
-    db: Path = typer.Option(Path("hub.sqlite3"), "--db"),
-    database_url: Optional[str] = typer.Option(None, "--database-url", envvar="MESH_HUB_DATABASE_URL", help="postgresql://... instead of --db"),
-) -> None:
-    """Create an API token for a user and print it (only its hash is stored)."""
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``90s``, ``30m``, ``12h``, ``30d``, ``2w``, combined as ``1d12h``, or plain seconds; > 0."""
+    import re
+
+    t = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", t):
+        seconds = float(t)
+    elif t and re.fullmatch(r"(\d+(\.\d+)?[smhdw])+", t):
+        seconds = sum(float(n) * _UNITS[u] for n, _, u in re.findall(r"(\d+(\.\d+)?)([smhdw])", t))
+    else:
+        raise ValueError(f"--expires-in {text!r} is not a duration: use e.g. 90s, 30m, 12h, 30d, 2w or 1d12h")
+    if not 0 < seconds <= 100 * 365 * 86400:
+        raise ValueError(f"--expires-in {text!r} must be more than 0 and at most 100 years")
+    return seconds
+
+
+def _store_cli(db: Path, database_url: Optional[str], work: Any, *, must_exist: bool = True) -> Any:
+    """Run ``work(store)`` on the hub database; a store error is one line and exit code 2."""
     from cloud_hub.store import StoreError, make_store
 
-    async def q() -> str:
+    if must_exist and not database_url and not db.exists():
+        console.print(f"[red]error:[/red] {db}: no such hub database (give --db or --database-url)", highlight=False)
+        raise typer.Exit(2)
+
+    async def q() -> Any:
         store = await make_store(HubConfig(db_path=db, database_url=database_url)).open()
         try:
-            uid = await store.create_user(user)
-            return await store.create_api_token(uid, name)
+            return await work(store)
         finally:
             await store.close()
 
     try:
-        print(asyncio.run(q()))
+        return asyncio.run(q())
     except StoreError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None
+
+
+def _when(t: Optional[float]) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t)) if t else "-"
+
+
+@token_app.command("create")
+def token_create(
+    user: str = typer.Option(..., "--user", help="user name (created if missing)"),
+    name: str = typer.Option("cli", "--name"),
+    expires_in: Optional[str] = typer.Option(None, "--expires-in", help="the token stops working after this long: 90s, 30m, 12h, 30d, 2w, 1d12h "
+                                             "(default: until revoked)"),
+    db: Path = typer.Option(Path("hub.sqlite3"), "--db"),
+    database_url: Optional[str] = typer.Option(None, "--database-url", envvar="MESH_HUB_DATABASE_URL", help="postgresql://... instead of --db"),
+) -> None:
+    """Create an API token for a user and print it (only its hash is stored); its id goes to stderr."""
+    import sys
+    import time
+
+    expires = None
+    if expires_in is not None:
+        try:
+            expires = time.time() + parse_duration(expires_in)  # checked before the database is touched
+        except ValueError as exc:
+            console.print(f"[red]error:[/red] {exc}", highlight=False)
+            raise typer.Exit(2) from None
+
+    async def create(store: Any) -> str:
+        uid = await store.create_user(user)
+        return str(await store.create_api_token(uid, name, expires))
+
+    tok = _store_cli(db, database_url, create, must_exist=False)
+    from cloud_hub.store import token_id
+
+    print(tok)
+    print(f"token id {token_id(tok)} for user {user!r}" + (f", expires {_when(expires)}" if expires else ", no expiry")
+          + f"; revoke it with `mesh-hub token revoke {token_id(tok)}`", file=sys.stderr)
+
+
+@token_app.command("ls")
+def token_ls(
+    user: Optional[str] = typer.Option(None, "--user", help="only this user's tokens"),
+    db: Path = typer.Option(Path("hub.sqlite3"), "--db"),
+    database_url: Optional[str] = typer.Option(None, "--database-url", envvar="MESH_HUB_DATABASE_URL", help="postgresql://... instead of --db"),
+) -> None:
+    """API tokens: id, user, name, created, expires, revoked (never the token: only its hash is stored)."""
+    import time
+
+    async def ls(store: Any) -> list[dict[str, Any]]:
+        return list(await store.list_api_tokens(user))
+
+    rows = _store_cli(db, database_url, ls)
+    from rich.table import Table
+
+    t = Table("id", "user", "name", "created", "expires", "state")
+    now = time.time()
+    for r in rows:
+        state = ("revoked" if r["revoked"] else "expired" if r["expires"] and r["expires"] <= now else "good")
+        t.add_row(r["id"], r["user"], r["name"] or "", _when(r["created"]), _when(r["expires"]), state)
+    console.print(t)
+
+
+@token_app.command("revoke")
+def token_revoke(
+    which: str = typer.Argument(..., help="the token's id (`mesh-hub token ls`; a unique prefix of at least tk_ + 6 digits) or the token itself"),
+    db: Path = typer.Option(Path("hub.sqlite3"), "--db"),
+    database_url: Optional[str] = typer.Option(None, "--database-url", envvar="MESH_HUB_DATABASE_URL", help="postgresql://... instead of --db"),
+) -> None:
+    """Revoke an API token. Hubs refuse it within a few seconds (each re-reads a token it trusts every
+    5 s; with replicas, every replica alike), and web console sessions signed in with it end at once."""
+    async def revoke(store: Any) -> dict[str, Any]:
+        return dict(await store.revoke_api_token(which))
+
+    r = _store_cli(db, database_url, revoke)
+    if r["already"]:
+        print(f"token {r['id']} ({r['name']}) was already revoked at {_when(r['revoked'])}; nothing changed")
+    else:
+        print(f"revoked token {r['id']} ({r['name']})")
 
 
 @app.command("broker-config")

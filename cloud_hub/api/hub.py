@@ -14,13 +14,17 @@ from cloud_hub.api.schemas import EndpointOut
 from cloud_hub.config import HubConfig
 from cloud_hub.dispatcher import Dispatcher, ResultBus
 from cloud_hub.placement import PlacementService
-from cloud_hub.store import hash_token, make_store
+from cloud_hub.store import hash_token, make_store, token_id
 from cloud_hub.store.access import AccessStore
 from mesh_agent.transport import HubLink
 
 __all__ = ["Hub", "endpoint_out"]
 
 log = logging.getLogger("cloud_hub")
+
+#: How long a good API token is taken on trust before the store is read again: the longest a
+#: revoked token still works on a hub that served it just before (every replica alike).
+TOKEN_RECHECK_S = 5.0
 
 
 def _hub_mqtt_tls(cfg: HubConfig) -> Any:
@@ -45,7 +49,7 @@ class Hub:
 
         self.admission = Admission(cfg, self.store, self.dispatcher)  # limits, shares, memoization (cloud_hub/api/admit.py)
         self.dispatcher.observer = self.admission.observer(self.placement)
-        self._token_cache: dict[str, str] = {}
+        self._token_cache: dict[str, tuple[str, float | None, float]] = {}  # token hash -> (user, expires, checked at)
         self.bootstrap_token: str | None = None
         self.startup_error: BaseException | None = None
         self.globus = _globus_auth(cfg, self.store)
@@ -162,21 +166,46 @@ class Hub:
         return None
 
     async def user_for(self, token: str) -> str | None:
+        return (await self._api_token(token))[0]
+
+    async def _api_token(self, token: str) -> tuple[str | None, str]:
+        """(user id or None, why refused) for a hub API token. A good token is cached for
+        :data:`TOKEN_RECHECK_S` (and never past its expiry); then the store is read again, so a
+        revocation written by ``mesh-hub token revoke`` (another process, or another replica's
+        database) holds within that time. Refusals are not cached."""
         h = hash_token(token)
-        uid = self._token_cache.get(h)
-        if uid is None:
-            uid = await self.store.user_for_token(token)
-            if uid is not None:
-                self._token_cache[h] = uid
-        return uid
+        now = time.time()
+        hit = self._token_cache.get(h)
+        if hit is not None:
+            uid, expires, checked = hit
+            if now - checked < TOKEN_RECHECK_S and (expires is None or now < expires):
+                return uid, ""
+            self._token_cache.pop(h, None)
+        state = await self.store.api_token_state(token)
+        if state is None:
+            return None, "invalid API token"
+        uid, expires, revoked = state
+        if revoked is not None:
+            return None, f"API token {token_id(token)} was revoked at {_utc(revoked)}"
+        if expires is not None and expires <= now:
+            return None, f"API token {token_id(token)} expired at {_utc(expires)}"
+        if len(self._token_cache) >= 100_000:  # bounded: drop the oldest checks
+            for k in list(self._token_cache)[:10_000]:
+                self._token_cache.pop(k, None)
+        self._token_cache[h] = (uid, expires, now)
+        return uid, ""
 
     async def auth(self, token: str) -> tuple[str | None, str]:
         """(user id or None, why refused): hub API tokens first, then Globus Auth if configured."""
-        uid = await self.user_for(token)
+        uid, why = await self._api_token(token)
         if uid is not None or self.globus is None or token.startswith("cm_"):
-            return uid, "invalid API token"
+            return uid, why
         verdict = await self.globus.user_for(token)
         return verdict.user_id, verdict.reason
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
 def _globus_auth(cfg: HubConfig, store: Any) -> Any:

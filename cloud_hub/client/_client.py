@@ -37,6 +37,17 @@ class AuthError(HubError):
     """401: the token is wrong, expired or revoked."""
 
 
+def refused_token_line(url: str, detail: str, source: str) -> str:
+    """The hub's reason (``API token tk_... expired at ...``, ``... was revoked at ...``, ``invalid
+    API token``) turned into what the user does next."""
+    if " expired at " in detail or " was revoked at " in detail:
+        why = "it expired" if " expired at " in detail else "it was revoked"
+        return (f"the hub at {url} refused the token: {detail}; {why}, so ask the hub's operator for a new one "
+                f"(`mesh-hub token create`) and run `mesh-hub login --url {url}` with it, or set MESH_TOKEN (token from {source})")
+    return (f"the hub at {url} refused the token ({detail}); check it, or run `mesh-hub login --url {url}` with a good one, "
+            f"or set MESH_TOKEN (token from {source})")
+
+
 class NotAHub(HubError):
     """The URL answers HTTP, but not like a Continuum Mesh hub (a wrong port or path)."""
 
@@ -179,13 +190,16 @@ class Client(FLRunsMixin):
                 raise NotAHub(404, f"{self.url} does not answer like a Continuum Mesh hub ({method} {path}: no such route); "
                                    f"check the URL (from {self.config_source})")
             if r.status_code == 401:
-                raise AuthError(401, f"the hub at {self.url} refused the token ({detail}): it is wrong, expired or revoked; "
-                                     f"run `mesh-hub login` again or set MESH_TOKEN (token from {self.config_source})")
+                raise self.auth_error(detail)
             raise HubError(r.status_code, detail, _retry_after(r.headers.get("retry-after")))
         if r.content and not is_json:
             raise NotAHub(r.status_code, f"{self.url} does not answer like a Continuum Mesh hub ({method} {path} answered "
                                          f"{r.headers.get('content-type') or 'no content type'}); check the URL (from {self.config_source})")
         return r.json() if r.content else None
+
+    def auth_error(self, detail: str) -> "AuthError":
+        """One line for a refused token: which way it is bad (unknown, expired, revoked) and what to do."""
+        return AuthError(401, refused_token_line(self.url, detail, self.config_source))
 
     # ---------------------------------------------------------------- functions
     def function_body(self, fn: Callable[..., Any]) -> tuple[str, bytes]:

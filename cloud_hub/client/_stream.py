@@ -134,7 +134,7 @@ class HubStream:
         if w.answer["op"] == "refused":
             status, detail = int(w.answer.get("status", 500)), str(w.answer.get("detail", ""))
             if status == 401:
-                raise AuthError(401, detail)
+                raise self.client.auth_error(detail)
             retry = w.answer.get("retry_after")
             raise HubError(status, detail, float(retry) if isinstance(retry, (int, float)) else None)
         self.submits += 1
@@ -238,7 +238,7 @@ class HubStream:
             ws.close()
             rcvd = getattr(exc, "rcvd", None) or getattr(ws.protocol, "close_rcvd", None)
             if rcvd is not None and rcvd.code == CLOSE_AUTH:
-                raise AuthError(401, f"the hub at {self.client.url} refused the token on the stream: {rcvd.reason}") from None
+                raise self.client.auth_error(str(rcvd.reason).removeprefix("the hub refused the token: ")) from None
             raise HubUnreachable(_closed_reason(exc, self.client.url)) from None
         if not isinstance(welcome, dict) or welcome.get("op") != "welcome":
             ws.close()

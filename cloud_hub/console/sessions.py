@@ -57,7 +57,7 @@ async def open_session(store: SqliteStore, user_id: str, api_token: str, ttl_s: 
 
 
 async def find_session(store: SqliteStore, session_id: str | None) -> Session | None:
-    """The live session for a cookie value, or None (unknown, expired, or its API token is gone)."""
+    """The live session for a cookie value, or None (unknown, expired, or its API token is gone, expired or revoked)."""
     if not session_id or len(session_id) > 128:
         return None
     h = _hash(session_id)
@@ -67,8 +67,8 @@ async def find_session(store: SqliteStore, session_id: str | None) -> Session | 
         row = db.execute(
             "SELECT s.user_id, u.name, s.expires, s.last_used FROM console_sessions s "
             "JOIN users u ON u.id = s.user_id JOIN api_tokens t ON t.hash = s.token_hash "
-            "WHERE s.hash=? AND s.expires > ? AND t.user_id = s.user_id",
-            (h, now),
+            "WHERE s.hash=? AND s.expires > ? AND t.user_id = s.user_id AND t.revoked IS NULL AND (t.expires IS NULL OR t.expires > ?)",
+            (h, now, now),
         ).fetchone()
         return (Session(h, row[0], row[1], row[2]), row[3]) if row else None
 

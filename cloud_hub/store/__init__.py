@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cloud_hub.store.sqlite import SqliteStore, StoreError, StoreFull, hash_token
+from cloud_hub.store.sqlite import SqliteStore, StoreError, StoreFull, hash_token, token_id
 
 if TYPE_CHECKING:
     from cloud_hub.config import HubConfig
 
-__all__ = ["SqliteStore", "StoreError", "StoreFull", "hash_token", "make_store"]
+__all__ = ["SqliteStore", "StoreError", "StoreFull", "hash_token", "make_store", "token_id"]
 
 
 def make_store(cfg: "HubConfig") -> SqliteStore:

@@ -204,4 +204,14 @@ MIGRATIONS: list[tuple[int, str]] = [
         CREATE INDEX tasks_memo ON tasks (user_id, memo_key) WHERE memo_key IS NOT NULL;
         """,
     ),
+    (
+        13,
+        """
+        -- API tokens that end (docs/sdk.md, "Tokens"): an optional expiry (`mesh-hub token create
+        -- --expires-in`) and a revocation time (`mesh-hub token revoke`). A token's public id is the
+        -- start of its hash, so nothing more about the token is stored.
+        ALTER TABLE api_tokens ADD COLUMN expires REAL;
+        ALTER TABLE api_tokens ADD COLUMN revoked REAL;
+        """,
+    ),
 ]

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from cloud_hub.admission import AdmissionPolicy
     from cloud_hub.store.memo import MemoSettings
 
-__all__ = ["SqliteStore", "StoreError", "check_results", "hash_token"]
+__all__ = ["SqliteStore", "StoreError", "check_results", "hash_token", "token_id"]
 
 T = TypeVar("T")
 
@@ -69,6 +69,15 @@ def _disk_full(exc: BaseException) -> bool:
 def hash_token(token: str) -> str:
     """Tokens are 256-bit random strings, so one SHA-256 is enough (no need for a slow KDF)."""
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def token_id_of_hash(h: str) -> str:
+    """An API token's public id: the start of its hash (``mesh-hub token ls`` / ``revoke``)."""
+    return "tk_" + h[:12]
+
+
+def token_id(token: str) -> str:
+    return token_id_of_hash(hash_token(token))
 
 
 def attach_envs(db: Any, tasks: list[dict[str, Any]]) -> None:
@@ -237,24 +246,77 @@ class SqliteStore:
 
         return await self.tx(q)
 
-    async def create_api_token(self, user_id: str, name: str = "default") -> str:
+    async def create_api_token(self, user_id: str, name: str = "default", expires: float | None = None) -> str:
+        """A new API token (shown once; only its SHA-256 is stored). ``expires``: a Unix time after
+        which the hub refuses it, or None for a token that lasts until it is revoked."""
         token = "cm_" + secrets.token_urlsafe(32)
 
         def q(db: sqlite3.Connection) -> None:
             db.execute(
-                "INSERT INTO api_tokens (hash, user_id, name, created) VALUES (?, ?, ?, ?)",
-                (hash_token(token), user_id, name, time.time()),
+                "INSERT INTO api_tokens (hash, user_id, name, created, expires) VALUES (?, ?, ?, ?, ?)",
+                (hash_token(token), user_id, name, time.time(), expires),
             )
 
         await self.tx(q)
         return token
 
-    async def user_for_token(self, token: str) -> str | None:
-        def q(db: sqlite3.Connection) -> str | None:
-            row = db.execute("SELECT user_id FROM api_tokens WHERE hash=?", (hash_token(token),)).fetchone()
-            return row[0] if row else None
+    async def api_token_state(self, token: str) -> tuple[str, float | None, float | None] | None:
+        """``(user id, expires, revoked)`` of a token, whether or not it is still good; None when unknown."""
+        def q(db: sqlite3.Connection) -> tuple[str, float | None, float | None] | None:
+            row = db.execute("SELECT user_id, expires, revoked FROM api_tokens WHERE hash=?", (hash_token(token),)).fetchone()
+            return (row[0], row[1], row[2]) if row else None
 
         return await self._run(lambda: q(self._conn()))
+
+    async def user_for_token(self, token: str) -> str | None:
+        """The token's user while it is good (known, not expired, not revoked), else None."""
+        state = await self.api_token_state(token)
+        if state is None or state[2] is not None or (state[1] is not None and state[1] <= time.time()):
+            return None
+        return state[0]
+
+    async def list_api_tokens(self, user: str | None = None) -> list[dict[str, Any]]:
+        """Every API token (or one user's, by name): its id (:func:`token_id`), user, name, times."""
+        def q(db: sqlite3.Connection) -> list[dict[str, Any]]:
+            sql = ("SELECT t.hash, u.name, t.name, t.created, t.expires, t.revoked FROM api_tokens t JOIN users u ON u.id = t.user_id"
+                   + (" WHERE u.name=?" if user is not None else "") + " ORDER BY t.created")
+            rows = db.execute(sql, (user,) if user is not None else ()).fetchall()
+            return [{"id": token_id_of_hash(r[0]), "user": r[1], "name": r[2], "created": r[3], "expires": r[4], "revoked": r[5]}
+                    for r in rows]
+
+        return await self._run(lambda: q(self._conn()))
+
+    async def revoke_api_token(self, which: str) -> dict[str, Any]:
+        """Revoke one API token, named by its id (``tk_`` and at least 6 hex digits of it, a
+        unique prefix) or by the token itself. Returns its row (``already`` True when it was
+        revoked before: nothing changes). Unknown or ambiguous: :class:`StoreError`, nothing changes."""
+        which = which.strip()
+        if which.startswith("cm_"):
+            exact, prefix = hash_token(which), None
+        else:
+            prefix = which.removeprefix("tk_").lower()
+            exact = None
+            if len(prefix) < 6 or any(c not in "0123456789abcdef" for c in prefix):
+                raise StoreError(f"{which!r} is not a token id: give the id `mesh-hub token ls` shows (tk_ and at least "
+                                 "6 hex digits), or the token itself")
+        now = time.time()
+
+        def q(db: sqlite3.Connection) -> dict[str, Any]:
+            if exact is not None:
+                rows = db.execute("SELECT hash, name, revoked FROM api_tokens WHERE hash=?", (exact,)).fetchall()
+            else:
+                rows = db.execute("SELECT hash, name, revoked FROM api_tokens WHERE hash LIKE ?", (prefix + "%",)).fetchall()
+            if not rows:
+                raise StoreError(f"no API token {which!r} (see `mesh-hub token ls`)")
+            if len(rows) > 1:
+                raise StoreError(f"{which!r} matches {len(rows)} API tokens: give more digits of the id")
+            h, name, revoked = rows[0]
+            if revoked is None:
+                db.execute("UPDATE api_tokens SET revoked=? WHERE hash=?", (now, h))
+            return {"id": token_id_of_hash(h), "name": name, "revoked": revoked if revoked is not None else now,
+                    "already": revoked is not None}
+
+        return await self.tx(q)
 
     async def create_enroll_token(self, user_id: str, ttl_s: float, uses: int) -> str:
         token = "ce_" + secrets.token_urlsafe(32)

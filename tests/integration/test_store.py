@@ -62,6 +62,41 @@ async def test_users_and_tokens_hashed_at_rest(store: SqliteStore) -> None:
     assert stored == [hash_token(tok)] and tok not in stored
 
 
+async def test_api_tokens_expire_and_are_revoked_by_id(store: SqliteStore) -> None:
+    """Migration 13 (issue 18): an optional expiry and a revocation time; the id is the start of the hash."""
+    from cloud_hub.store import token_id
+
+    uid = await store.create_user("alice")
+    good = await store.create_api_token(uid, "laptop", time.time() + 3600)
+    old = await store.create_api_token(uid, "old", time.time() - 1)
+    forever = await store.create_api_token(uid, "ci")
+    assert await store.user_for_token(good) == uid and await store.user_for_token(forever) == uid
+    assert await store.user_for_token(old) is None, "expired"
+    assert (await store.api_token_state(old))[0] == uid  # type: ignore[index]  # known, so the hub can say "expired"
+    listed = {r["name"]: r for r in await store.list_api_tokens("alice")}
+    assert listed["laptop"]["id"] == token_id(good) and listed["ci"]["expires"] is None and listed["old"]["revoked"] is None
+    r = await store.revoke_api_token(token_id(good)[:9])  # a unique prefix: tk_ and 6 hex digits
+    assert r["id"] == token_id(good) and r["already"] is False
+    assert await store.user_for_token(good) is None and await store.user_for_token(forever) == uid
+    again = await store.revoke_api_token(good)  # by the token itself: nothing changes
+    assert again["already"] is True and again["revoked"] == r["revoked"]
+    # ambiguous, unknown and malformed ids change nothing
+    now = time.time()
+    for h in ("abcdef" + "0" * 58, "abcdef" + "1" * 58):
+        await store.tx(lambda db, h=h: db.execute("INSERT INTO api_tokens (hash, user_id, name, created) VALUES (?, ?, ?, ?)", (h, uid, "x", now)))
+    before = await store.list_api_tokens()
+    with pytest.raises(StoreError, match="matches 2 API tokens"):
+        await store.revoke_api_token("tk_abcdef")
+    taken = {r["id"][3:9] for r in before}
+    absent = next(p for p in ("123456", "654321", "fedcba") if p not in taken)
+    with pytest.raises(StoreError, match="no API token"):
+        await store.revoke_api_token("tk_" + absent)
+    for bad in ("tk_abc", "tk_abcdeg", "abc%ef", ""):
+        with pytest.raises(StoreError, match="is not a token id"):
+            await store.revoke_api_token(bad)
+    assert await store.list_api_tokens() == before
+
+
 async def test_enrollment_tokens_are_used_up_and_expire(store: SqliteStore) -> None:
     uid = await store.create_user("alice")
     tok = await store.create_enroll_token(uid, 60, 2)
