@@ -44,26 +44,34 @@ def fleet_ls(fleet: str = typer.Argument(..., help="fleet slug, e.g. my-org/fiel
 @fleet_app.command("push-tokens")
 def fleet_push_tokens(
     fleet: str = typer.Argument(..., help="fleet slug, e.g. my-org/field-pis"),
-    hub: str = typer.Option(..., "--hub", envvar="MESH_HUB_URL", help="hub URL used to mint tokens"),
-    token: str = typer.Option(..., "--token", envvar="MESH_HUB_TOKEN", help="your hub API token (env MESH_HUB_TOKEN)"),
-    device_hub_url: Optional[str] = typer.Option(None, "--device-hub-url", help="hub URL as devices reach it (default: --hub)"),
+    hub: Optional[str] = typer.Option(None, "--hub", help="hub URL used to mint tokens (default: MESH_HUB_URL, else the `mesh-hub login` profile)"),
+    token: Optional[str] = typer.Option(None, "--token", help="your hub API token (default: MESH_TOKEN, else the `mesh-hub login` profile)"),
+    profile: Optional[str] = typer.Option(None, "--profile", help="the `mesh-hub login` profile to use (default: MESH_PROFILE, else the default one)"),
+    device_hub_url: Optional[str] = typer.Option(None, "--device-hub-url", help="hub URL as devices reach it (default: the hub URL above)"),
     ttl_s: float = typer.Option(7 * 86400, "--ttl-s", help="token lifetime in seconds"),
     force: bool = typer.Option(False, "--force", help="also devices that have a token or are enrolled"),
     device: Optional[List[str]] = typer.Option(None, "--device", help="only these device names (repeatable)"),
     balena_token: str = BalenaToken,
     balena_api_url: Optional[str] = BalenaApi,
 ) -> None:
-    """Mint one single-use enrollment token per device and set it as its device variable."""
+    """Mint one single-use enrollment token per device and set it as its device variable.
+
+    The hub and your token come from the same place as the SDK's (``mesh-hub login``; MESH_HUB_URL and
+    MESH_TOKEN override the profile; --hub and --token override both)."""
     import httpx
 
-    from cloud_hub.client import Client, HubError
+    from cloud_hub.client import Client, ConfigError, HubError
     from cloud_hub.fleet import BalenaFleet, FleetError, push_tokens
 
     try:
-        with BalenaFleet(balena_token, api_url=balena_api_url) as bf, Client(hub, token) as client:
-            outcomes = push_tokens(bf, fleet, client, device_hub_url or hub, ttl_s=ttl_s, force=force,
+        client = Client(hub, token, profile=profile)  # no request yet: arguments, environment, profile (cloud_hub/client/_config.py)
+    except ConfigError as exc:
+        raise _fail(exc) from None
+    try:
+        with client, BalenaFleet(balena_token, api_url=balena_api_url) as bf:
+            outcomes = push_tokens(bf, fleet, client, device_hub_url or client.url, ttl_s=ttl_s, force=force,
                                    only=set(device) if device else None)
-    except (FleetError, HubError, httpx.HTTPError) as exc:
+    except (FleetError, HubError, httpx.HTTPError, ConnectionError) as exc:
         raise _fail(exc) from None
     t = Table("device", "result", title=f"fleet {fleet}")
     for o in outcomes:

@@ -8,6 +8,8 @@ last input finishes (a callback, no polling), with each Future replaced by a sma
 reads the producer's result from the hub itself (``MESH.RESULT``): the bytes go hub -> agent,
 never back up from this program. (The producer's own Future still receives its result, as
 every Future does; return a ref from the producer to keep even that away from the program.)
+Neither ``submit()`` nor the callback makes a request: the Executor's background submitter asks
+the hub for its store's URL and sends the call (through hub restarts, within ``submit_timeout_s``).
 
 A failed input fails the consumer without running it, with an error naming the input's task.
 """
@@ -18,7 +20,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
-__all__ = ["has_futures", "submit_after", "DependencyError"]
+__all__ = ["has_futures", "submit_after", "swap_all", "chain", "DependencyError"]
 
 
 class DependencyError(RuntimeError):
@@ -68,10 +70,34 @@ def _swap(v: Any, depth: int, url: str) -> Any:
     return v
 
 
+def swap_all(args: tuple[Any, ...], kwargs: dict[str, Any], url: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments with each (done) Future replaced by its ``TaskOutput`` on the hub's store ``url``."""
+    return tuple(_swap(a, 0, url) for a in args), {k: _swap(v, 0, url) for k, v in kwargs.items()}
+
+
+def chain(real: Future[Any], out: Future[Any]) -> None:
+    """Complete ``out`` (the caller's Future) as ``real`` (the submitted task's) completes."""
+    def done(f: Future[Any]) -> None:
+        out.task_id = getattr(f, "task_id", None)  # type: ignore[attr-defined]
+        out.endpoint_id = getattr(f, "endpoint_id", None)  # type: ignore[attr-defined]
+        if out.done():  # cancelled by the caller meanwhile
+            return
+        exc = f.exception() if not f.cancelled() else None
+        if f.cancelled():
+            out.cancel()
+        elif exc is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result(f.result())
+
+    real.add_done_callback(done)
+
+
 def submit_after(ex: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> "Future[Any]":
-    """Return a Future at once; submit ``fn`` through ``ex`` when every input Future is done."""
+    """Return a Future at once; hand ``fn`` to ``ex``'s submitter when every input Future is done.
+    Nothing here touches the network (the hub may be restarting): the submitter asks the hub for
+    its store's URL and sends the call, retrying within ``submit_timeout_s`` like any batch."""
     deps = futures_in(args, kwargs)
-    url = str(ex.client.request("GET", "/v1/kv")["url"])  # the hub's store: where the agent reads results
     out: Future[Any] = Future()
     out.task_id = None  # type: ignore[attr-defined]  # set once submitted
     left = [len(deps)]
@@ -89,23 +115,7 @@ def submit_after(ex: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs:
             if getattr(d, "task_id", None) is None:
                 out.set_exception(TypeError("only Futures of a mesh Executor can be task arguments (this one has no task_id)"))
                 return
-        try:
-            real = ex.submit(fn, *(_swap(a, 0, url) for a in args), **{k: _swap(v, 0, url) for k, v in kwargs.items()})
-        except BaseException as exc:  # noqa: BLE001 - the caller sees it on the Future
-            out.set_exception(exc)
-            return
-        out.task_id = getattr(real, "task_id", None)  # type: ignore[attr-defined]
-
-        def chain(f: Future[Any]) -> None:
-            out.task_id = getattr(f, "task_id", None)  # type: ignore[attr-defined]
-            out.endpoint_id = getattr(f, "endpoint_id", None)  # type: ignore[attr-defined]
-            exc = f.exception()
-            if exc is not None:
-                out.set_exception(exc)
-            else:
-                out.set_result(f.result())
-
-        real.add_done_callback(chain)
+        ex._submit_deferred(out, fn, args, kwargs)
 
     def one_done(_: Future[Any]) -> None:
         with lock:

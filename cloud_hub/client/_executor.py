@@ -41,6 +41,11 @@ _ORPHAN_TTL_S = 300.0
 _RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504, 507})
 
 
+def _backoff(attempt: int, retry_after: float | None = None) -> float:
+    """Full-jitter exponential backoff, 0.1 s doubling to 5 s (at least what the hub asked for)."""
+    return max(retry_after or 0.0, random.uniform(0, min(5.0, 0.1 * 2 ** min(attempt, 8))))
+
+
 class SubmitTimeout(TimeoutError):
     """The hub could not be reached (or kept refusing with a retryable answer) for the whole
     ``submit_timeout_s``; the task was not accepted."""
@@ -53,6 +58,23 @@ class _Item:
     fid: str
     name: str
     body: bytes | None  # None: a function registered earlier (submit_to_registered_function)
+
+
+@dataclass
+class _Deferred:
+    """A call whose Future arguments are all done (cloud_hub/client/_dataflow.py). The submitter,
+    not the thread that finished the last input nor ``submit()``, swaps each Future for a
+    ``TaskOutput`` (that needs the hub's store URL: a request) and sends the call."""
+
+    future: "Future[Any]"  # the caller's Future
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+#: How long the hub's store URL (``GET /v1/kv``) is reused for dependent submits; a hub restarted
+#: with an ephemeral ``kv_port`` hands out a new one, so it is not kept for the Executor's life.
+_STORE_URL_TTL_S = 10.0
 
 
 class Executor(_Executor):
@@ -109,7 +131,8 @@ class Executor(_Executor):
         self.submit_timeout_s = float(submit_timeout_s)
         self.task_group_id = task_group_id or str(uuid.uuid4())
         self.task_count_submitted = 0  # tasks the hub has accepted
-        self._queue: "queue.Queue[_Item | None]" = queue.Queue()
+        self._queue: "queue.Queue[_Item | _Deferred | None]" = queue.Queue()
+        self._store_url: tuple[str, float] | None = None  # (hub's store URL, when asked): dependent submits
         self._pending: dict[str, Future[Any]] = {}
         self._orphans: dict[str, tuple[float, dict[str, Any]]] = {}  # results seen before their submit returned
         self._lock = threading.Lock()
@@ -175,6 +198,16 @@ class Executor(_Executor):
     def _enqueue(self, fid: str, name: str, body: bytes | None, args: Sequence[Any], kwargs: dict[str, Any], *,
                  fn: Callable[..., Any] | None = None, opts: MemoOptions | None = None,
                  env: dict[str, Any] | None = None) -> "Future[Any]":
+        made = self._item(fid, name, body, args, kwargs, fn=fn, opts=opts, env=env)
+        if isinstance(made, Future):
+            return made
+        self._queue.put(made)
+        return made.future
+
+    def _item(self, fid: str, name: str, body: bytes | None, args: Sequence[Any], kwargs: dict[str, Any], *,
+              fn: Callable[..., Any] | None = None, opts: MemoOptions | None = None,
+              env: dict[str, Any] | None = None) -> "_Item | Future[Any]":
+        """The queue item for one call, or the Future of the same cached call already running (memoization)."""
         registered = self._memo_fns.get(fid)
         if opts is None and registered is not None:
             opts = registered[1]
@@ -197,8 +230,58 @@ class Executor(_Executor):
         fut: Future[Any] = Future()
         if "cache_key" in spec:
             self._inflight.lead(spec["cache_key"], fut)
-        self._queue.put(_Item(fut, spec, fid, name, body))
-        return fut
+        return _Item(fut, spec, fid, name, body)
+
+    def _submit_deferred(self, out: "Future[Any]", fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Hand a call whose Future arguments are done to the submitter (no request here: this runs
+        in ``submit()`` or in whichever thread finished the last input)."""
+        if self._shutdown:
+            out.set_exception(RuntimeError("cannot submit after shutdown"))
+            return
+        self._queue.put(_Deferred(out, fn, args, kwargs))
+
+    def _resolve(self, d: _Deferred) -> "_Item | None":
+        """In the submitter: swap the Futures among ``d``'s arguments for ``TaskOutput`` refs and
+        make its queue item (None when it failed, was cancelled, or joined a running cached call)."""
+        if d.future.cancelled():
+            return None
+        try:
+            url = self._hub_store_url()
+            args, kwargs = _dataflow.swap_all(d.args, d.kwargs, url)
+            opts = pop_options(d.fn, kwargs)
+            env = pop_env_options(d.fn, kwargs)
+            fid, body = self.client.function_body(d.fn)
+            made = self._item(fid, getattr(d.fn, "__name__", None) or type(d.fn).__name__, body, args, kwargs, fn=d.fn, opts=opts, env=env)
+        except BaseException as exc:  # noqa: BLE001 - the caller sees it on the Future
+            if not d.future.done():
+                d.future.set_exception(exc)
+            return None
+        real = made if isinstance(made, Future) else made.future
+        _dataflow.chain(real, d.future)
+        return None if isinstance(made, Future) else made
+
+    def _hub_store_url(self) -> str:
+        """The hub's store URL (where a consumer's worker reads its inputs), asked at most every
+        ``_STORE_URL_TTL_S`` and retried like a batch (the hub restarting) within ``submit_timeout_s``."""
+        now = time.monotonic()
+        if self._store_url is not None and now - self._store_url[1] < _STORE_URL_TTL_S:
+            return self._store_url[0]
+        attempt = 0
+        while True:
+            try:
+                url = str(self.client.request("GET", "/v1/kv")["url"])
+                break
+            except (HubUnreachable, HubError) as exc:
+                if isinstance(exc, HubError) and exc.status not in _RETRY_STATUS:
+                    raise
+                attempt += 1
+                delay = _backoff(attempt, getattr(exc, "retry_after", None))
+                if time.monotonic() - now + delay > self.submit_timeout_s:
+                    raise SubmitTimeout(f"the hub's store URL, needed to pass a Future as an argument, could not be had within "
+                                        f"submit_timeout_s={self.submit_timeout_s:g} ({attempt} attempts); last error: {exc}") from None
+                time.sleep(delay)
+        self._store_url = (url, time.monotonic())
+        return url
 
     def map(  # type: ignore[override]
         self,
@@ -304,7 +387,8 @@ class Executor(_Executor):
             item = self._queue.get()
             if item is None:
                 break
-            batch = [item]
+            batch: list[_Item] = []
+            self._take(item, batch)
             # A lone submit goes out at once; a burst is gathered while it keeps coming.
             deadline = time.monotonic() + (self.batch_interval_s if not self._queue.empty() else 0.0)
             while len(batch) < self.batch_size:
@@ -315,10 +399,18 @@ class Executor(_Executor):
                 if nxt is None:
                     closing = True
                     break
-                batch.append(nxt)
+                self._take(nxt, batch)
             live = [it for it in batch if it.future.set_running_or_notify_cancel()]
             if live:
                 self._post(live)
+
+    def _take(self, item: "_Item | _Deferred", batch: list[_Item]) -> None:
+        if isinstance(item, _Deferred):
+            made = self._resolve(item)
+            if made is not None:
+                batch.append(made)
+        else:
+            batch.append(item)
 
     def _post(self, batch: list[_Item]) -> None:
         """One batch, retried with the same idempotency key until accepted, refused for good, or
@@ -357,7 +449,7 @@ class Executor(_Executor):
                     time.sleep(delay)
                     continue
                 attempt += 1
-                delay = random.uniform(0, min(5.0, 0.1 * 2 ** min(attempt, 8)))
+                delay = _backoff(attempt)
                 spent = time.monotonic() - started - throttled
                 if spent + delay > self.submit_timeout_s:
                     self._fail(batch, SubmitTimeout(f"the hub did not accept {len(batch)} task(s) within submit_timeout_s="

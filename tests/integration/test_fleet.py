@@ -95,3 +95,43 @@ def test_bad_input_changes_nothing(balena: FakeBalena, hub: HubThread) -> None:
         code, out = _run(*args)
         assert code == 2 and message in " ".join(out.split()), (args, out)
     assert balena.writes == [] and balena.env == []
+
+
+def test_push_tokens_reads_the_sdk_configuration(balena: FakeBalena, hub: HubThread, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """No --hub/--token: the `mesh-hub login` profile, MESH_HUB_URL / MESH_TOKEN over it, flags over both (issue 18)."""
+    for k in ("MESH_HUB_URL", "MESH_TOKEN", "MESH_HUB_TOKEN", "MESH_PROFILE", "MESH_CA_FILE", "XDG_CONFIG_HOME"):
+        monkeypatch.delenv(k, raising=False)
+    cfg = tmp_path / "cfg" / "config.yaml"
+    monkeypatch.setenv("MESH_CONFIG", str(cfg))
+    fleet = ("fleet", "push-tokens", "acme/field-pis", "--balena-token", balena.token, "--balena-api-url", balena.url)
+    # nothing configured: one line saying how to log in, and nothing written to balena
+    code, out = _run(*fleet)
+    assert code == 2 and "no hub URL: run `mesh-hub login --url URL`" in " ".join(out.split()), out
+    assert balena.writes == []
+    # the profile `mesh-hub login` saves (checked against the hub) is enough
+    code, out = _run("login", "--url", hub.url, "--token", hub.token)
+    assert code == 0, out
+    code, out = _run(*fleet, "--device", "pi-north")
+    assert code == 0, out
+    assert balena.env_of("pi-north")["MESH_HUB_URL"] == hub.url
+    assert "MESH_ENROLL_TOKEN" in balena.env_of("pi-north") and "MESH_ENROLL_TOKEN" not in balena.env_of("pi-east")
+    # MESH_TOKEN overrides the profile's token (a bad one: refused by the hub, nothing written) ...
+    writes = len(balena.writes)
+    monkeypatch.setenv("MESH_TOKEN", "cm_not-a-real-token")
+    code, out = _run(*fleet, "--device", "pi-east")
+    assert code == 2 and "refused the token (invalid API token)" in " ".join(out.split()), out
+    assert len(balena.writes) == writes
+    # ... and --token overrides MESH_TOKEN
+    code, out = _run(*fleet, "--device", "pi-east", "--token", hub.token)
+    assert code == 0, out
+    assert "MESH_ENROLL_TOKEN" in balena.env_of("pi-east")
+    # MESH_HUB_URL overrides the profile's URL (nothing listens there: one line, nothing written)
+    monkeypatch.delenv("MESH_TOKEN")
+    from cloud_hub.broker import free_port
+
+    monkeypatch.setenv("MESH_HUB_URL", f"http://127.0.0.1:{free_port()}")
+    writes = len(balena.writes)
+    code, out = _run(*fleet, "--device", "pi-south")
+    assert code == 2 and "cannot reach the hub at http://127.0.0.1:" in " ".join(out.split()), out
+    assert len(balena.writes) == writes
