@@ -83,6 +83,7 @@ class RestoreReport:
     rerun_tasks: int = 0  # in the backup unfinished, finished after it: they run again
     lost_endpoints: list[str] = field(default_factory=list)  # enrolled after the backup: enroll again
     revocations_reapplied: list[str] = field(default_factory=list)
+    token_revocations_reapplied: list[str] = field(default_factory=list)  # API token ids revoked after the backup
     lost_api_tokens: int = 0  # made after the backup: their users need new ones
     lost_enroll_tokens: int = 0
     result_seq: int = 0  # the restored database's next result cursor starts above this
@@ -248,6 +249,13 @@ def _compare(old: sqlite3.Connection, new: sqlite3.Connection, report: RestoreRe
             # The same wipe as a revocation (cloud_hub/store/access.py): no key, no broker login.
             new.execute("UPDATE endpoints SET revoked=?, online=0, key=X'', mqtt_hash=NULL, curve_key=NULL WHERE id=?", (live_revoked[ep], ep))
             report.revocations_reapplied.append(ep)
+    # An API token revoked after the backup stays revoked (migration 13; both databases have the column).
+    if all("revoked" in {r[1] for r in c.execute("PRAGMA table_info(api_tokens)")} for c in (old, new)):
+        from cloud_hub.store.sqlite import token_id_of_hash
+
+        for h, t in old.execute("SELECT hash, revoked FROM api_tokens WHERE revoked IS NOT NULL").fetchall():
+            if new.execute("UPDATE api_tokens SET revoked=? WHERE hash=? AND revoked IS NULL", (t, h)).rowcount:
+                report.token_revocations_reapplied.append(token_id_of_hash(h))
     report.result_seq = max(report.result_seq, old.execute("SELECT COALESCE(MAX(seq), 0) FROM results").fetchone()[0])
     seq = old.execute("SELECT seq FROM sqlite_sequence WHERE name='results'").fetchone() if "sqlite_sequence" in _tables(old) else None
     if seq:

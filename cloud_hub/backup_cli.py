@@ -73,6 +73,9 @@ def restore(
                        "make them again", markup=False)
         if r.revocations_reapplied:
             _out.print(f"revoked again: {len(r.revocations_reapplied)} endpoints revoked after the backup: {', '.join(r.revocations_reapplied)}", markup=False)
+        if r.token_revocations_reapplied:
+            _out.print(f"revoked again: {len(r.token_revocations_reapplied)} API tokens revoked after the backup: "
+                       f"{', '.join(r.token_revocations_reapplied)}", markup=False)
     else:
         _out.print(f"lost: unknown: {r.not_compared_why}. Work accepted after the backup was taken is gone and cannot be counted here; "
                    "results agents send for tasks the hub does not know are acknowledged and dropped", markup=False)

@@ -171,6 +171,7 @@ def test_restore_refuses_to_overwrite_without_force_and_while_in_use(hub_db: Pat
 def test_restore_counts_what_was_lost_and_keeps_cursors_and_revocations(hub_db: Path, tmp_path: Path) -> None:
     with connect(hub_db) as db:
         add_endpoint(db, "ep_revoked_later")
+        db.execute("INSERT INTO api_tokens (hash, user_id, name, created) VALUES ('0123456789abcdef-before', 'u1', 'stolen', 0)")
         add_tasks(db, [f"a{i}" for i in range(10)])
         finish(db, ["a0", "a1"])
     out = tmp_path / "b.sqlite3"
@@ -182,6 +183,7 @@ def test_restore_counts_what_was_lost_and_keeps_cursors_and_revocations(hub_db: 
         finish(db, ["b2"])
         add_endpoint(db, "ep_new")
         db.execute("INSERT INTO api_tokens (hash, user_id, name, created) VALUES ('h-after', 'u1', 'later', 0)")
+        db.execute("UPDATE api_tokens SET revoked=5 WHERE hash='0123456789abcdef-before'")  # mesh-hub token revoke
         db.execute("UPDATE endpoints SET revoked=1, key=X'' WHERE id='ep_revoked_later'")
         live_seq = db.execute("SELECT MAX(seq) FROM results").fetchone()[0]
     r = restore_sqlite(out, hub_db, force=True)
@@ -191,6 +193,7 @@ def test_restore_counts_what_was_lost_and_keeps_cursors_and_revocations(hub_db: 
     assert r.rerun_tasks == 3
     assert r.lost_endpoints == ["ep_new"]
     assert r.revocations_reapplied == ["ep_revoked_later"]
+    assert r.token_revocations_reapplied == ["tk_0123456789ab"], "a token revoked after the backup stays revoked"
     assert (r.lost_api_tokens, r.lost_enroll_tokens) == (1, 0)
     assert r.replaced is not None and Path(r.replaced).exists(), "the replaced database is kept"
     assert stat.S_IMODE(hub_db.stat().st_mode) == 0o600
@@ -198,6 +201,7 @@ def test_restore_counts_what_was_lost_and_keeps_cursors_and_revocations(hub_db: 
         assert db.execute("SELECT COUNT(*) FROM tasks").fetchone()[0] == 10
         assert db.execute("SELECT name FROM sqlite_master WHERE name='mesh_backup'").fetchone() is None
         assert db.execute("SELECT revoked IS NOT NULL, key FROM endpoints WHERE id='ep_revoked_later'").fetchone() == (1, b"")
+        assert db.execute("SELECT revoked FROM api_tokens WHERE hash='0123456789abcdef-before'").fetchone() == (5,)
         db.execute("INSERT INTO results (task_id, user_id, ok, data, received) VALUES ('a5', 'u1', 1, x'00', 0)")
         new_seq = db.execute("SELECT seq FROM results WHERE task_id='a5'").fetchone()[0]
     assert new_seq > live_seq, "a client's cursor from before the restore must not skip the next result"
