@@ -13,6 +13,7 @@ OUT=${3:-bench/results/flaky-hunt.jsonl}
 PY=${PY:-.venv/bin/python}
 mkdir -p "$(dirname "$OUT")"
 : > "$OUT"
+# HUNT_TESTS="a.py b.py" replaces the list below (e.g. to hunt one test after a fix).
 TIMING_TESTS=(
   tests/integration/test_hub_replicas.py
   tests/integration/test_durability.py
@@ -23,6 +24,7 @@ TIMING_TESTS=(
   tests/integration/test_sim_scenarios.py
   tests/integration/test_first_boot.py
 )
+if [ -n "${HUNT_TESTS:-}" ]; then read -r -a TIMING_TESTS <<< "$HUNT_TESTS"; fi
 run() {  # label, pytest args...
   local label=$1; shift
   local junit; junit=$(mktemp --suffix=.xml)
