@@ -498,8 +498,9 @@ class Agent:
         }
 
     def _held_envs(self) -> dict[str, Any]:
-        """``envs``: ids of the environment specs this endpoint can start without a build (16 hex
-        digits each, at most 32, most recent first):
+        """``envs``: ids of the environment specs this endpoint can start without a build or pull
+        (specs with a venv, and container specs whose image is staged here; 16 hex digits each,
+        at most 32, most recent first):
         the scheduler's cold-start term prefers endpoints that hold a task's environment. Absent
         when none: no bytes on a metered link for endpoints that never built one."""
         held = getattr(self.engine, "held_environments", None)

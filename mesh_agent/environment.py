@@ -8,7 +8,7 @@ argument). Spelled the way Ray's ``runtime_env`` users know it::
 
     {"pip": ["numpy>=1.26", "scipy"], "env_vars": {"OMP_NUM_THREADS": "1"}}
     {"uv": [...]}                      # Ray's uv spelling: the same as "pip" here (uv builds both)
-    {"container": "/images/fl.sif"}    # or container="..." on submit
+    {"container": "/images/fl.sif"}    # or container="..." on submit; never with pip (the image's python3 runs)
     {"sandbox": True, "network": False}
     {"sandbox": True, "tenant": "<user id>"}  # set by the hub: sandboxed workers are per submitter
 
@@ -126,6 +126,11 @@ def normalize(spec: Mapping[str, Any] | None, *, container: str | None = None, s
     image = container if container is not None else spec.get("container")
     if image is not None:
         out["container"] = _image(image)
+        if reqs:  # the worker runs the image's python3: a venv built on the host would not be used there
+            raise EnvSpecError(
+                f"environment.{'pip' if spec.get('pip') is not None else 'uv'} and container cannot be combined: a container "
+                "worker runs the image's own python3, so the endpoint's venv would not be used; install the packages "
+                "in the image instead (or drop container and use a pip environment)")
     for key, value in (("sandbox", sandbox if sandbox is not None else spec.get("sandbox")), ("network", spec.get("network"))):
         if value is None:
             continue

@@ -22,6 +22,10 @@ keeps warm workers per kind (mesh_agent/engine/local.py). Why each choice (docs/
   directory), the agent's data directory and key directory replaced by empty tmpfs, new PID/IPC
   namespaces, and a new network namespace (loopback only, and down) unless the spec grants
   ``network``.
+* **Containers.** Apptainer/Singularity or podman run the image's ``python3`` with the worker
+  bootstrap and the agent's serializers bound read-only. A staged rootfs that is ``/`` or holds
+  the agent's data or key directory is refused; another user's (sandboxed) container gets no
+  network unless granted, and its own PID/IPC namespaces. Staged images count as held.
 
 Stdlib only; the builds run uv as a subprocess from the event loop.
 """
@@ -41,12 +45,14 @@ from typing import Any, Iterable, Mapping, Sequence
 # hashlib, shutil, sysconfig and mesh_agent.environment are imported where used: the agent loads
 # this module at start, and those cost it about 1.3 MB of RSS on an endpoint that never builds one.
 
-__all__ = ["EnvError", "WorkerKind", "DEFAULT_KIND", "Environments", "bwrap_argv", "container_argv", "channel_prefix", "abi_tag"]
+__all__ = ["EnvError", "WorkerKind", "DEFAULT_KIND", "Environments", "bwrap_argv", "container_argv", "container_refusal",
+           "image_form", "channel_prefix", "abi_tag"]
 
 log = logging.getLogger(__name__)
 
 _BUILD_TIMEOUT_S = 900.0  # a Pi on LTE building numpy from wheels; a hung index must still end
 _MAX_REMEMBERED = 1000  # failed specs kept in index.json
+_MAX_IMAGES = 32  # container specs remembered as staged (a heartbeat reports at most 32 held specs)
 
 
 class EnvError(Exception):
@@ -134,37 +140,110 @@ def bwrap_argv(hidden: Iterable[Path], ro_binds: Iterable[Path] = (), network: b
     return argv
 
 
-def container_argv(runtime: str, image: str, bootstrap: Sequence[str], network: bool = False) -> list[str]:
-    """The prefix that runs ``python3`` inside an image with the worker bootstrap bind-mounted
-    read-only (pure). Apptainer/Singularity exec in place, so the worker's socket fd passes through."""
+#: Schemes of registry references the runtime pulls (anything else names a file or directory staged here).
+REGISTRY_SCHEMES = ("docker://", "oras://", "library://")
+_OCI_SUFFIXES = (".tar", ".oci", ".oci.tar")
+
+
+def image_form(image: str, is_dir: bool | None = None) -> str:
+    """What an image names (pure): ``"registry"``, ``"oci-archive"``, ``"sif"`` or ``"rootfs"``.
+    ``is_dir``: whether the staged path is a directory, where the caller has looked; without it a
+    path with no image-file suffix is taken for a rootfs directory."""
+    if image.startswith(REGISTRY_SCHEMES):
+        return "registry"
+    if image.startswith("oci-archive:") or image.endswith(_OCI_SUFFIXES):
+        return "oci-archive"
+    if is_dir is True:
+        return "rootfs"
+    if is_dir is False or image.endswith(".sif"):
+        return "sif"  # a staged file that is not an OCI archive: Apptainer's own format
+    return "rootfs"
+
+
+def container_argv(runtime: str, image: str, bootstrap: Sequence[str], network: bool = False, *,
+                   is_dir: bool | None = None, sandbox: bool = False, env: Iterable[tuple[str, str]] = ()) -> list[str]:
+    """The prefix that runs ``python3`` inside an image with ``bootstrap`` (the worker bootstrap
+    and the agent's own packages) bind-mounted read-only (pure). Apptainer/Singularity exec in
+    place, so the worker's socket fd passes through; podman gets it at fd 3 (:func:`channel_prefix`).
+
+    ``network=False`` gives the container no network (``--network none``); ``sandbox`` adds what
+    a task of another user gets besides: its own PID and IPC namespaces, and under podman a
+    read-only root, no capabilities and no privilege gain. ``env``: the spec's variables (both
+    runtimes start from a clean environment). Raises :class:`EnvError` for an image the runtime
+    cannot run (podman: SIF, ``oras://``, ``library://``)."""
     name = Path(runtime).name
+    form = image_form(image, is_dir)
+    env = list(env)
     if name in ("apptainer", "singularity"):
         argv = [runtime, "exec", "--cleanenv", "--no-home", "--contain"]
+        if sandbox:
+            argv += ["--ipc", "--pid"]
         if not network:
             argv += ["--net", "--network", "none"]
         for b in bootstrap:
             argv += ["--bind", f"{b}:{b}:ro"]
+        for k, v in env:
+            argv += ["--env", f"{k}={v}"]
         return argv + [apptainer_image(image), "python3"]
     if name == "podman":
+        if form == "sif":
+            raise EnvError(f"container image {image!r} is a SIF file, which podman (the runtime on this endpoint) cannot run: "
+                           "stage an OCI archive (.tar) or a rootfs directory instead, or install apptainer")
+        if form == "registry" and not image.startswith("docker://"):
+            raise EnvError(f"container image {image!r}: podman (the runtime on this endpoint) pulls only docker:// references")
         # --preserve-fds 1: the worker's channel, moved to fd 3 by channel_prefix(), and nothing else.
         argv = [runtime, "run", "--rm", "-i", "--preserve-fds", "1", "--network", "slirp4netns" if network else "none"]
+        if sandbox:
+            argv += ["--read-only", "--cap-drop", "all", "--security-opt", "no-new-privileges"]
         for b in bootstrap:
             argv += ["-v", f"{b}:{b}:ro"]
+        for k, v in env:
+            argv += ["-e", f"{k}={v}"]
+        if form == "rootfs":
+            return argv + ["--rootfs", image, "python3"]
+        if form == "oci-archive":
+            return argv + [image if image.startswith("oci-archive:") else f"oci-archive:{image}", "python3"]
         return argv + [image, "python3"]
     raise EnvError(f"unknown container runtime {runtime!r}")
+
+
+def container_refusal(image: Path, is_dir: bool, binds: Iterable[Path], hidden: Iterable[Path], sandbox: bool) -> str | None:
+    """Why a container must not start, or None (pure; give it resolved paths).
+
+    For every task: a rootfs directory that is ``/`` or holds a hidden path (the agent's data
+    directory, the directory of its credentials file) would hand the agent's keys and queue to
+    the function, writable under podman. For a sandboxed task (another user's) also: a bind
+    (the worker bootstrap, the agent's packages) that holds a hidden path."""
+    hidden = [Path(h) for h in hidden]
+    if is_dir:
+        if image == Path("/"):
+            return (f"container image {str(image)!r} is the host's root directory, not a staged rootfs: it would give the "
+                    "function the agent's keys and files; stage a rootfs directory of its own")
+        for h in hidden:
+            if h == image or h.is_relative_to(image):
+                return (f"container image {str(image)!r} contains the agent's data or credentials directory ({h}): the "
+                        "function would see the agent's keys; stage the rootfs outside it")
+    if sandbox:
+        for b in binds:
+            for h in hidden:
+                if h == b or h.is_relative_to(b):
+                    return (f"the agent's code directory {str(b)!r}, bound into the container, contains its data or "
+                            f"credentials directory ({h}): another user's sandboxed function would see the agent's keys; "
+                            "move the agent's data_dir and credentials_file outside it")
+    return None
 
 
 def apptainer_image(image: str) -> str:
     """How Apptainer names a staged image: an OCI archive file needs its ``oci-archive:`` scheme; a
     SIF file or a rootfs directory (a "sandbox" in Apptainer's words) is given as its path."""
-    if image.endswith((".tar", ".oci", ".oci.tar")) and "://" not in image and not image.startswith("oci-archive:"):
+    if image_form(image) == "oci-archive" and not image.startswith("oci-archive:"):
         return f"oci-archive:{image}"
     return image
 
 
 def staged_path(image: str) -> Path | None:
     """The local file or directory an image names (None: a registry reference the runtime pulls)."""
-    if image.startswith(("docker://", "oras://", "library://")):
+    if image.startswith(REGISTRY_SCHEMES):
         return None
     return Path(image.removeprefix("oci-archive:"))
 
@@ -258,7 +337,9 @@ class Environments:
         self.builds: dict[str, tuple[float, int]] = {}
         self._last_build: tuple[float, int] | None = None
         self._locks: dict[str, asyncio.Lock] = {}
-        self._probed: set[tuple[str, ...]] = set()  # wrapped command lines that started fine
+        self._probed: dict[tuple[str, ...], str] = {}  # wrapped command lines that started fine -> what they printed
+        #: spec id -> (staged image path, when prepared): containers that start here without a pull
+        self.images: dict[str, tuple[str, float]] = {}
         self.stats = BuildStats()
         self._loaded = False
         self._load()  # one small file: what is held and what failed is known before the first task
@@ -279,12 +360,16 @@ class Environments:
 
     def held_specs(self) -> list[str]:
         """Spec ids this endpoint could start a worker for without a build or pull, most recently
-        used venvs first: what the hub's scheduler compares with a task's spec id."""
+        used first: specs with a venv, and container specs whose image is staged here. What the
+        hub's scheduler compares with a task's spec id."""
         self._load()
         order = {k: -v.last_used for k, v in self._venvs.items()}
         # only specs with a venv: variables and the sandbox cost nothing to start, so saying so costs bytes for nothing
-        live = [sid for sid, vk in self.specs.items() if vk is not None and vk in self._venvs]
-        return sorted(live, key=lambda sid: order.get(self.specs[sid] or "", 0.0))
+        live = [(-order.get(vk, 0.0), sid) for sid, vk in self.specs.items() if vk is not None and vk in self._venvs]
+        # containers whose image is staged here (a file or rootfs directory that still exists): no pull;
+        # one stat per image per heartbeat, at most 32
+        live += [(t, sid) for sid, (image, t) in self.images.items() if sid not in self.failed and Path(image).exists()]
+        return [sid for _t, sid in sorted(live, key=lambda x: -x[0])]
 
     def held_bytes(self) -> int:
         self._load()
@@ -340,6 +425,10 @@ class Environments:
 
     async def _kind(self, sid: str, spec: Mapping[str, Any], in_use: set[str]) -> WorkerKind:
         env = tuple(sorted((spec.get("env_vars") or {}).items()))
+        if spec.get("container") is not None:
+            if spec.get("pip"):  # normalize() refuses the pair; a spec that skipped it is refused here too
+                raise EnvError("pip and container cannot be combined: a container worker runs the image's python3")
+            return await self._container_kind(sid, spec, str(spec["container"]), env)
         path: tuple[str, ...] = ()
         python = sys.executable
         venv_key: str | None = None
@@ -349,25 +438,10 @@ class Environments:
             venv_dir = self._venv_dir(venv_key)
             python = str(venv_dir / "bin" / "python")
             path = (str(self._site_packages(venv_dir)),)
-        wrap: tuple[str, ...] = ()
-        cwd = None
-        channel_fd: int | None = None
-        image = spec.get("container")
-        if image is not None:
-            staged = staged_path(image)
-            if staged is not None and not staged.exists():
-                raise EnvError(f"container image {image!r} not found on this endpoint (stage the SIF/OCI archive or rootfs "
-                               "there, or name a registry image with docker://)")
-            runtime = self._container_runtime()
-            boot = _bootstrap_dirs()
-            wrap = tuple(container_argv(runtime, image, boot, network=bool(spec.get("network"))))
-            channel_fd = 3 if Path(runtime).name == "podman" else None
-            python, path = "", tuple(boot)  # the prefix ends with the image's python3
-            await self._probe([*wrap, "-c", "print('ok')"], f"container image {image!r}")
-        elif spec.get("sandbox"):
+        if spec.get("sandbox"):
             bwrap = self._bwrap_path()
             network = bool(spec.get("network"))
-            wrap = tuple(bwrap_argv(self.hidden, [venv_dir] if venv_dir is not None else [], network, bwrap, code=_code_under_tmp()))
+            wrap: tuple[str, ...] = tuple(bwrap_argv(self.hidden, [venv_dir] if venv_dir is not None else [], network, bwrap, code=_code_under_tmp()))
             if not network:
                 self._check_socket_filter()
             # Start the sandbox once (with the socket filter where it applies): a kernel that refuses
@@ -377,7 +451,51 @@ class Environments:
                 "from mesh_agent.engine._seccomp import deny_unix_sockets;deny_unix_sockets();print('ok')")
             await self._probe([*wrap, python, "-c", check], "sandbox (bubblewrap)", env=sandbox_environ(os.environ))
             return WorkerKind(sid, python, path, env, wrap, "/tmp", venv_key, clean_env=True, deny_sockets=not network)
-        return WorkerKind(sid, python, path, env, wrap, cwd, venv_key, channel_fd=channel_fd)
+        return WorkerKind(sid, python, path, env, (), None, venv_key)
+
+    async def _container_kind(self, sid: str, spec: Mapping[str, Any], image: str, env: tuple[tuple[str, str], ...]) -> WorkerKind:
+        """A worker in ``image``: checked (staged, and not the host's root or the agent's keys),
+        noted as held when staged here, then started once to learn the image's own import path."""
+        sandboxed = bool(spec.get("sandbox"))
+        staged = staged_path(image)
+        is_dir: bool | None = None
+        real = Path("/nonexistent")
+        if staged is not None:
+            if not staged.exists():
+                raise EnvError(f"container image {image!r} not found on this endpoint (stage the SIF/OCI archive or rootfs "
+                               "there, or name a registry image with docker://)")
+            real = staged.resolve()  # a symlink to / is /
+            is_dir = real.is_dir()
+        binds, pkgs = _container_binds()
+        reason = container_refusal(real, bool(is_dir), [Path(b).resolve() for b in binds],
+                                   [h.resolve() for h in self.hidden], sandboxed)
+        if reason is not None:
+            raise EnvError(reason)
+        if staged is not None:
+            self._note_image(sid, staged)  # staged here: no pull (heartbeat ``envs``), unless it fails below
+        runtime = self._container_runtime()
+        # Unsandboxed (the owner's) workers have the network, as every other unsandboxed worker does;
+        # a sandboxed one only where its spec grants it.
+        network = not sandboxed or bool(spec.get("network"))
+        wrap = tuple(container_argv(runtime, image, binds, network, is_dir=is_dir, sandbox=sandboxed, env=env))
+        podman = Path(runtime).name == "podman"
+        # The probe has no channel to pass: without --preserve-fds podman is not asked for an fd 3 that is not open.
+        probe = [a for i, a in enumerate(wrap) if not (podman and (a == "--preserve-fds" or (i and wrap[i - 1] == "--preserve-fds")))]
+        out = await self._probe([*probe, "-c", _PATH_PROBE], f"container image {image!r}")
+        image_path = _probed_path(out)
+        boot = _bootstrap_dirs()
+        # mesh_agent first, then the image's own packages, then the agent's (cloudpickle, dill) for what the image lacks
+        path = tuple(dict.fromkeys([*boot, *image_path, *pkgs]))
+        return WorkerKind(sid, "", path, (), wrap, None, None, channel_fd=3 if podman else None)
+
+    def _note_image(self, sid: str, staged: Path) -> None:
+        """Remember that this spec's image is staged here (written once per spec, not per task)."""
+        new = sid not in self.images
+        self.images[sid] = (str(staged), time.time())
+        while len(self.images) > _MAX_IMAGES:
+            self.images.pop(min(self.images, key=lambda k: self.images[k][1]))
+        if new:
+            self._save()
 
     @staticmethod
     def _check_socket_filter() -> None:
@@ -408,15 +526,18 @@ class Environments:
             return found
         raise EnvError("container requested but no container runtime (apptainer, singularity or podman) is installed on this endpoint")
 
-    async def _probe(self, argv: Sequence[str], what: str, env: Mapping[str, str] | None = None) -> None:
-        """Start a wrapped python once: a runtime that cannot start here fails the spec with its own words.
-        Once per distinct command line per agent process: a kind rebuilt after eviction is not probed again."""
-        if tuple(argv) in self._probed:
-            return
+    async def _probe(self, argv: Sequence[str], what: str, env: Mapping[str, str] | None = None) -> str:
+        """Start a wrapped python once: a runtime that cannot start here fails the spec with its own words
+        (``<what> cannot start on this endpoint: ...``). Once per distinct command line per agent process:
+        a kind rebuilt after eviction is not probed again. Returns what it printed."""
+        done = self._probed.get(tuple(argv))
+        if done is not None:
+            return done
         code, out = await self._run(list(argv), timeout=300, env=env)
         if code != 0 or "ok" not in out:
             raise EnvError(f"{what} cannot start on this endpoint: {_tail(out)}")
-        self._probed.add(tuple(argv))
+        self._probed[tuple(argv)] = out
+        return out
 
     def _uv_path(self) -> str:
         if self._uv:
@@ -575,11 +696,14 @@ class Environments:
                                        float(v.get("build_s", 0)))
         self.failed = {str(k): str(v) for k, v in (data.get("failed") or {}).items()}
         self.specs = {str(k): (str(v) if v else None) for k, v in (data.get("specs") or {}).items()}
+        self.images = {str(k): (str(v[0]), float(v[1])) for k, v in (data.get("images") or {}).items()
+                       if isinstance(v, list) and len(v) == 2}
 
     def _save(self) -> None:
         """One small file, written on builds, evictions and failures only (not per task: SD cards)."""
         self.root.mkdir(parents=True, exist_ok=True)
         data = {"requests": self._requests, "failed": self.failed, "specs": self.specs,
+                "images": {k: [p, t] for k, (p, t) in self.images.items()},
                 "venvs": {k: {"pins": v.pins, "bytes": v.bytes, "last_used": v.last_used, "build_s": v.build_s}
                           for k, v in self._venvs.items()}}
         tmp = self._index_path.with_suffix(".tmp")
@@ -590,6 +714,46 @@ class Environments:
 def _bootstrap_dirs() -> list[str]:
     """Directories a worker needs to import ``mesh_agent.engine._worker`` (the package's parent)."""
     return [str(Path(__file__).resolve().parents[2])]
+
+
+def _container_binds() -> tuple[list[str], list[str]]:
+    """What a container worker gets bound read-only, and the import path it adds behind the image's
+    own: the worker bootstrap, and the directories the agent's serializers (cloudpickle, dill) live
+    in, which an image may lack; a function payload needs them to load. A directory inside another
+    bind is not bound again."""
+    import importlib.util
+
+    pkgs: list[str] = []
+    for name in ("cloudpickle", "dill"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            d = str(Path(spec.origin).resolve().parents[1])  # site-packages/<name>/__init__.py
+            if d not in pkgs:
+                pkgs.append(d)
+    binds: list[str] = []
+    for p in sorted({*_bootstrap_dirs(), *pkgs}, key=lambda p: (len(Path(p).parts), p)):
+        if not any(Path(p).is_relative_to(q) for q in binds):
+            binds.append(p)
+    return binds, pkgs
+
+
+#: Run once in a new container: it starts, and its python3's own import path (stdlib, the image's
+#: packages) is what the worker keeps behind the bootstrap (the worker replaces sys.path whole).
+_PATH_PROBE = "import sys,json;print('ok'+json.dumps([p for p in sys.path if p]))"
+
+
+def _probed_path(out: str) -> list[str]:
+    """The image's import path from :data:`_PATH_PROBE`'s output (runtimes may print around it)."""
+    for line in out.splitlines():
+        line = line.strip()
+        if line.startswith("ok["):
+            try:
+                got = json.loads(line[2:])
+            except ValueError:
+                break
+            if isinstance(got, list) and all(isinstance(p, str) for p in got):
+                return got
+    raise EnvError(f"the container's python3 did not report its import path: {_tail(out)}")
 
 
 def _code_under_tmp() -> list[str]:

@@ -18,6 +18,7 @@ import pytest
 from mesh_agent.engine import ENVIRONMENT_ERROR, LocalEngine
 from mesh_agent.engine.environments import Environments
 from mesh_agent.environment import env_id, normalize
+from tests.fixtures.rootfs import MARKER, make_python_rootfs
 from tests.fixtures.wheels import build_wheel
 from tests.unit.test_engine_local import Collector, error, task, value, wait_until
 
@@ -319,22 +320,111 @@ async def test_missing_container_image_fails_naming_it(tmp_path: Path, wheels: P
     assert envs.stats.failures == 1  # the second task did not try again
 
 
-async def test_container_runs_where_a_runtime_works(tmp_path: Path, wheels: Path, started: list[LocalEngine]) -> None:
-    """Runs a worker in a rootfs image with Apptainer or podman where one is installed and can
-    start here; otherwise skips with the runtime's own words."""
+def _agent_packages() -> list[Path]:
+    from mesh_agent.engine.environments import _container_binds
+
+    return [Path(p) for p in _container_binds()[1]]
+
+
+@pytest.fixture
+def rootfs(tmp_path: Path) -> Path:
+    """The test image: a rootfs directory with this machine's Python (tests/fixtures/rootfs.py).
+    Not the host's root: the agent refuses that (it holds the agent's keys)."""
+    return make_python_rootfs(tmp_path / "image-rootfs", _agent_packages())
+
+
+def test_the_test_rootfs_starts_python_and_loads_the_worker_under_bwrap(rootfs: Path) -> None:
+    """The image the container test uses is sound where no container runtime runs (here): under
+    bubblewrap, as its root, its python3 reports its import path and, with the binds a container
+    worker gets, imports the worker bootstrap, the serializers and this module. So a probe failure
+    of a real runtime on that image is the runtime's, which is what the container test skips on."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap not installed")
+    import subprocess
+
+    from mesh_agent.engine.environments import _PATH_PROBE, _bootstrap_dirs, _container_binds, _probed_path
+
+    binds, pkgs = _container_binds()
+    argv = ["bwrap", "--bind", str(rootfs), "/", "--proc", "/proc", "--dev", "/dev", "--unshare-net"]
+    for b in binds:
+        argv += ["--ro-bind", b, b]
+    out = subprocess.run([*argv, "python3", "-c", _PATH_PROBE], capture_output=True, text=True, timeout=120)
+    image_path = _probed_path(out.stdout + out.stderr)
+    assert image_path and not any("site-packages" in p for p in image_path)  # the image's own stdlib only
+    path = [*_bootstrap_dirs(), *image_path, *pkgs]
+    code = (f"import sys;sys.path[:]={path!r};import mesh_agent.engine._worker, cloudpickle, dill, "
+            f"tests.integration.test_environments;print(open({MARKER!r}).read())")
+    done = subprocess.run([*argv, "python3", "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "inside the test rootfs" in done.stdout, done.stderr[-2000:]
+
+
+async def test_container_runs_where_a_runtime_works(tmp_path: Path, wheels: Path, started: list[LocalEngine], rootfs: Path) -> None:
+    """Runs a worker in a staged rootfs image with Apptainer, Singularity or podman where one is
+    installed. It skips only where no runtime is installed, or where the runtime itself cannot
+    start (the agent's start-up probe fails the spec, quoting the runtime); any other wrong result
+    fails."""
     runtime = next((r for r in ("apptainer", "singularity", "podman") if shutil.which(r)), None)
     if runtime is None:
         pytest.skip("no container runtime installed (apptainer, singularity, podman): container path not exercised here")
     sink = Collector()
     envs = make_envs(tmp_path, wheels)
     eng = await start(started, sink, envs)
-    image = "/"  # the host's root as a staged rootfs directory: nothing is pulled (tests stay on this machine)
-    eng.submit([with_env(task("c", whoami), {"container": image})])
-    await sink.wait_for(1, timeout=240)
-    r = sink.results[0]
-    if not r.ok:
-        pytest.skip(f"{runtime} cannot start a container here: {error(r)['message']}")
-    assert isinstance(value(r), int)
+    image = str(rootfs)  # staged here: nothing is pulled (tests stay on this machine)
+    eng.submit([with_env(task("c", read_file, MARKER), {"container": image, "env_vars": {"STAGE": "c"}}),
+                with_env(task("v", getenv, "STAGE"), {"container": image, "env_vars": {"STAGE": "c"}})])
+    await sink.wait_for(2, timeout=240)
+    res = sink.by_id()
+    if not res["c"].ok:
+        e = error(res["c"])
+        probe = f"container image {image!r} cannot start on this endpoint: "
+        if e["type"] == ENVIRONMENT_ERROR and e["message"].startswith(probe):
+            pytest.skip(f"{runtime} cannot start a container here: {e['message'][len(probe):]}")
+        pytest.fail(f"container task failed after the runtime started: {e['type']}: {e['message']}")
+    assert value(res["c"]) == "inside the test rootfs\n"  # it ran in the image, not on the host
+    assert value(res["v"]) == "c"  # the spec's variables reach the worker through the runtime's clean environment
+    assert env_id(normalize({"container": image, "env_vars": {"STAGE": "c"}})) in envs.held_specs()  # staged: no pull
+
+
+async def test_the_hosts_root_or_the_agents_keys_as_image_are_refused(tmp_path: Path, wheels: Path, started: list[LocalEngine]) -> None:
+    """A rootfs image that is / or holds the agent's data directory would give the function the
+    agent's keys: refused before any runtime is looked for, for every task, naming why."""
+    sink = Collector()
+    envs = make_envs(tmp_path, wheels)
+    eng = await start(started, sink, envs)
+    key_dir = tmp_path / "agent-data"
+    link = tmp_path / "root-link"
+    link.symlink_to("/")
+    eng.submit([with_env(task("root", whoami), {"container": "/"}),
+                with_env(task("link", whoami), {"container": str(link)}),
+                with_env(task("above", whoami), {"container": str(tmp_path), "sandbox": True})])
+    res = {r.task_id: error(r) for r in await sink.wait_for(3, timeout=60)}
+    for tid in ("root", "link"):
+        assert res[tid]["type"] == ENVIRONMENT_ERROR and "is the host's root directory" in res[tid]["message"]
+    assert "contains the agent's data or credentials directory" in res["above"]["message"]
+    assert str(key_dir) in res["above"]["message"]
+    assert envs.held_specs() == []  # refused images are not reported as held
+
+
+async def test_staged_container_images_are_reported_held_until_they_fail_or_go(tmp_path: Path, wheels: Path) -> None:
+    """Heartbeat ``envs``: a container spec whose image is staged here is held (no pull), unless
+    the spec failed here; it survives a restart and stops being reported when the image is gone."""
+    image = tmp_path / "staged-rootfs"
+    image.mkdir()
+    missing_runtime = str(tmp_path / "bin" / "podman")  # not installed: the probe fails in the OS's words
+    envs = make_envs(tmp_path, wheels, container_runtime=missing_runtime)
+    spec = normalize({"container": str(image)})
+    sid = env_id(spec)
+    with pytest.raises(Exception, match="cannot start on this endpoint"):
+        await envs.kind(spec)
+    assert sid not in envs.held_specs()  # it failed here: attracting its tasks would be wrong
+    envs.forget_failure(sid)  # the operator installed the runtime
+    assert envs.held_specs() == [sid]
+    # what the agent's heartbeat reports (Agent._held_envs reads the engine's held_environments)
+    assert LocalEngine(Collector(), workers=1, environments=envs).held_environments() == [sid]
+    again = make_envs(tmp_path, wheels)  # a restart reads index.json
+    assert again.held_specs() == [sid]
+    image.rmdir()
+    assert again.held_specs() == []  # the image was removed: a task would need it staged again
 
 
 async def test_builds_report_their_seconds_and_fetched_bytes(tmp_path: Path, wheels: Path, started: list[LocalEngine]) -> None:

@@ -120,6 +120,25 @@ def test_bad_spec_is_refused_by_the_sdk_and_by_the_hub_with_nothing_stored(mesh:
         assert c.execute("SELECT COUNT(*) FROM tasks").fetchone()[0] == before
 
 
+def test_pip_with_a_container_is_refused_by_the_sdk_and_by_the_hub_with_nothing_stored(mesh: Any) -> None:
+    """The worker of a container runs the image's python3, so a venv built beside it would be
+    silently unused: the pair is refused (422 at the hub), naming both keys, and nothing is stored."""
+    m, agent = mesh
+    with Executor(m.client, endpoint=agent.endpoint_id) as ex:
+        with pytest.raises(EnvSpecError, match="environment.pip and container cannot be combined"):
+            ex.submit(pid, environment={"pip": ["meshtoy"]}, container="/images/fl.sif")
+    with sqlite3.connect(m.hub_cfg.db_path) as c:
+        before = c.execute("SELECT COUNT(*) FROM tasks").fetchone()[0]
+    fid = m.client.register_function(pid)
+    spec = Client.task_spec(agent.endpoint_id, fid)
+    spec["environment"] = {"pip": ["meshtoy"], "container": "/images/fl.sif"}
+    r = httpx.post(f"{m.url}/v1/tasks", json=spec, headers={"Authorization": f"Bearer {m.token}"}, verify=False)
+    assert r.status_code == 422, r.text
+    assert "environment.pip and container cannot be combined" in r.text and "install the packages in the image" in r.text
+    with sqlite3.connect(m.hub_cfg.db_path) as c:
+        assert c.execute("SELECT COUNT(*) FROM tasks").fetchone()[0] == before
+
+
 def test_another_users_function_is_sandboxed_by_default(mesh: Any) -> None:
     m, agent = mesh
     ep = agent.endpoint_id

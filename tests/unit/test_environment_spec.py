@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh_agent.engine.environments import bwrap_argv, container_argv
+from mesh_agent.engine.environments import EnvError, bwrap_argv, container_argv, container_refusal, image_form
 from mesh_agent.environment import EnvSpecError, decode, encode, env_id, normalize, requirement_name
 
 
@@ -97,8 +97,68 @@ def test_container_argv_binds_the_bootstrap_read_only() -> None:
     assert container_argv("apptainer", "/img/fl.oci.tar", [])[-2] == "oci-archive:/img/fl.oci.tar"  # an OCI archive
     assert container_argv("apptainer", "/img/rootfs", [])[-2] == "/img/rootfs"  # a staged rootfs directory
     assert container_argv("apptainer", "docker://python:3.11", [])[-2] == "docker://python:3.11"
-    p = container_argv("podman", "img", ["/opt/mesh"], network=False)
-    assert p[:2] == ["podman", "run"] and "none" in p and "/opt/mesh:/opt/mesh:ro" in p
+    p = container_argv("podman", "docker://python:3.11", ["/opt/mesh"], network=False)
+    assert p[:2] == ["podman", "run"] and "/opt/mesh:/opt/mesh:ro" in p and p[-2:] == ["docker://python:3.11", "python3"]
+    assert p[p.index("--network") + 1] == "none" and p[p.index("--preserve-fds") + 1] == "1"
+
+
+def test_podman_names_each_image_form_as_podman_needs_it() -> None:
+    rootfs = container_argv("podman", "/img/rootfs", ["/opt/mesh"], is_dir=True)
+    assert rootfs[-3:] == ["--rootfs", "/img/rootfs", "python3"]
+    assert container_argv("podman", "/img/rootfs", [])[-3:] == ["--rootfs", "/img/rootfs", "python3"]  # no suffix: a directory
+    assert container_argv("podman", "/img/fl.tar", [], is_dir=False)[-2:] == ["oci-archive:/img/fl.tar", "python3"]
+    assert container_argv("podman", "oci-archive:/img/fl", [])[-2:] == ["oci-archive:/img/fl", "python3"]
+    for image, is_dir in (("/img/fl.sif", None), ("/img/fl.img", False)):  # a staged file that is not an OCI archive: SIF
+        with pytest.raises(EnvError, match=r"is a SIF file, which podman \(the runtime on this endpoint\) cannot run"):
+            container_argv("/usr/bin/podman", image, [], is_dir=is_dir)
+    with pytest.raises(EnvError, match="podman .* pulls only docker://"):
+        container_argv("podman", "library://alpine", [])
+    assert image_form("/img/x", is_dir=True) == "rootfs" and image_form("/img/x.sif") == "sif"
+    assert image_form("docker://x.tar") == "registry" and image_form("/img/x.oci") == "oci-archive"
+
+
+def test_container_network_sandbox_and_variables_in_the_argv() -> None:
+    env = [("A", "1"), ("B", "x y")]
+    ap = container_argv("apptainer", "/img/r", ["/opt/mesh"], network=False, sandbox=True, env=env)
+    assert ap[ap.index("--network") + 1] == "none" and "--net" in ap and {"--ipc", "--pid", "--contain", "--cleanenv"} <= set(ap)
+    assert ap[ap.index("--env") + 1] == "A=1" and "B=x y" in ap
+    assert "--network" not in container_argv("apptainer", "/img/r", [], network=True)
+    assert "--pid" not in container_argv("apptainer", "/img/r", [], sandbox=False)
+    pd = container_argv("podman", "/img/r", [], network=False, sandbox=True, env=env, is_dir=True)
+    assert pd[pd.index("--network") + 1] == "none" and "--read-only" in pd and pd[pd.index("--cap-drop") + 1] == "all"
+    assert "no-new-privileges" in pd and pd[pd.index("-e") + 1] == "A=1"
+    assert pd.index("-e") < pd.index("--rootfs")  # options before the image
+    open_ = container_argv("podman", "/img/r", [], network=True, is_dir=True)
+    assert open_[open_.index("--network") + 1] == "slirp4netns" and "--read-only" not in open_
+
+
+def test_container_refusal_keeps_the_agents_keys_out() -> None:
+    hidden = [Path("/var/lib/mesh"), Path("/etc/mesh")]
+    binds = [Path("/opt/mesh")]
+    for sandbox in (False, True):  # every task: the image is the host's root or holds the keys
+        assert "host's root directory" in container_refusal(Path("/"), True, binds, hidden, sandbox)
+        why = container_refusal(Path("/var/lib"), True, binds, hidden, sandbox)
+        assert why and "contains the agent's data or credentials directory (/var/lib/mesh)" in why
+        assert "(/etc/mesh)" in container_refusal(Path("/etc/mesh"), True, binds, hidden, sandbox)
+    assert container_refusal(Path("/srv/images/rootfs"), True, binds, hidden, True) is None
+    assert container_refusal(Path("/var/lib/mesh/images/rootfs"), True, binds, hidden, True) is None  # inside, not above
+    assert container_refusal(Path("/"), False, binds, hidden, True) is None  # a file image (SIF): not a root to look into
+    # the agent's code bound in, with its data directory inside it: only another user's (sandboxed) task is refused
+    code = [Path("/srv/checkout")]
+    inside = [Path("/srv/checkout/run/agent")]
+    assert container_refusal(Path("/srv/images/r"), True, code, inside, False) is None
+    why = container_refusal(Path("/srv/images/r"), True, code, inside, True)
+    assert why and "'/srv/checkout'" in why and "move the agent's data_dir" in why
+
+
+def test_pip_and_container_together_are_refused_naming_both() -> None:
+    for spec, kw in (({"pip": ["numpy"], "container": "/img/a.sif"}, {}), ({"uv": ["numpy"]}, {"container": "/img/a.sif"})):
+        with pytest.raises(EnvSpecError) as exc:
+            normalize(spec, **kw)
+        msg = str(exc.value)
+        assert "and container cannot be combined" in msg and "install the packages in the image" in msg
+        assert ("environment.pip" in msg) or ("environment.uv" in msg)
+    assert normalize({"pip": [], "container": "/img/a.sif"}) == {"container": "/img/a.sif"}  # empty pip: nothing dropped
 
 
 # ---------------------------------------------------------------- the frame and the agent

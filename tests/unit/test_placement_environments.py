@@ -12,7 +12,7 @@ from cloud_hub.api.schemas import TaskIn
 from cloud_hub.config import HubConfig
 from cloud_hub.placement import PlacementService
 from mesh_agent.environment import env_id, normalize
-from scheduler.environments import PIP_PRIOR, EnvCost
+from scheduler.environments import CONTAINER_PRIOR, PIP_PRIOR, EnvCost
 from tests.unit.test_placement_service import ARGS, _rows, _setup
 
 
@@ -43,6 +43,35 @@ def test_heartbeats_teach_held_environments_and_build_costs(tmp_path: Path) -> N
             rows = _rows(users["alice"], tasks)
             await svc.place(users["alice"], tasks, rows, now + 3)
             assert rows[0]["endpoint_id"] == eids[1]
+        finally:
+            await svc.stop()
+            await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_staged_container_image_in_the_heartbeat_attracts_its_tasks(tmp_path: Path) -> None:
+    """An agent lists container specs whose image is staged there in ``envs``: the hub charges
+    that endpoint no pull (CONTAINER_PRIOR elsewhere) and places the task there."""
+    async def main() -> None:
+        store, users, eids, fid = await _setup(tmp_path)
+        svc = PlacementService(HubConfig(db_path=tmp_path / "hub.sqlite3"), store)
+        await svc.start()
+        try:
+            now = time.time()
+            for e in eids:
+                info = {"capacity": 2, "tags": [], "memory_mb": 1024}
+                await store.set_endpoint_state(e, True, now, info)
+                svc.endpoint_online(e, now, info)
+            spec = {"container": "/srv/images/fl-rootfs"}
+            sid = env_id(normalize(spec))
+            assert svc.env_costs.get(sid, container=True) == CONTAINER_PRIOR
+            holder = eids[-1]
+            svc.heartbeat(holder, now, {"capacity": 2, "envs": [sid]})
+            tasks = [TaskIn(endpoint_id=eids, function_id=fid, args=ARGS, environment=spec)]
+            rows = _rows(users["alice"], tasks)
+            await svc.place(users["alice"], tasks, rows, now + 1)
+            assert rows[0]["endpoint_id"] == holder
         finally:
             await svc.stop()
             await store.close()

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from scheduler import EndpointState, Scheduler, TaskInfo
-from scheduler.environments import PIP_PRIOR, EnvCost, EnvCosts, env_cold_start
+from scheduler.environments import CONTAINER_PRIOR, PIP_PRIOR, EnvCost, EnvCosts, env_cold_start
 
 
 def test_cold_start_arithmetic() -> None:
@@ -51,6 +51,24 @@ def test_endpoint_holding_the_environment_wins(policy: str) -> None:
     s2.fleet.set_envs("a", ["env1"])
     [pl2] = s2.place([TaskInfo("t1", "f", 100, env="env1", env_cost=EnvCost(30.0, 50 * 2**20))], 1.0)
     assert pl2.endpoint_id == "a"
+
+
+@pytest.mark.parametrize("policy", ["delta", "warming-aware"])
+def test_endpoint_with_the_container_image_staged_wins(policy: str) -> None:
+    """An agent reports container specs whose image is staged there among its held environments
+    (mesh_agent/engine/environments.py held_specs): that endpoint is charged no pull."""
+    from mesh_agent.environment import env_id, normalize
+
+    sid = env_id(normalize({"container": "/srv/images/fl-rootfs"}))
+    for holder in ("a", "b"):
+        s = _sched(policy)
+        s.fleet.set_envs(holder, [sid])
+        task = TaskInfo("t1", "f", 100, env=sid, env_cost=CONTAINER_PRIOR)
+        other = "b" if holder == "a" else "a"
+        assert s.policy.predictor.estimate(task, s.fleet.nodes[holder], 1.0).cold < \
+            s.policy.predictor.estimate(task, s.fleet.nodes[other], 1.0).cold - CONTAINER_PRIOR.build_s + 1e-6
+        [pl] = s.place([task], 1.0)
+        assert pl.endpoint_id == holder
 
 
 def test_predicted_cold_start_counts_build_bytes_and_metering() -> None:
