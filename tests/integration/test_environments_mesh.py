@@ -139,18 +139,24 @@ def test_pip_with_a_container_is_refused_by_the_sdk_and_by_the_hub_with_nothing_
         assert c.execute("SELECT COUNT(*) FROM tasks").fetchone()[0] == before
 
 
-def test_another_users_function_is_sandboxed_by_default(mesh: Any) -> None:
-    m, agent = mesh
-    ep = agent.endpoint_id
+def _new_user_token(m: LocalMesh, name: str) -> str:
+    """An API token of a new user ``name`` of the mesh's hub (written in its database)."""
 
     async def mint() -> str:
         store = await SqliteStore(m.hub_cfg.db_path).open()
         try:
-            return await store.create_api_token(await store.create_user("carol"), "test")
+            return await store.create_api_token(await store.create_user(name), "test")
         finally:
             await store.close()
 
-    carol = Client(m.url, asyncio.run(mint()), trusted_endpoints=[ep])
+    return asyncio.run(mint())
+
+
+def test_another_users_function_is_sandboxed_by_default(mesh: Any) -> None:
+    m, agent = mesh
+    ep = agent.endpoint_id
+
+    carol = Client(m.url, _new_user_token(m, "carol"), trusted_endpoints=[ep])
     m.client.share_endpoint(ep, "carol")
     key_file = str(agent.cfg.credentials_file)
     try:
@@ -221,14 +227,7 @@ def test_work_moved_off_a_lost_endpoint_onto_a_shared_one_is_sandboxed_there(mes
     m, agent = mesh
     ep = agent.endpoint_id
 
-    async def mint() -> str:
-        store = await SqliteStore(m.hub_cfg.db_path).open()
-        try:
-            return await store.create_api_token(await store.create_user("dora"), "test")
-        finally:
-            await store.close()
-
-    dora = Client(m.url, asyncio.run(mint()), trusted_endpoints=[ep])
+    dora = Client(m.url, _new_user_token(m, "dora"), trusted_endpoints=[ep])
     m.client.share_endpoint(ep, "dora")
     cfg_path = m.workdir / "agents" / "dora-own.yaml"
     cfg = enroll(m.url, dora.create_enrollment_token(), "dora-own", cfg_path, transport="mqtt", workers=1, prefetch=0)
