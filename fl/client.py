@@ -134,6 +134,9 @@ class ClientApp:
     name = "client"
     #: ``fit`` gets the endpoint's dataset (loaded by name); False: the app loads its own data
     loads_data = True
+    #: the app's ``evaluate_fn`` (if any) also runs on the devices under ``fit(fed_eval_every=k)``;
+    #: False: it runs on the driver only (then ``fit`` needs ``eval_data`` for it)
+    ships_evaluate_fn = False
 
     def __call__(self, task: Dict[str, Any]) -> Dict[str, Any]:
         if isinstance(task, dict) and task.get("kind") == "warmup":
@@ -147,7 +150,8 @@ class ClientApp:
             weights = [w.astype(np.float32) if w.dtype == np.float16 else w for w in weights]
         t_data = time.perf_counter()
         data = self._load(task)
-        if task.get("holdout"):  # federated evaluation is on: never train on the local test part
+        if task.get("holdout") and self.loads_data:  # federated evaluation is on: never train on the local test part
+            # (an app that loads its own data, a Flower client, keeps its own train/test split)
             data = local_split(data, float(task["holdout"]), str(task["client_id"]))[0]
         data_time = time.perf_counter() - t_data
         cfg = dict(task.get("config") or {})
@@ -198,15 +202,27 @@ class ClientApp:
         t0 = time.perf_counter()
         task = _check_task(task, "evaluate")
         weights = decode_weights(task["weights"])
+        loss, n, metrics = self.evaluate_on_device(weights, task)
+        return {"v": PROTOCOL, "kind": "evaluation", "client_id": task["client_id"], "round": int(task["round"]),
+                "loss": float(loss), "metrics": {k: _plain(v) for k, v in (metrics or {}).items()},
+                "num_examples": int(n), "eval_time_s": time.perf_counter() - t0}
+
+    def evaluate_on_device(self, weights: Weights, task: Dict[str, Any]) -> Tuple[float, int, Dict[str, Any]]:
+        """Federated evaluation on the endpoint: ``(loss, num_examples, metrics)`` of ``weights``
+        on this device's local test part (:func:`local_split` of its dataset, ``task["holdout"]``).
+        An app whose client evaluates on its own data (a Flower client) overrides this."""
         _, test = local_split(self._load(task), float(task.get("holdout") or 0.2), str(task["client_id"]))
         res = self.evaluate(weights, test)
         if res is None:
             raise TaskError(f"client app {self.name!r} has no evaluate(): it cannot take part in federated evaluation")
         loss, metrics = res
         n = len(test[1]) if isinstance(test, tuple) and len(test) == 2 else len(test)
-        return {"v": PROTOCOL, "kind": "evaluation", "client_id": task["client_id"], "round": int(task["round"]),
-                "loss": float(loss), "metrics": {k: _plain(v) for k, v in (metrics or {}).items()},
-                "num_examples": int(n), "eval_time_s": time.perf_counter() - t0}
+        return float(loss), int(n), dict(metrics or {})
+
+    def evaluates_on_device(self) -> bool:
+        """Whether this app can take part in federated evaluation (``fit(fed_eval_every=k)``)."""
+        cls = type(self)
+        return cls.evaluate is not ClientApp.evaluate or cls.evaluate_on_device is not ClientApp.evaluate_on_device
 
     def _load(self, task: Dict[str, Any]) -> Any:
         if self.loads_data:
@@ -365,25 +381,36 @@ class TorchClientApp(ClientApp):
 class FunctionClientApp(ClientApp):
     """Any framework: ``train(weights, data, config) -> (weights, num_samples, metrics)`` runs
     on the endpoint (shipped by value like any mesh function); optional ``evaluate(weights,
-    data) -> (loss, metrics)`` runs on the driver."""
+    data) -> (loss, metrics)`` runs on the driver on ``eval_data`` (central evaluation) and, with
+    ``fit(fed_eval_every=k)``, on the devices on their local test part (it is shipped with
+    ``train``)."""
 
     name = "function"
+    #: ``evaluate_fn`` runs on the devices too (federated evaluation), not only on the driver
+    ships_evaluate_fn = True
 
     def __init__(self, train: Callable[..., Any], evaluate: Optional[Callable[..., Any]] = None,
                  initial_weights: Optional[Weights] = None) -> None:
         from mesh_agent.protocol.serialize import _by_value
 
+        if not callable(train):
+            raise TypeError(f"train must be a function train(weights, data, config), not {type(train).__name__}")
+        if evaluate is not None and not callable(evaluate):
+            raise TypeError(f"evaluate must be a function evaluate(weights, data), not {type(evaluate).__name__}")
         self.train = _by_value(train)
-        self.evaluate_fn = evaluate
+        self.evaluate_fn = None if evaluate is None else _by_value(evaluate)
         self._initial = None if initial_weights is None else [np.asarray(w).copy() for w in initial_weights]
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {"train": self.train}
+        return {"train": self.train, "evaluate": self.evaluate_fn}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.train = state["train"]
-        self.evaluate_fn = None
+        self.evaluate_fn = state.get("evaluate")
         self._initial = None
+
+    def evaluates_on_device(self) -> bool:
+        return self.evaluate_fn is not None
 
     def fit(self, weights: Weights, data: Any, config: Dict[str, Any]) -> Tuple[Weights, int, Dict[str, Any], str]:
         out = self.train(weights, data, config)
@@ -398,7 +425,10 @@ class FunctionClientApp(ClientApp):
     def evaluate(self, weights: Weights, data: Any) -> Optional[Tuple[float, Dict[str, float]]]:
         if self.evaluate_fn is None:
             return None
-        loss, metrics = self.evaluate_fn(weights, data)
+        out = self.evaluate_fn(weights, data)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError("evaluate() must return (loss, metrics)")
+        loss, metrics = out
         return float(loss), dict(metrics or {})
 
 

@@ -209,9 +209,17 @@ class Federation:
         if late_updates not in ("discard", "use"):
             raise ValueError(f"late_updates must be 'discard' or 'use', not {late_updates!r}")
         if getattr(model, "evaluate_fn", None) is not None and eval_data is None:
-            # central evaluation would be skipped every round without a word
-            raise ValueError("the client app has an evaluate function but fit() got no eval_data: pass "
-                             "eval_data=... (the data it evaluates on), or use fed_eval_every=k to evaluate on the devices")
+            # central evaluation would be skipped every round without a word (unless the app's
+            # evaluate function also runs on the devices and federated evaluation is on)
+            ships = bool(getattr(model, "ships_evaluate_fn", False))
+            if not (ships and fed_eval_every):
+                raise ValueError("the client app has an evaluate function but fit() got no eval_data: pass "
+                                 "eval_data=... (the data it evaluates on)"
+                                 + (", or use fed_eval_every=k to run it on the devices" if ships else
+                                    f" ({type(model).__name__}'s evaluate_fn runs on the driver only)"))
+        if fed_eval_every and isinstance(model, ClientApp) and not model.evaluates_on_device():
+            raise ValueError(f"fed_eval_every needs a client app that evaluates on the devices; this "
+                             f"{type(model).__name__} has no evaluate (e.g. FunctionClientApp(train, evaluate))")
         comp = parse_compression(compression)
         down = check_downlink(downlink)
         strategy = strategy if strategy is not None else FedAvg()

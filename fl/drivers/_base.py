@@ -643,7 +643,7 @@ class RoundDriver:
         body = json_safe(asdict(rec))
         # the hub keeps a round's extras under 1 MiB: with thousands of clients drop the
         # per-client detail first (the record says what was left out)
-        for key in ("client_metrics", "fed_eval", "train_time_s", "bytes_up", "bytes_down", "asked"):
+        for key in ("client_metrics", "fed_eval", "fed_eval_asked", "train_time_s", "bytes_up", "bytes_down", "asked"):
             if len(json.dumps(body)) <= _RECORD_BUDGET:
                 break
             if key in body["extra"]:
@@ -697,7 +697,8 @@ class RoundDriver:
         """The global model evaluated on the devices, each on its own local test part: a
         ``fed_eval_fraction`` of the ready clients get an ``evaluate`` task, the driver waits up
         to ``deadline_s`` and averages what came back weighted by examples. Record extras:
-        ``fed_loss``, ``fed_accuracy``, ``fed_examples``, ``fed_eval`` (per client) and
+        ``fed_loss``, ``fed_accuracy``, ``fed_examples``, ``fed_eval`` (per client), ``fed_eval_asked``
+        (the clients that got the task) and
         ``fed_eval_failed`` / ``fed_eval_missing`` (why a client's numbers are not in)."""
         run = self.run
         ready = sorted(self.ready(self.endpoint_rows()))
@@ -720,7 +721,7 @@ class RoundDriver:
                 continue
             m = dict(v.get("metrics") or {})
             per[c] = {"loss": v.get("loss"), "accuracy": m.get("accuracy"), "num_examples": int(v.get("num_examples", 0))}
-        out: Dict[str, Any] = {"fed_eval": per}
+        out: Dict[str, Any] = {"fed_eval": per, "fed_eval_asked": list(chosen)}
         if failed:
             out["fed_eval_failed"] = failed
         if pending:

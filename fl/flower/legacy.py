@@ -8,7 +8,12 @@ carries the endpoint's partition, taken from the dataset the endpoint declares
 (``index`` -> ``partition-id``, ``num_clients`` -> ``num-partitions``, plus the declaration's
 other keyword arguments), and whose ``run_config`` is what you pass. Then it calls the client's
 ``fit(parameters, config)`` with the round's global weights and a Flower-style config
-(``server-round``, ``local-epochs``, ...). The client's code is not modified.
+(``server-round``, ``local-epochs``, ...). The client's code is not modified. The warm-up
+builds the client through ``client_fn`` once (a ``client_fn`` that fails there fails the
+warm-up: the driver leaves that endpoint out with the error); federated evaluation
+(``fit(fed_eval_every=k)``) calls the client's ``evaluate(parameters, config)`` on the device.
+A Message-API ``flwr.clientapp.ClientApp`` is refused here: it runs unchanged through
+``mesh-fl run`` / :func:`fl.flower.run.run_app`.
 
 Server side -- :class:`FlowerStrategy` wraps a Flower strategy so that ``Federation`` uses it
 to aggregate: the legacy API (``flwr.server.strategy.*``: ``aggregate_fit(round, results,
@@ -22,6 +27,7 @@ flwr is imported only when these run.
 
 from __future__ import annotations
 
+import sys
 import time
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -29,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from fl import datasets as _datasets
-from fl.client import ClientApp
+from fl.client import PROTOCOL, ClientApp, TaskError, _check_task
 from fl.strategies import AggregationReport, ClientUpdate, Strategy, Weights
 
 __all__ = ["FlowerClientApp", "FlowerStrategy", "node_config_for"]
@@ -71,11 +77,42 @@ def _numpy_client(client: Any) -> Any:
     return getattr(client, "numpy_client", None)  # what NumPyClient.to_client() wraps
 
 
+def _refuse_message_api_app(client_fn: Any) -> None:
+    """A Message-API ``flwr.clientapp.ClientApp`` is not a ``client_fn``: calling it with a
+    Context alone fails on every device (``__call__() missing ... 'context'``). Refuse it here.
+    (flwr is already imported when the caller holds one of its ClientApps.)"""
+    if "flwr" not in sys.modules:
+        return
+    from flwr.clientapp import ClientApp as FlwrClientApp
+
+    if isinstance(client_fn, FlwrClientApp):
+        raise TypeError("FlowerClientApp takes a client_fn(context) -> NumPyClient | Client (Flower's legacy API), not a "
+                        "flwr.clientapp.ClientApp: run a Message-API ClientApp unchanged, with its ServerApp, through "
+                        "`mesh-fl run APP_DIR --endpoints ...` or fl.flower.run_app(APP_DIR, client, ...) (docs/fl.md, Flower)")
+
+
+def _client_of(client_fn: Callable[[Any], Any], context: Any) -> Any:
+    """``client_fn(context)``, checked: a ``NumPyClient`` or a Flower ``Client``."""
+    from flwr.client import Client
+
+    client = client_fn(context)
+    if _numpy_client(client) is None and not isinstance(client, Client):
+        raise TypeError(f"client_fn returned {type(client).__name__}, not a flwr NumPyClient or Client "
+                        "(return MyClient(...) or MyClient(...).to_client())")
+    return client
+
+
 class FlowerClientApp(ClientApp):
     """A Flower ``client_fn(context) -> NumPyClient | Client`` as the mesh client function.
 
     ``initial_weights``: the starting global model (as Flower's ``initial_parameters``);
     ``evaluate_fn(weights) -> (loss, {"accuracy": ...})`` evaluates centrally on the driver.
+    With ``fit(fed_eval_every=k)`` the client's own ``evaluate(parameters, config)`` runs on the
+    devices, on the data its ``client_fn`` loaded for evaluation.
+
+    The warm-up builds the client once through ``client_fn`` on each endpoint: a ``client_fn``
+    that raises there (a missing module, a partition it cannot load) fails the warm-up, and the
+    driver leaves that endpoint out with that error.
     """
 
     name = "flower"
@@ -86,6 +123,10 @@ class FlowerClientApp(ClientApp):
                  evaluate_fn: Optional[Callable[[Weights], Tuple[float, Dict[str, Any]]]] = None) -> None:
         from mesh_agent.protocol.serialize import _by_value
 
+        _refuse_message_api_app(client_fn)
+        if not callable(client_fn):
+            raise TypeError(f"FlowerClientApp needs a client_fn(context) -> NumPyClient | Client, not a "
+                            f"{type(client_fn).__name__} (wrap a client instance as: lambda context: client)")
         self.client_fn = _by_value(client_fn)
         self.run_config = _scalars(dict(run_config or {}))
         self.evaluate_fn = evaluate_fn
@@ -107,15 +148,22 @@ class FlowerClientApp(ClientApp):
         return Context(run_id=0, node_id=zlib.crc32(node.encode()), node_config=node_config_for(dataset),
                        state=RecordDict(), run_config={**self.run_config, **_scalars(run_config)})
 
-    def prepare(self, data: Any) -> str:
-        return "cpu"
+    def _warmup(self, task: Dict[str, Any]) -> Dict[str, Any]:
+        """Build the client through ``client_fn`` with this endpoint's Context (its partition
+        loads here, once, before round 1): whatever fails there fails the warm-up."""
+        t0 = time.perf_counter()
+        task = _check_task(task, "warmup")
+        self._load(task)  # the dataset must be declared here
+        _client_of(self.client_fn, self._context(str(task["dataset"]), {}))
+        return {"v": PROTOCOL, "kind": "ready", "client_id": task["client_id"], "num_samples": None, "device": "cpu",
+                "warmup_time_s": time.perf_counter() - t0}
 
     def fit(self, weights: Weights, data: Any, config: Dict[str, Any]) -> Tuple[Weights, int, Dict[str, Any], str]:
         fcfg = _scalars(config)
         fcfg["server-round"] = int(config.get("round", 0))
         if "local_epochs" in config:
             fcfg["local-epochs"] = int(config["local_epochs"])
-        client = self.client_fn(self._context(str(config["dataset"]), {"local-epochs": fcfg.get("local-epochs", 1)}))
+        client = _client_of(self.client_fn, self._context(str(config["dataset"]), {"local-epochs": fcfg.get("local-epochs", 1)}))
         nc = _numpy_client(client)
         t0 = time.perf_counter()
         if nc is not None:
@@ -131,6 +179,35 @@ class FlowerClientApp(ClientApp):
         metrics = dict(metrics or {})
         metrics.setdefault("train_time_s", time.perf_counter() - t0)
         return [np.asarray(p) for p in params], int(n), metrics, "cpu"
+
+    def evaluate_on_device(self, weights: Weights, task: Dict[str, Any]) -> Tuple[float, int, Dict[str, Any]]:
+        """Federated evaluation: the client's own ``evaluate(parameters, config)`` (config:
+        ``server-round``), on the evaluation data its ``client_fn`` loaded on this device."""
+        from flwr.client import NumPyClient
+
+        self._load(task)
+        cfg = {"server-round": int(task["round"])}
+        client = _client_of(self.client_fn, self._context(str(task["dataset"]), {}))
+        nc = _numpy_client(client)
+        params = [np.asarray(w) for w in weights]
+        if nc is not None:
+            if type(nc).evaluate is NumPyClient.evaluate:
+                raise TaskError(f"the Flower client {type(nc).__name__} has no evaluate(): it cannot take part in federated evaluation")
+            out = nc.evaluate(params, cfg)
+            if not (isinstance(out, tuple) and len(out) == 3):
+                raise TypeError("NumPyClient.evaluate must return (loss, num_examples, metrics)")
+            loss, n, metrics = out
+        else:
+            from flwr.common import Code, EvaluateIns, ndarrays_to_parameters
+
+            res = client.evaluate(EvaluateIns(ndarrays_to_parameters(params), cfg))
+            if res.status.code != Code.OK:
+                raise TaskError(f"the Flower client's evaluate failed: {res.status.code.name}: {res.status.message}")
+            loss, n, metrics = res.loss, res.num_examples, res.metrics
+        return float(loss), int(n), dict(metrics or {})
+
+    def evaluates_on_device(self) -> bool:
+        return True  # whether the client implements evaluate is known on the device (else: a clear error there)
 
     def initial_weights(self) -> Optional[Weights]:
         return None if self._initial is None else [w.copy() for w in self._initial]

@@ -194,3 +194,145 @@ def test_evaluate_fn_without_eval_data_is_refused_before_anything_is_submitted(f
         fed.fit(app, "digits", rounds=1, deadline_s=10)
     assert fed.run_id is None and fed.driver is None
     assert len(client.fl_runs(limit=500)) == before
+
+
+# ---------------------------------------------------------------- issue 17: device evaluation of every app kind
+
+
+def _softmax_train(weights: Any, data: Any, config: Dict[str, Any]) -> Any:
+    """Numpy softmax regression: a FunctionClientApp in any framework."""
+    X, y = data
+    X = X.astype(np.float64)
+    W, b = (np.array(w, dtype=np.float64) for w in weights)
+    for _ in range(5):
+        z = X @ W + b
+        p = np.exp(z - z.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        p[np.arange(len(y)), y] -= 1.0
+        W -= 0.5 * X.T @ p / len(y)
+        b -= 0.5 * p.mean(0)
+    return [W, b], len(y), {}
+
+
+def _softmax_evaluate(weights: Any, data: Any) -> Any:
+    X, y = data
+    z = X.astype(np.float64) @ weights[0] + weights[1]
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    return float(-np.mean(np.log(p[np.arange(len(y)), y] + 1e-12))), {"accuracy": float(np.mean(p.argmax(1) == y))}
+
+
+def _console_page(mesh: Any, path: str) -> str:
+    import httpx
+
+    with httpx.Client(base_url=mesh.url, follow_redirects=False, timeout=30, verify=False) as c:
+        r = c.post("/console/login", data={"token": mesh.token})
+        assert r.status_code == 303, r.text
+        page = c.get(path)
+        assert page.status_code == 200, page.text[:500]
+        return page.text
+
+
+def test_function_app_evaluates_on_a_fraction_of_the_devices_and_the_console_shows_it(fl_mesh: _Mesh) -> None:
+    """The evaluate function ships with train (no eval_data: the devices are the only test
+    set); half of the 3 clients (rounded up: 2) are asked each time, and the console's run page
+    gets its "Fed. accuracy" column."""
+    client = fl_mesh.mesh.client
+    init = [np.zeros((64, 10)), np.zeros(10)]
+    app = FunctionClientApp(_softmax_train, _softmax_evaluate, initial_weights=init)
+    fed = Federation(client, fl_mesh.ids)
+    hist = fed.fit(app, "digits", rounds=2, strategy=FedAvg(), deadline_s=60, min_clients=N, fed_eval_every=1,
+                   fed_eval_fraction=0.5, fed_eval_holdout=0.25, name="fed-eval-function-app")
+    sizes = {}
+    for k, agent in enumerate(fl_mesh.clients):
+        X, y = load_client_data(k, N, scheme="iid", seed=0)
+        (_, y_train), (_, y_test) = local_split((X, y), 0.25, agent.endpoint_id)
+        sizes[agent.endpoint_id] = (len(y_train), len(y_test))
+    for rec in hist:
+        asked = rec.extra["fed_eval_asked"]
+        assert len(asked) == 2 and set(asked) < set(fl_mesh.ids), asked
+        per = rec.extra["fed_eval"]
+        assert sorted(per) == sorted(asked), rec.extra.get("fed_eval_failed")
+        assert all(per[c]["num_examples"] == sizes[c][1] for c in asked)
+        assert rec.fed_examples == sum(sizes[c][1] for c in asked)
+        assert rec.fed_accuracy == pytest.approx(sum(p["accuracy"] * p["num_examples"] for p in per.values()) / rec.fed_examples)
+        # the devices trained on their training part only
+        assert rec.extra["num_samples"] == sum(s[0] for s in sizes.values())
+    assert hist[-1].fed_accuracy > 0.5, [r.fed_accuracy for r in hist]  # softmax regression learns digits fast
+    stored = client.fl_run(fed.run_id)
+    assert stored["status"] == "finished" and stored["rounds"][1]["extra"]["fed_eval_asked"] == hist[1].extra["fed_eval_asked"]
+    page = _console_page(fl_mesh.mesh, f"/console/fl/{fed.run_id}")
+    assert "Fed. accuracy" in page
+    assert f"{hist[-1].fed_accuracy * 100:.1f}%" in page, "the last round's federated accuracy is on the page"
+
+
+def _flower_scoring_client_fn() -> Any:
+    from flwr.client import NumPyClient
+
+    class HoldoutClient(NumPyClient):  # an ordinary Flower client with its own train/test split
+        def __init__(self, pid: int, X: np.ndarray, y: np.ndarray) -> None:
+            self.pid = pid
+            cut = len(y) - len(y) // 5
+            self.train, self.test = (X[:cut], y[:cut]), (X[cut:], y[cut:])
+
+        def fit(self, parameters: Any, config: Dict[str, Any]) -> Any:
+            return parameters, len(self.train[1]), {}
+
+        def evaluate(self, parameters: Any, config: Dict[str, Any]) -> Any:
+            X, y = self.test
+            pred = (X @ parameters[0]).argmax(1)
+            return float(self.pid), len(y), {"accuracy": float(np.mean(pred == y)), "round": int(config["server-round"])}
+
+    def client_fn(context: Any) -> Any:
+        from fl.data import load_client_data
+
+        pid, n = context.node_config["partition-id"], context.node_config["num-partitions"]
+        if context.run_config.get("broken-partition") == pid:
+            raise RuntimeError(f"partition {pid} cannot be loaded here")
+        X, y = load_client_data(pid, n, scheme="iid", seed=0)
+        return HoldoutClient(pid, X.astype(np.float64), y).to_client()
+
+    return client_fn
+
+
+def test_flower_client_evaluates_on_the_devices(fl_mesh: _Mesh) -> None:
+    """FlowerClientApp with fed_eval_every: the client's own evaluate() runs on the devices
+    (fraction 0.3 of 3: one client asked per evaluation), weighted by its num_examples."""
+    pytest.importorskip("flwr")
+    from fl.flower import FlowerClientApp
+
+    client = fl_mesh.mesh.client
+    app = FlowerClientApp(_flower_scoring_client_fn(), initial_weights=[np.eye(64, 10)])
+    fed = Federation(client, fl_mesh.ids)
+    hist = fed.fit(app, "digits", rounds=2, strategy=FedAvg(), deadline_s=60, min_clients=N, fed_eval_every=2,
+                   fed_eval_fraction=0.3, name="fed-eval-flower-app")
+    assert "fed_eval" not in hist[0].extra
+    rec = hist[1]
+    asked = rec.extra["fed_eval_asked"]
+    assert len(asked) == 1, asked
+    (c,) = asked
+    k = fl_mesh.ids.index(c)
+    X, y = load_client_data(k, N, scheme="iid", seed=0)
+    test_y = y[len(y) - len(y) // 5:]
+    assert rec.extra["fed_eval"] == {c: {"loss": float(k), "accuracy": pytest.approx(float(np.mean((X[len(y) - len(y) // 5:] @ np.eye(64, 10)).argmax(1) == test_y))),
+                                         "num_examples": len(test_y)}}, rec.extra.get("fed_eval_failed")
+    assert rec.fed_examples == len(test_y) and rec.fed_loss == float(k)
+    assert client.fl_run(fed.run_id)["rounds"][1]["extra"]["fed_examples"] == len(test_y)
+
+
+def test_flower_client_fn_failing_on_one_device_fails_its_warmup(fl_mesh: _Mesh) -> None:
+    """The warm-up builds the Flower client: the device whose client_fn raises is left out
+    with that first error and never called ready; the others train."""
+    pytest.importorskip("flwr")
+    from fl.flower import FlowerClientApp
+
+    client = fl_mesh.mesh.client
+    broken = fl_mesh.clients[0].endpoint_id
+    app = FlowerClientApp(_flower_scoring_client_fn(), initial_weights=[np.eye(64, 10)], run_config={"broken-partition": 0})
+    fed = Federation(client, fl_mesh.ids)
+    hist = fed.fit(app, "digits", rounds=1, strategy=FedAvg(), deadline_s=60, min_clients=1, name="flower-warmup-fail")
+    assert set(fed.driver._excluded) == {broken}, fed.driver._excluded
+    assert "RuntimeError" in fed.driver._excluded[broken] and "partition 0 cannot be loaded here" in fed.driver._excluded[broken]
+    assert broken not in fed.driver._warm_info and len(fed.driver._warm_info) == N - 1
+    assert hist.metadata["warmup"]["failed"] == fed.driver._excluded
+    assert sorted(hist[0].participants) == sorted(set(fl_mesh.ids) - {broken})

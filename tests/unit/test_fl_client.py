@@ -198,3 +198,51 @@ def test_records_are_made_json_safe_for_the_hub() -> None:
 
     out = _json_safe({"loss": float("nan"), "m": {"a": np.float32(0.5), "b": [np.int64(3), float("inf")]}, 1: (1, 2)})
     assert out == {"loss": None, "m": {"a": 0.5, "b": [3, None]}, "1": [1, 2]}
+
+
+def test_function_app_ships_its_evaluate_for_federated_evaluation(on_endpoint) -> None:
+    """Issue 17: the evaluate function travels with train; on the device it scores the global
+    model on the local test part (the holdout), never on the training part."""
+    from fl import datasets
+    from fl.client import local_split
+
+    def train(weights, data, config):
+        return weights, len(data[1]), {}
+
+    def evaluate(weights, data):
+        X, y = data
+        return float(weights[0][0]), {"accuracy": float(np.mean(y == 0)), "n": len(y)}
+
+    remote = deserialize_function(serialize_function(FunctionClientApp(train, evaluate)))
+    assert remote.evaluate_fn is not None and remote.evaluates_on_device()
+    out = remote(_task([np.full(3, 0.75)], kind="evaluate", holdout=0.25))
+    X, y = datasets.load("digits")
+    _, (_, y_test) = local_split((X, y), 0.25, "ep-1")
+    assert out["kind"] == "evaluation" and out["loss"] == 0.75
+    assert out["num_examples"] == len(y_test) == out["metrics"]["n"] == round(0.25 * len(y))
+    assert out["metrics"]["accuracy"] == pytest.approx(float(np.mean(y_test == 0)))
+    # without an evaluate function the device says so
+    bare = deserialize_function(serialize_function(FunctionClientApp(train)))
+    assert not bare.evaluates_on_device()
+    with pytest.raises(TaskError, match="has no evaluate"):
+        bare(_task([np.zeros(3)], kind="evaluate"))
+    with pytest.raises(TypeError, match="evaluate must be a function"):
+        FunctionClientApp(train, evaluate="accuracy")  # type: ignore[arg-type]
+
+
+def test_fit_refuses_federated_evaluation_an_app_cannot_do() -> None:
+    from cloud_hub.client import Client
+
+    fed = Federation(Client("http://127.0.0.1:9", "t"), ["ep-1"], hub_wait_s=0)  # nothing listens there
+    train = lambda w, d, c: (w, 1, {})  # noqa: E731
+    with pytest.raises(ValueError, match="fed_eval_every needs a client app that evaluates on the devices"):
+        fed.fit(FunctionClientApp(train, initial_weights=[np.zeros(1)]), "digits", fed_eval_every=1)
+    with pytest.raises(ValueError, match="or use fed_eval_every=k to run it on the devices"):
+        fed.fit(FunctionClientApp(train, lambda w, d: (0.0, {}), initial_weights=[np.zeros(1)]), "digits")
+    pytest.importorskip("flwr")
+    from fl.flower import FlowerClientApp
+
+    # a Flower app's evaluate_fn is central only: fed_eval_every is not offered as the way out
+    with pytest.raises(ValueError, match=r"eval_data=\.\.\. \(the data it evaluates on\) \(FlowerClientApp's evaluate_fn runs on the driver only\)$"):
+        fed.fit(FlowerClientApp(lambda ctx: None, evaluate_fn=lambda w: (0.0, {})), "digits", fed_eval_every=1)
+    assert fed.run_id is None and fed.driver is None

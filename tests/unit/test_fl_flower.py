@@ -84,3 +84,99 @@ def test_flower_strategies_aggregate_to_the_weighted_mean(make) -> None:
 def test_not_a_strategy_is_refused() -> None:
     with pytest.raises(TypeError, match="neither aggregate_fit nor aggregate_train"):
         FlowerStrategy(object())
+
+
+# ---------------------------------------------------------------- issue 17: warm-up and device evaluation
+
+
+class Scorer(flwr.client.NumPyClient):
+    """Evaluates on its own 'test set' (its partition decides the size); loss = sum of the parameters."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def fit(self, parameters, config):
+        return parameters, 5, {}
+
+    def evaluate(self, parameters, config):
+        return float(sum(float(np.sum(p)) for p in parameters)), 7 + self.pid, {"accuracy": 0.25 * self.pid,
+                                                                               "round": config["server-round"]}
+
+
+class NoEvaluate(flwr.client.NumPyClient):
+    def fit(self, parameters, config):
+        return parameters, 5, {}
+
+
+def scorer_fn(context):
+    return Scorer(context.node_config["partition-id"])
+
+
+def broken_client_fn(context):
+    raise RuntimeError("partition file missing on this device")
+
+
+def not_a_client_fn(context):
+    return {"not": "a client"}
+
+
+def _remote(app):
+    return deserialize_function(serialize_function(app))
+
+
+def test_a_message_api_clientapp_is_refused_at_construction() -> None:
+    app = flwr.clientapp.ClientApp()
+
+    @app.train()
+    def train(msg, context):  # the Message API: (Message, Context)
+        return msg
+
+    with pytest.raises(TypeError, match=r"not a flwr.clientapp.ClientApp.*mesh-fl run APP_DIR.*fl.flower.run_app"):
+        FlowerClientApp(app)
+    with pytest.raises(TypeError, match="needs a client_fn"):
+        FlowerClientApp(Scorer(0))  # a client instance, not a client_fn
+
+
+def test_the_warmup_builds_the_client_and_fails_with_client_fns_error(endpoint) -> None:
+    warm = {"v": 1, "kind": "warmup", "client_id": "ep-3", "dataset": "digits"}
+    assert _remote(FlowerClientApp(scorer_fn))(warm)["kind"] == "ready"
+    with pytest.raises(RuntimeError, match="partition file missing on this device"):
+        _remote(FlowerClientApp(broken_client_fn))(warm)
+    with pytest.raises(TypeError, match="client_fn returned dict, not a flwr NumPyClient or Client"):
+        _remote(FlowerClientApp(not_a_client_fn))(warm)
+    from fl.datasets import DatasetNotFound
+
+    with pytest.raises(DatasetNotFound):
+        _remote(FlowerClientApp(scorer_fn))({**warm, "dataset": "nope"})
+
+
+@pytest.mark.parametrize("wrap", [lambda c: c, lambda c: c.to_client()], ids=["numpyclient", "client"])
+def test_device_evaluation_calls_the_clients_evaluate(endpoint, wrap) -> None:
+    app = _remote(FlowerClientApp(lambda context: wrap(scorer_fn(context))))
+    task = {"v": 1, "kind": "evaluate", "round": 4, "client_id": "ep-3", "weights": encode_weights([np.ones(3), np.ones(2)]),
+            "dataset": "digits", "holdout": 0.2}
+    out = app(task)
+    assert out["kind"] == "evaluation" and out["round"] == 4
+    assert out["loss"] == 5.0 and out["num_examples"] == 9  # partition-id 2: the client's own test set
+    assert out["metrics"] == {"accuracy": 0.5, "round": 4}
+    # a training task of a run with federated evaluation on (holdout set) trains as before
+    tr = app({**task, "kind": "train", "config": {"local_epochs": 1}})
+    assert tr["num_samples"] == 5
+
+
+def test_device_evaluation_without_evaluate_is_a_clear_error(endpoint) -> None:
+    from fl.client import TaskError
+
+    task = {"v": 1, "kind": "evaluate", "round": 1, "client_id": "ep-3", "weights": encode_weights([np.ones(3)]),
+            "dataset": "digits"}
+    with pytest.raises(TaskError, match="NoEvaluate has no evaluate"):
+        _remote(FlowerClientApp(lambda context: NoEvaluate()))(task)
+    with pytest.raises(TaskError, match="NoEvaluate has no evaluate"):
+        _remote(FlowerClientApp(lambda context: NoEvaluate().to_client()))(task)
+    with pytest.raises(TaskError, match="EVALUATE_NOT_IMPLEMENTED"):  # a plain flwr Client: its evaluate's status says so
+        _remote(FlowerClientApp(lambda context: RawNoEvaluate()))(task)
+
+
+class RawNoEvaluate(flwr.client.Client):
+    def fit(self, ins):
+        raise AssertionError("not called here")
