@@ -189,6 +189,25 @@ def _app_on_path(folder: Path, ref: str):
             sys.path.remove(str(folder))
 
 
+def _record_no_one_ready(client: Client, result: FlowerRun, failed: Dict[str, str]) -> None:
+    """Round 1 of a run in which no endpoint passed the warm-up: skipped, each endpoint's first
+    error in ``dropped``, as a native run records it."""
+    import numpy as np
+
+    from fl.federation import _json_safe
+    from fl.wire import encode_weights
+
+    rec = {"round": 1, "loss": None, "accuracy": None, "participants": [], "stragglers": [], "dropped": dict(failed),
+           "round_time_s": 0.0, "extra": {"flower": True, "asked": [], "skipped": True, "reason": "every client failed its warm-up",
+                                          "warmup_failed": dict(failed), "weights_note": "no model: nothing trained"}}
+    try:
+        client.fl_put_round(result.run_id, 1, _json_safe(rec), encode_weights([np.zeros(1, dtype=np.float32)]), {}, "running")
+    except Exception as exc:  # the status below still says why
+        log.warning("could not record the failed warm-up: %s", exc)
+        return
+    result.rounds.append(rec)
+
+
 def run_app(app: "str | os.PathLike[str] | AppPackage", client: Client, *, endpoints: Optional[Sequence[str]] = None,
             tags: Optional[Sequence[str]] = None, auto: bool = False, run_config: Optional[Dict[str, Any]] = None,
             dataset: str = "flower", warmup_s: float = 120.0, max_failed_rounds: int = 2, name: Optional[str] = None,
@@ -205,6 +224,8 @@ def run_app(app: "str | os.PathLike[str] | AppPackage", client: Client, *, endpo
     # delivery and warm-up
     result.delivery = deliver(client, pkg, list(chosen), timeout_s=warmup_s)
     result.failed.update(result.delivery["failed"])
+    result.failed.update({e: f"no answer to the app delivery within {warmup_s:.0f}s" for e in result.delivery["not_back"]
+                          if e not in result.failed})
     candidates = [e for e in chosen if e in set(result.delivery["installed"]) | set(result.delivery["already"])]
     from fl.flower.clientapp import ClientAppRunner
 
@@ -232,6 +253,10 @@ def run_app(app: "str | os.PathLike[str] | AppPackage", client: Client, *, endpo
             result.ready[e] = {k: v for k, v in got[tid][1].items() if k in ("node_id", "node_config", "warmup_time_s")}
     for e, why in result.failed.items():
         log.warning("endpoint %s left out: %s", e, why)
+    # where a native run writes its warm-up failures: each left-out endpoint with its first error
+    # in round 1's ``dropped`` (and ``extra.warmup_failed``); with nobody ready, round 1 is a
+    # skipped record saying so (fl.drivers.sync: "every client failed its warm-up")
+    warm_failed = dict(result.failed)
 
     recorded: Dict[int, bool] = {}
 
@@ -248,14 +273,16 @@ def run_app(app: "str | os.PathLike[str] | AppPackage", client: Client, *, endpo
         arrays = grid.arrays_after.get(rl.round)
         weights = arrays.to_numpy_ndarrays() if arrays is not None else [np.zeros(1, dtype=np.float32)]
         not_back = [e for e in rl.asked if e not in rl.train_ok and e not in rl.train_failed]
+        dropped = {**(warm_failed if rl.round == 1 else {}), **rl.train_failed}
         rec = {"round": rl.round, "loss": loss, "accuracy": acc, "participants": sorted(rl.train_ok),
-               "stragglers": not_back, "dropped": dict(rl.train_failed),
+               "stragglers": not_back, "dropped": dropped,
                "round_time_s": (rl.ended or time.time()) - rl.started,
                "extra": {"flower": True, "train_metrics": train_m, "client_metrics": rl.train_ok,
                          "federated_eval": {"metrics": eval_m, "clients": sorted(rl.eval_ok), "failed": rl.eval_failed} if (rl.eval_ok or rl.eval_failed) else None,
                          "bytes_out": rl.bytes_out, "bytes_in": rl.bytes_in, "asked": rl.asked,
                          "skipped": not rl.train_ok, **({"reason": "no training reply"} if not rl.train_ok else {}),
-                         **({} if arrays is not None else {"weights_note": "the grid saw no model after this round"})}}
+                         **({} if arrays is not None else {"weights_note": "the grid saw no model after this round"}),
+                         **({"warmup_failed": warm_failed} if rl.round == 1 and warm_failed else {})}}
         from fl.federation import _json_safe
 
         try:
@@ -318,6 +345,8 @@ def run_app(app: "str | os.PathLike[str] | AppPackage", client: Client, *, endpo
         os.chdir(cwd)
         for r in sorted(grid.rounds):
             record(grid.rounds[r], grid, last=(error is None and r == max(grid.rounds)))
+        if not result.ready and warm_failed and not recorded:
+            _record_no_one_ready(client, result, warm_failed)
         result.bytes_out, result.bytes_in, result.late_replies = grid.bytes_out, grid.bytes_in, len(grid.late_replies)
         result.time_s = time.monotonic() - t_start
         if error is None:

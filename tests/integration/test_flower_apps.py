@@ -195,8 +195,44 @@ def test_missing_dependency_is_named_and_nothing_runs(fmesh: _Mesh, tmp_path: Pa
 
 
 def test_warmup_failure_is_not_ready(fmesh: _Mesh, tmp_path: Path) -> None:
+    client = fmesh.mesh.client
+    before = {r["id"] for r in client.fl_runs()}
     with pytest.raises(RunFailed, match="no endpoint can run the app .*DatasetNotFound.*'nope'"):
-        run_app(APPS / "quickstart-numpy", fmesh.mesh.client, endpoints=fmesh.ids, dataset="nope", workdir=tmp_path)
+        run_app(APPS / "quickstart-numpy", client, endpoints=fmesh.ids, dataset="nope", workdir=tmp_path)
+    # the hub's run record says which endpoint failed and how, as a native run's does
+    new = [r["id"] for r in client.fl_runs() if r["id"] not in before]
+    assert len(new) == 1
+    run = client.fl_run(new[0])
+    assert run["status"] == "failed" and "DatasetNotFound" in (run["error"] or "")
+    assert [r["round"] for r in run["rounds"]] == [1]
+    r1 = run["rounds"][0]
+    assert sorted(r1["dropped"]) == sorted(fmesh.ids) and not r1["participants"]
+    assert all("DatasetNotFound" in why and "'nope'" in why for why in r1["dropped"].values()), r1["dropped"]
+    assert r1["extra"]["skipped"] is True and r1["extra"]["reason"] == "every client failed its warm-up"
+    assert r1["extra"]["warmup_failed"] == r1["dropped"]
+
+
+def test_one_endpoint_failing_its_warmup_is_in_the_hubs_record(fmesh: _Mesh, tmp_path: Path) -> None:
+    """The ClientApp cannot be imported on one device: that endpoint is left out with its first
+    error, written into round 1 of the hub's run record; the others train."""
+    vid = fmesh.agents[0].endpoint_id
+    app = _copy_app("quickstart-numpy", tmp_path)
+    client_py = app / "quickstart_numpy" / "client_app.py"
+    client_py.write_text("from fl.datasets import endpoint_id as _endpoint_id\n\n"
+                         f"if _endpoint_id() == {vid!r}:\n    raise ImportError('libfoo.so is missing on this device')\n\n"
+                         + client_py.read_text())
+    client = fmesh.mesh.client
+    res = run_app(app, client, endpoints=fmesh.ids, dataset="digits", workdir=tmp_path, run_config={"num-server-rounds": 2})
+    assert res.status == "finished", res.error
+    assert list(res.failed) == [vid] and "libfoo.so is missing on this device" in res.failed[vid], res.failed
+    assert sorted(res.ready) == sorted(set(fmesh.ids) - {vid})
+    run = client.fl_run(res.run_id)
+    assert run["status"] == "finished" and [r["round"] for r in run["rounds"]] == [1, 2]
+    r1, r2 = run["rounds"]
+    assert r1["extra"]["warmup_failed"] == {vid: res.failed[vid]}
+    assert r1["dropped"] == {vid: res.failed[vid]}
+    assert sorted(r1["participants"]) == sorted(r2["participants"]) == sorted(res.ready)
+    assert vid not in r2["dropped"] and "warmup_failed" not in r2["extra"]
 
 
 def test_bad_input_is_refused_before_anything_is_stored(fmesh: _Mesh, tmp_path: Path) -> None:
