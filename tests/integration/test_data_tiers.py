@@ -201,8 +201,20 @@ def test_scheduler_places_the_consumer_where_its_inputs_lie(mesh: LocalMesh) -> 
     # With the cold-start term equal everywhere, the inputs are what differs.
     for a in mesh.agents:
         _run(mesh, a.endpoint_id, where, b"warm")
+    client = Client(mesh.url, mesh.token)
     for holder in (mesh.agents[2], mesh.agents[1], mesh.agents[2]):
         ref = _run(mesh, holder.endpoint_id, make_big, 3, store)
+        # Equal footing but for the inputs: the hub's view of every endpoint (from heartbeats) is
+        # idle again, so the producer's task just finished on the holder is not counted as its
+        # queue (a beat sent while it ran can arrive after its result on a loaded machine).
+        deadline = time.monotonic() + 30
+        while True:
+            infos = {a.endpoint_id: client.get_endpoint(a.endpoint_id) for a in mesh.agents}
+            if all(i["online"] and not i["in_flight"] and not i["info"].get("running") and not i["info"].get("queued") for i in infos.values()):
+                break
+            assert time.monotonic() < deadline, f"endpoints never idle in the hub's view: {infos}"
+            time.sleep(0.1)
+        time.sleep(1.0)  # one more beat (heartbeat_s=0.5) each, reporting idle
         with Executor(client=Client(mesh.url, mesh.token), endpoint="auto") as ex:  # the default: the WebSocket stream
             g = ex.submit(where, ref)
             got = g.result(120)
