@@ -1,6 +1,6 @@
 """Submits survive a hub restart (issue 18 item 5): a steady stream of ``Executor.submit`` calls
 while the hub process is SIGKILLed and started again on the same port and database. No submit is
-refused, and every task exists once and runs (the SDK retries each batch with backoff and jitter
+refused, and every task exists once and runs exactly once on the agent (the SDK retries each batch with backoff and jitter
 under one idempotency key, so a retry of a batch the hub had already stored makes nothing new)."""
 
 from __future__ import annotations
@@ -21,7 +21,15 @@ pytestmark = pytest.mark.integration
 N = 240
 
 
-def echo(i: int) -> int:
+def echo(i: int, log: str) -> int:
+    """Returns ``i`` and appends it to ``log`` on the agent's machine: one line per execution."""
+    import os
+
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, f"{i}\n".encode())  # one write, O_APPEND: whole lines even from two workers
+    finally:
+        os.close(fd)
     return i
 
 
@@ -34,6 +42,7 @@ def test_steady_submits_through_a_hub_sigkill_and_restart(tmp_path: Path) -> Non
         client = Client(m.url, m.token, timeout=10)
         ex = Executor(client, endpoint_id=agent.endpoint_id, submit_timeout_s=120, task_group_id="restart-stream")
         futs = []
+        runs = tmp_path / "executions.log"
         restarted = threading.Event()
 
         def bounce() -> None:
@@ -49,7 +58,7 @@ def test_steady_submits_through_a_hub_sigkill_and_restart(tmp_path: Path) -> Non
         refused = 0
         for i in range(N):
             try:
-                futs.append(ex.submit(echo, i))
+                futs.append(ex.submit(echo, i, str(runs)))
             except Exception:  # submit() must never raise here
                 refused += 1
             time.sleep(0.02)
@@ -66,3 +75,5 @@ def test_steady_submits_through_a_hub_sigkill_and_restart(tmp_path: Path) -> Non
     assert stored == (N, N)  # each submit made exactly one task
     assert done == N
     assert len({f.task_id for f in futs}) == N  # type: ignore[attr-defined]
+    executed = sorted(int(x) for x in runs.read_text().split())
+    assert executed == list(range(N)), "every task ran exactly once on the agent"
