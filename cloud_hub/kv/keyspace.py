@@ -4,7 +4,8 @@ Why a Redis subset and not a new API: the multiprocessing proxies and refs alrea
 through redis-py. A hub without Redis serves the same commands (cloud_hub.kv.server), so the
 same proxies and refs work against it with only their URL changed, and one set of tests proves
 both. Pure logic: no sockets, no clock of its own (``clock`` is injected), so it is unit-tested
-directly. The server holds blocked ``BLPOP`` callers; this module only says which lists grew.
+directly. The server holds blocked ``BLPOP``/``BLMOVE`` callers; this module only says which
+lists grew (and, for ``BLMOVE``, which non-blocking command to retry when one did).
 
 Per-user scoping: every user has a separate key space; no command names another user's key.
 Expiry: lazy on access plus :meth:`Keyspace.sweep`, as Redis does. Budget: ``max_bytes`` over all
@@ -13,7 +14,9 @@ users and ``max_value_bytes`` per value; a write that would pass either is refus
 
 Server-side scripts: there is no Lua here. ``EVAL`` runs only the mesh's own two scripts (a
 bounded semaphore release and a barrier arrival, cloud_hub.client.multiprocessing.synchronize),
-recognised by their SHA-1 and run natively; any other script is a clear error.
+recognised by their SHA-1 and run natively; any other script is a clear error. The Queue's
+at-least-once ``get`` needs none: ``MULTI`` with ``LMOVE``, or ``BLMOVE`` (which blocks as
+``BLPOP`` does, and inside ``MULTI`` does not, as in Redis).
 """
 
 from __future__ import annotations
@@ -37,10 +40,13 @@ class Status(str):
 
 @dataclass(frozen=True)
 class Block:
-    """BLPOP found every list empty: the server parks the caller on ``keys`` until ``timeout``."""
+    """BLPOP or BLMOVE found every list empty: the server parks the caller on ``keys`` until
+    ``timeout``. ``retry``: the non-blocking command to run for the caller when one of ``keys``
+    grows (its reply, if not nil, is the caller's); None: BLPOP's ``[key, LPOP key]``."""
 
     keys: tuple[bytes, ...]
     timeout: float  # seconds; 0 = for ever
+    retry: tuple[bytes, ...] | None = None
 
 
 @dataclass
@@ -94,7 +100,8 @@ def _size(v: Any) -> int:
     return 0
 
 
-_WRITES = {b"SET", b"SETRANGE", b"RPUSH", b"LPUSH", b"LSET", b"HSET", b"HSETNX", b"SADD", b"INCR", b"DECR", b"INCRBY", b"DECRBY", b"EVAL"}
+_WRITES = {b"SET", b"SETRANGE", b"RPUSH", b"LPUSH", b"LSET", b"LMOVE", b"BLMOVE",
+           b"HSET", b"HSETNX", b"SADD", b"INCR", b"DECR", b"INCRBY", b"DECRBY", b"EVAL"}
 
 
 class Keyspace:
@@ -187,7 +194,7 @@ class Keyspace:
                 raise KVError(f"OOM the hub's embedded store is full ({self.used} of {self.max_bytes} bytes); "
                               "nothing was written")
         try:
-            if name == b"BLPOP":
+            if name in (b"BLPOP", b"BLMOVE"):
                 return fn(user, args[1:], may_block)
             return fn(user, args[1:])
         except IndexError:
@@ -379,6 +386,41 @@ class Keyspace:
             if v is not None:
                 return [k, v]
         return Block(tuple(keys), timeout) if may_block else None
+
+    def c_lmove(self, user: str, a: list[bytes]) -> bytes | None:
+        """``LMOVE source destination LEFT|RIGHT LEFT|RIGHT``: pop from one end of ``source`` and
+        push onto one end of ``destination`` in one step (the reliable-queue move); nil when
+        ``source`` is empty. A bad direction or a key of another type changes nothing."""
+        if len(a) != 4:
+            raise KVError("ERR wrong number of arguments for 'lmove' command")
+        src, dst = a[0], a[1]
+        wherefrom, whereto = a[2].upper(), a[3].upper()
+        if wherefrom not in (b"LEFT", b"RIGHT") or whereto not in (b"LEFT", b"RIGHT"):
+            raise KVError("ERR syntax error")
+        lst = self._typed(user, src, deque, False)
+        if not lst:
+            return None
+        self._typed(user, dst, deque, False)  # WRONGTYPE before anything moves
+        if src == dst:  # a rotation: the list (and its expiry) stays
+            v = lst.popleft() if wherefrom == b"LEFT" else lst.pop()
+            (lst.appendleft if whereto == b"LEFT" else lst.append)(v)
+            self.grown.add((user, dst))
+            return v
+        v = self._pop(user, src, wherefrom == b"LEFT")
+        assert v is not None
+        self._push(user, [dst, v], whereto == b"LEFT")
+        return v
+
+    def c_blmove(self, user: str, a: list[bytes], may_block: bool = True) -> Any:
+        """``BLMOVE source destination LEFT|RIGHT LEFT|RIGHT timeout``: LMOVE, or park the caller
+        on ``source`` as BLPOP does (inside MULTI: LMOVE, as Redis does)."""
+        if len(a) != 5:
+            raise KVError("ERR wrong number of arguments for 'blmove' command")
+        timeout = _float(a[4])
+        v = self.c_lmove(user, a[:4])  # checks the directions and types first, whatever happens next
+        if v is not None or not may_block:
+            return v
+        return Block((a[0],), timeout, (b"LMOVE", *a[:4]))
 
     def c_llen(self, user: str, a: list[bytes]) -> int:
         lst = self._typed(user, a[0], deque, False)

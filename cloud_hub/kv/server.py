@@ -102,10 +102,11 @@ def encode(v: Any, resp3: bool) -> bytes:
 
 
 class _Waiter:
-    __slots__ = ("user", "keys", "fut", "reader")
+    __slots__ = ("user", "keys", "fut", "reader", "retry")
 
-    def __init__(self, user: str, keys: tuple[bytes, ...], fut: asyncio.Future[Any], reader: asyncio.StreamReader) -> None:
-        self.user, self.keys, self.fut, self.reader = user, keys, fut, reader
+    def __init__(self, user: str, keys: tuple[bytes, ...], fut: asyncio.Future[Any], reader: asyncio.StreamReader,
+                 retry: tuple[bytes, ...] | None = None) -> None:
+        self.user, self.keys, self.fut, self.reader, self.retry = user, keys, fut, reader, retry
 
 
 class KVServer:
@@ -267,13 +268,13 @@ class KVServer:
         except KVError as exc:
             return exc
 
-    # ------------------------------------------------------------------ BLPOP
+    # ------------------------------------------------------------------ BLPOP, BLMOVE
     async def _block(self, user: str, b: Block, reader: asyncio.StreamReader) -> Any:
         """Park the caller until an item comes, its timeout passes, or it hangs up (then it takes
         nothing: an item is never handed to a caller that is gone)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        w = _Waiter(user, b.keys, fut, reader)
+        w = _Waiter(user, b.keys, fut, reader, b.retry)
         for k in b.keys:
             self._waiters.setdefault((user, k), deque()).append(w)
         deadline = loop.time() + b.timeout if b.timeout > 0 else None
@@ -312,8 +313,15 @@ class KVServer:
                     if w.fut.done() or w.reader.at_eof():
                         q.popleft()
                         continue
-                    v = self.keys.execute(uk[0], [b"LPOP", uk[1]])
-                    if v is None:
+                    if w.retry is None:  # BLPOP: [key, item]
+                        v = self.keys.execute(uk[0], [b"LPOP", uk[1]])
+                        reply = None if v is None else [uk[1], v]
+                    else:  # BLMOVE: its LMOVE (which may grow another list: the next round wakes its waiters)
+                        try:
+                            reply = self.keys.execute(uk[0], list(w.retry), may_block=False)
+                        except KVError as exc:  # the destination changed type while it waited
+                            reply = exc
+                    if reply is None:
                         break
                     q.popleft()
-                    w.fut.set_result([uk[1], v])
+                    w.fut.set_result(reply)

@@ -173,3 +173,103 @@ def test_bad_wire_input_is_an_error_reply_and_changes_nothing(kv: object) -> Non
     out = _raw(kv, login + b"*2\r\n$6\r\nSELECT\r\n$1\r\n1\r\n" + b"*1\r\n$11\r\nMESH.RESULT\r\n")
     assert out.startswith(b"+OK\r\n-ERR the embedded store has only DB 0\r\n-ERR wrong number of arguments for 'mesh.result'"), out
     assert kv.server.keys.used == before and kv.server.keys.dbsize(user) == 0  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------------ LMOVE / BLMOVE (the reliable queue's move)
+def test_keyspace_lmove_moves_one_item_and_bad_arguments_change_nothing() -> None:
+    c = Clock()
+    ks = Keyspace(clock=c)
+    ks.execute("u", [b"RPUSH", b"q", b"a", b"b", b"c"])
+    used = ks.used
+    assert ks.execute("u", [b"LMOVE", b"q", b"p", b"LEFT", b"RIGHT"]) == b"a"
+    assert ks.execute("u", [b"LMOVE", b"q", b"p", b"right", b"left"]) == b"c"
+    assert ks.execute("u", [b"LRANGE", b"p", b"0", b"-1"]) == [b"c", b"a"]
+    assert ks.execute("u", [b"LRANGE", b"q", b"0", b"-1"]) == [b"b"]
+    assert ks.used == used + len(b"p")  # the moved bytes are counted once, plus the new key
+    # a rotation keeps the list and its expiry
+    ks.execute("u", [b"EXPIRE", b"p", b"10"])
+    assert ks.execute("u", [b"LMOVE", b"p", b"p", b"LEFT", b"RIGHT"]) == b"c"
+    assert ks.execute("u", [b"LRANGE", b"p", b"0", b"-1"]) == [b"a", b"c"] and ks.execute("u", [b"TTL", b"p"]) == 10
+    # the last item out deletes the source list, as Redis does; an empty source moves nothing
+    assert ks.execute("u", [b"LMOVE", b"q", b"p", b"LEFT", b"LEFT"]) == b"b"
+    assert ks.execute("u", [b"EXISTS", b"q"]) == 0
+    assert ks.execute("u", [b"LMOVE", b"q", b"p", b"LEFT", b"LEFT"]) is None
+    # bad arguments: an error, and both lists as they were
+    ks.execute("u", [b"RPUSH", b"q", b"x"])
+    ks.execute("u", [b"SET", b"s", b"string"])
+    before, used = (ks.execute("u", [b"LRANGE", b"q", b"0", b"-1"]), ks.execute("u", [b"LRANGE", b"p", b"0", b"-1"])), ks.used
+    with pytest.raises(KVError, match="WRONGTYPE"):
+        ks.execute("u", [b"LMOVE", b"q", b"s", b"LEFT", b"RIGHT"])
+    with pytest.raises(KVError, match="WRONGTYPE"):
+        ks.execute("u", [b"LMOVE", b"s", b"p", b"LEFT", b"RIGHT"])
+    with pytest.raises(KVError, match="syntax error"):
+        ks.execute("u", [b"LMOVE", b"q", b"p", b"UP", b"RIGHT"])
+    with pytest.raises(KVError, match="wrong number of arguments for 'lmove'"):
+        ks.execute("u", [b"LMOVE", b"q", b"p", b"LEFT"])
+    with pytest.raises(KVError, match="wrong number of arguments for 'blmove'"):
+        ks.execute("u", [b"BLMOVE", b"q", b"p", b"LEFT", b"RIGHT", b"1", b"extra"])
+    with pytest.raises(KVError, match="timeout is negative"):
+        ks.execute("u", [b"BLMOVE", b"q", b"p", b"LEFT", b"RIGHT", b"-1"])
+    with pytest.raises(KVError, match="timeout is not a float"):
+        ks.execute("u", [b"BLMOVE", b"q", b"p", b"LEFT", b"RIGHT", b"soon"])
+    assert (ks.execute("u", [b"LRANGE", b"q", b"0", b"-1"]), ks.execute("u", [b"LRANGE", b"p", b"0", b"-1"])) == before
+    assert ks.used == used and ks.execute("u", [b"GET", b"s"]) == b"string"
+
+
+def test_keyspace_blmove_blocks_like_blpop_and_not_inside_multi() -> None:
+    ks = Keyspace(clock=Clock())
+    ks.execute("u", [b"RPUSH", b"q", b"a"])
+    assert ks.execute("u", [b"BLMOVE", b"q", b"p", b"LEFT", b"RIGHT", b"0"]) == b"a"
+    ks.grown.clear()
+    # empty: the server parks the caller on the source, to retry the LMOVE when it grows
+    parked = Block((b"q",), 1.5, (b"LMOVE", b"q", b"p", b"LEFT", b"RIGHT"))
+    assert ks.execute("u", [b"BLMOVE", b"q", b"p", b"LEFT", b"RIGHT", b"1.5"]) == parked
+    assert ks.execute("u", [b"BLMOVE", b"q", b"p", b"LEFT", b"RIGHT", b"0"], may_block=False) is None  # in MULTI
+    assert ks.execute("u", [b"LRANGE", b"p", b"0", b"-1"]) == [b"a"] and not ks.grown
+
+
+def test_blmove_wakes_moves_chains_and_times_out(kv: object) -> None:
+    url = kv.url("gina")  # type: ignore[attr-defined]
+    got: dict[str, object] = {}
+
+    def waiter(name: str, fn: object) -> None:
+        got[name] = fn(redis.Redis.from_url(url))  # type: ignore[operator]
+
+    def parked(key: bytes, n: int) -> None:
+        for _ in range(500):  # bounded: until the waiters are parked
+            if len(kv.server._waiters.get(("gina", key), ())) == n:  # type: ignore[attr-defined]
+                return
+            threading.Event().wait(0.01)
+        raise AssertionError(f"{n} waiter(s) on {key!r} never parked")
+
+    # one BLMOVE waits on q (into p); a BLPOP waits on p: one push on q reaches both, in turn
+    ts = [threading.Thread(target=waiter, args=("move", lambda r: r.blmove("q", "p", 30, "LEFT", "RIGHT")))]
+    ts[0].start()
+    parked(b"q", 1)
+    ts.append(threading.Thread(target=waiter, args=("pop", lambda r: r.blpop(["p"], timeout=30))))
+    ts[1].start()
+    parked(b"p", 1)
+    r = redis.Redis.from_url(url)
+    r.rpush("q", "item")
+    for t in ts:
+        t.join(30)
+    assert got == {"move": b"item", "pop": (b"p", b"item")}
+    assert r.blmove("q", "p", 0.1, "LEFT", "RIGHT") is None and r.exists("q", "p") == 0
+    # in a transaction BLMOVE does not block, as in Redis
+    assert r.pipeline(transaction=True).blmove("q", "p", 0, "LEFT", "RIGHT").rpush("x", "1").execute() == [None, 1]
+    # the destination changed type while the caller waited: it gets the error, the item stays
+    t = threading.Thread(target=waiter, args=("typed", lambda r: _error(lambda: r.blmove("q", "s", 30, "LEFT", "RIGHT"))))
+    t.start()
+    parked(b"q", 1)
+    r.set("s", "now a string")
+    r.rpush("q", "kept")
+    t.join(30)
+    assert "WRONGTYPE" in str(got["typed"]) and r.lrange("q", 0, -1) == [b"kept"]
+    r.delete("q", "s", "x")
+
+
+def _error(fn: object) -> object:
+    try:
+        return fn()  # type: ignore[operator]
+    except redis.ResponseError as exc:
+        return exc
