@@ -43,7 +43,8 @@ __all__ = ["SERIALIZATION_ERROR", "make_error", "type_name", "run_task", "main",
 SERIALIZATION_ERROR = "mesh_agent.protocol.SerializationError"
 
 Task = tuple[str, str, "bytes | None", bytes]
-#: the task running now, once a MeshRef was seen in this worker (cloud_hub.client.refs names producers by it)
+#: the task running now in this worker (a re-run after a crash has the same id): cloud_hub.client.refs
+#: names producers by it, and a mesh Queue consumer keys its pending list by it (at-least-once delivery)
 CURRENT_TASK_ID: str | None = None
 Result = tuple[str, bool, bytes, float, float]
 
@@ -123,6 +124,8 @@ def _split_call(blob: bytes) -> tuple[list[Any] | tuple[Any, ...], dict[str, Any
 def run_task(cache: dict[str, Any], task: Task) -> Result:
     """Run one task; every failure, including ``SystemExit`` from user code, becomes a result."""
     task_id, function_id, body, args_blob = task
+    global CURRENT_TASK_ID
+    CURRENT_TASK_ID = task_id
     started = time.time()
     fn: Callable[..., Any] | BaseException = _load_function(cache, function_id, body)
     if isinstance(fn, BaseException):
@@ -133,8 +136,6 @@ def run_task(cache: dict[str, Any], task: Task) -> Result:
         return _failure(task_id, exc, started)
     refs = sys.modules.get("cloud_hub.client.refs")  # loaded only when an argument was a MeshRef (issue 12)
     if refs is not None:
-        global CURRENT_TASK_ID
-        CURRENT_TASK_ID = task_id  # refs.put names the producing task in its errors
         try:
             args, kwargs = refs.resolve(args, kwargs)
         except BaseException as exc:  # noqa: BLE001 - a missing ref fails this task, not the worker

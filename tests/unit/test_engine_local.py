@@ -156,6 +156,19 @@ async def test_return_values_round_trip(engine: LocalEngine, sink: Collector) ->
         assert r.started <= r.finished <= time.time()
 
 
+def running_task_id() -> Any:
+    import sys
+
+    return sys.modules["mesh_agent.engine._worker"].CURRENT_TASK_ID
+
+
+async def test_a_task_sees_its_own_task_id(engine: LocalEngine, sink: Collector) -> None:
+    """What a mesh Queue keys its consumer's pending list by (at-least-once delivery, issue 12)."""
+    engine.submit([task(f"id-{i}", running_task_id) for i in range(6)])
+    await sink.wait_for(6)
+    assert {k: value(r) for k, r in sink.by_id().items()} == {f"id-{i}": f"id-{i}" for i in range(6)}
+
+
 async def test_lambda_body(engine: LocalEngine, sink: Collector) -> None:
     body = serialize_function(lambda x: x * 2)
     engine.submit([EngineTask("l", function_id(body), body, serialize(([21], {})))])
