@@ -341,8 +341,10 @@ def test_ref_limits_refuse_and_store_nothing(env: Env) -> None:
 
 
 # ------------------------------------------------------------------ failure semantics (item 3)
-def test_queue_is_at_most_once_when_a_consumer_is_killed(env: Env, tmp_path: Path) -> None:
-    """A consumer SIGKILLed right after ``get`` loses that item; nobody receives it twice."""
+def test_queue_item_of_a_consumer_whose_task_is_not_run_again(env: Env, tmp_path: Path) -> None:
+    """A consumer's worker SIGKILLed under a live agent fails its task (exit code 1), which the
+    mesh does not run again: the item it got stays in that task's pending list (until the
+    queue's reference count or expiry deletes it), and no other consumer receives it."""
     out = _pool_program(env, tmp_path, """
 import os, signal
 q, seen = multiprocessing.Queue(), multiprocessing.Queue()
@@ -364,10 +366,13 @@ got = []
 while not seen.empty():
     got.append(seen.get(timeout=5))
 print('got', sorted(got))
+import pickle, redis
+print('pending', [pickle.loads(b) for b in redis.Redis.from_url(q._url).lrange(q._prefix + ':pending:' + p.pid, 1, -1)])
 """)
     assert out.returncode == 0, out.stderr
     assert "killed-exitcode 1" in out.stdout
     assert "got [('killed', 0), ('ok', 1), ('ok', 2), ('ok', 3)]" in out.stdout
+    assert "pending [0]" in out.stdout
 
 
 # ------------------------------------------------------------------ endpoint selectors, in this process
@@ -451,8 +456,8 @@ def test_pool_and_process_run_only_on_the_selected_endpoints(env: Env, mp_here: 
 
 # ------------------------------------------------------------------ a consumer's agent SIGKILLed
 def consume(q: Any, log: Any, gate: Any) -> None:
-    """Log each item got; the third item of the first run waits on ``gate`` (where the test kills
-    the agent), so that item is taken from the queue and never logged."""
+    """Log each item got; on the first run, after logging its third item the consumer waits on
+    ``gate`` (where the test kills the agent), holding that item as done but not yet consumed."""
     import os
     import queue as _q
 
@@ -464,16 +469,20 @@ def consume(q: Any, log: Any, gate: Any) -> None:
         except _q.Empty:
             return
         n += 1
+        log.put(("item", item))
         if n == 3 and not gate.is_set():
             gate.wait(300)
-        log.put(("item", item))
 
 
 def test_queue_when_the_consumers_agent_is_sigkilled(env: Env, mp_here: Any) -> None:
-    """The Process task is stored on its agent, which re-runs it from the start when it comes back
-    (at least once for the task); each queue item still goes to one ``get`` only (at most once),
-    so the item the killed run had taken is lost, and the re-run takes the rest."""
+    """The Process task is stored on its agent, which re-runs it from the start (same task id)
+    when it comes back. Queue delivery to a consumer in a task is at least once: the item the
+    killed run held (it had got it, and even logged it) sat in that task's pending list, and the
+    re-run's first ``get`` hands it out again before the rest; nothing is lost, and only that
+    one item is processed twice."""
     import time
+
+    import redis
 
     victim = next(a for a in env.mesh.agents if a.cfg.name == "mp-zmq2")
     mp = mp_here(victim.endpoint_id)
@@ -482,13 +491,16 @@ def test_queue_when_the_consumers_agent_is_sigkilled(env: Env, mp_here: Any) -> 
         q.put(i)
     p = mp.Process(target=consume, args=(q, log, gate))
     p.start()
-    for _ in range(1200):  # the first run logged 0 and 1 and took 2: it waits on the gate
-        if q.qsize() == 7 and log.qsize() == 3:
+    for _ in range(1200):  # the first run logged 0, 1 and 2, holds 2 and waits on the gate
+        if q.qsize() == 7 and log.qsize() == 4:
             break
         time.sleep(0.1)
     else:
         raise AssertionError(f"the consumer did not reach the gate: {q.qsize()} items left, {log.qsize()} logged")
     assert p.is_alive()
+    r = redis.Redis.from_url(env.store_url)
+    held = r.keys(q._prefix + ":pending:*")
+    assert len(held) == 1 and r.lrange(held[0], 1, -1) == [mp.queues.dumps(2)]  # 0 and 1 are consumed, 2 is in hand
     victim.kill()  # SIGKILL the agent and its workers, the consumer with them
     gate.set()
     victim.start()
@@ -498,7 +510,8 @@ def test_queue_when_the_consumers_agent_is_sigkilled(env: Env, mp_here: Any) -> 
     entries = []
     while not log.empty():
         entries.append(log.get(timeout=5))
-    assert entries[:3] == [("start", victim.endpoint_id), ("item", 0), ("item", 1)]
-    assert entries[3] == ("start", victim.endpoint_id)  # the same task, run again from the start
-    assert entries[4:] == [("item", i) for i in range(3, 10)]  # item 2 is lost; no item came twice
+    assert entries[:4] == [("start", victim.endpoint_id), ("item", 0), ("item", 1), ("item", 2)]
+    assert entries[4] == ("start", victim.endpoint_id)  # the same task, run again from the start
+    assert entries[5:] == [("item", i) for i in range(2, 10)]  # 2 again, first: nothing lost, nothing else twice
     assert q.empty()
+    assert r.keys(q._prefix + ":pending:*") == []  # the re-run ended normally: what it got is consumed

@@ -227,6 +227,57 @@ def test_reference_count_deletes_keys_and_expiry_is_set(rs: RedisServer) -> None
     assert not r.keys(prefix + "*")
 
 
+def _in_task(task_id: str) -> str:
+    """Child code that makes the child an agent's worker running ``task_id``: the agent's worker
+    module with the running task's id set, as ``run_task`` sets it (the integration test
+    test_queue_when_the_consumers_agent_is_sigkilled does this on a real mesh)."""
+    return f"import mesh_agent.engine._worker as w; w.CURRENT_TASK_ID = {task_id!r}\n"
+
+
+def test_queue_in_a_task_is_at_least_once_across_a_sigkill(rs: RedisServer) -> None:
+    r = redis.Redis.from_url(rs.url)
+    q = mp.Queue()
+    for i in range(5):
+        q.put(i)
+    pending = f"{q._prefix}:pending:t1"
+    # a consumer in task t1 takes 0, then 1 (0 is consumed by asking again), and is SIGKILLed
+    out = _child(_in_task("t1") + "import os, signal\nprint(o0.get(), o0.get(), flush=True)\nos.kill(os.getpid(), signal.SIGKILL)", rs.url, q)
+    assert out.returncode == -9 and out.stdout.split() == ["0", "1"], out.stderr
+    assert r.lrange(pending, 0, -1) == [b"", mp.queues.dumps(1)]  # the marker, then the item in hand
+    assert 0 < r.ttl(pending) <= 3600 and r.smembers(q._prefix + ":consumers") == {b"t1"}
+    assert q.qsize() == 3
+    # the driver's get is today's BLPOP: it does not see what t1 holds
+    assert q.get(timeout=5) == 2
+    # t1 run again (the same task id): the item the killed run held comes first, then the rest
+    out = _child(_in_task("t1") + "import queue\ngot = [o0.get(timeout=5) for _ in range(3)]\n"
+                 "try:\n    o0.get(timeout=0.2)\nexcept queue.Empty:\n    got.append('empty')\n"
+                 "print(got)\nfrom cloud_hub.client.multiprocessing.queues import task_ended\ntask_ended()", rs.url, q)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[1, 3, 4, 'empty']"
+    assert not r.exists(pending) and not r.smembers(q._prefix + ":consumers")  # the task ended: consumed
+    # several items left by a killed run are each handed out again, one per get
+    for i in range(3):
+        q.put(10 + i)
+    out = _child(_in_task("t2") + "import threading\nt = threading.Thread(target=o0.get)\nt.start(); t.join()\n"
+                 "print(o0.get(timeout=5), flush=True)\nimport os, signal\nos.kill(os.getpid(), signal.SIGKILL)", rs.url, q)
+    assert out.returncode == -9 and out.stdout.split() == ["11"], out.stderr
+    r.rpush(f"{q._prefix}:pending:t2", mp.queues.dumps("x"))  # as a second consumer thread of t2 would have left it
+    q.put("y")
+    out = _child(_in_task("t2") + "print([o0.get(timeout=5) for _ in range(3)])\n"
+                 "import mesh_agent.engine._worker as w; w.CURRENT_TASK_ID = 't3'\nprint(o0.get(timeout=5))", rs.url, q)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[11,", "'x',", "12]", "y"]
+    # t2's worker went on to another task (t3): t2 had ended, so its list went with t3's first get
+    assert not r.exists(f"{q._prefix}:pending:t2") and r.lrange(f"{q._prefix}:pending:t3", 0, -1) == [b"", mp.queues.dumps("y")]
+    # the reference count's release deletes the pending lists too (the killed runs' references
+    # never came back, so drop them here as the expiry would have)
+    r.set(q._prefix + ":ref", 1)
+    prefix = q._prefix
+    del q
+    gc.collect()
+    assert not r.keys(prefix + "*")
+
+
 def test_redis_down_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     server = RedisServer(tmp_path)
     monkeypatch.setenv("MESH_REDIS_RETRY_S", "0.3")

@@ -98,12 +98,16 @@ def dumps(obj: Any) -> bytes:
 loads = pickle.loads
 
 
-def _release(url: str, prefix: str, keys: tuple[str, ...]) -> None:
-    """Finalizer: drop one reference; the last one deletes the keys."""
+def _release(url: str, prefix: str, keys: tuple[str, ...], members: tuple[str, str] | None = None) -> None:
+    """Finalizer: drop one reference; the last one deletes the keys, and with ``members`` =
+    (set suffix, key suffix) the keys named by that set's members too (a Queue's pending lists)."""
     try:
         r = connection(url)
         if r.decr(prefix + ":ref") <= 0:
-            r.delete(prefix + ":ref", *keys)
+            extra = []
+            if members is not None:
+                extra = [f"{prefix}:{members[1]}{m.decode()}" for m in r.smembers(f"{prefix}:{members[0]}")]
+            r.delete(prefix + ":ref", *keys, *extra)
     except Exception:
         pass  # Redis gone or interpreter exiting: the expiry cleans up
 
@@ -112,6 +116,9 @@ class Resource:
     """A named set of Redis keys under ``mesh:mp:<uuid>``, with a reference count and expiry."""
 
     _suffixes: tuple[str, ...] = ()
+    #: (suffix of a set, key suffix): keys ``<prefix>:<key suffix><member>`` that the set names
+    #: are the resource's too (made as it is used; each carries its own expiry)
+    _members: tuple[str, str] | None = None
 
     def __init__(self, *, _prefix: str | None = None, _url: str | None = None, _ttl: float | None = None) -> None:
         from cloud_hub.client.multiprocessing._state import redis_url, settings
@@ -125,7 +132,7 @@ class Resource:
         pipe.incr(self._prefix + ":ref")
         pipe.expire(self._prefix + ":ref", self._ttl)
         self.call(pipe.execute)
-        self._finalizer = weakref.finalize(self, _release, self._url, self._prefix, tuple(self._keys()))
+        self._finalizer = weakref.finalize(self, _release, self._url, self._prefix, tuple(self._keys()), self._members)
 
     def _keys(self) -> list[str]:
         return [f"{self._prefix}:{s}" for s in self._suffixes]

@@ -24,6 +24,7 @@ from multiprocessing import TimeoutError
 from typing import Any, Callable, Iterable, Iterator
 
 from cloud_hub.client.multiprocessing import _state
+from cloud_hub.client.multiprocessing.queues import task_ended
 
 __all__ = ["Pool", "Process", "AsyncResult", "MapResult", "cpu_count", "current_process", "active_children"]
 
@@ -55,17 +56,24 @@ def _init_once(pool_id: str, initializer: Callable[..., Any] | None, initargs: t
 
 def _run_chunk(pool_id: str, initializer: Callable[..., Any] | None, initargs: tuple[Any, ...],
                fn: Callable[..., Any], chunk: list[Any], star: bool) -> list[Any]:
-    """Runs on the agent's worker: one chunk of a map (or one apply)."""
-    _init_once(pool_id, initializer, initargs, fn)
-    if star:
-        return [fn(*a) for a in chunk]
-    return [fn(a) for a in chunk]
+    """Runs on the agent's worker: one chunk of a map (or one apply). When it ends, what its
+    Queue consumers got counts as consumed (queues.task_ended: at-least-once delivery)."""
+    try:
+        _init_once(pool_id, initializer, initargs, fn)
+        if star:
+            return [fn(*a) for a in chunk]
+        return [fn(a) for a in chunk]
+    finally:
+        task_ended()
 
 
 def _run_apply(pool_id: str, initializer: Callable[..., Any] | None, initargs: tuple[Any, ...],
                fn: Callable[..., Any], args: tuple[Any, ...], kwds: dict[str, Any]) -> Any:
-    _init_once(pool_id, initializer, initargs, fn)
-    return fn(*args, **kwds)
+    try:
+        _init_once(pool_id, initializer, initargs, fn)
+        return fn(*args, **kwds)
+    finally:
+        task_ended()
 
 
 def _picklable(obj: Any) -> None:
@@ -317,7 +325,8 @@ class Pool:
 
 # ---------------------------------------------------------------- Process
 def _run_process(proc: "Process") -> tuple[int, str | None]:
-    """Runs on the agent's worker: ``proc.run()``; the exit code as a child process would have it."""
+    """Runs on the agent's worker: ``proc.run()``; the exit code as a child process would have it.
+    When it ends, what its Queue consumers got counts as consumed (queues.task_ended)."""
     try:
         proc.run()
         return 0, None
@@ -330,6 +339,8 @@ def _run_process(proc: "Process") -> tuple[int, str | None]:
         return 1, f"{code}\n"
     except BaseException:
         return 1, f"Process {proc.name}:\n{traceback.format_exc()}"
+    finally:
+        task_ended()
 
 
 class _Current:
