@@ -165,7 +165,10 @@ class HubStream:
             except StreamUnavailable as exc:
                 log.info("the hub at %s offers no stream (%s); using REST", self.client.url, exc)
                 return False
-            except (HubUnreachable, AuthError) as exc:
+            except Exception as exc:  # HubUnreachable, AuthError, or anything unforeseen: this thread must
+                # not die while futures wait on it (they would never complete); retry with backoff.
+                if not isinstance(exc, (HubUnreachable, AuthError)):
+                    log.warning("opening the stream to the hub failed unexpectedly", exc_info=True)
                 delay = backoff * random.uniform(0.5, 1.5)
                 backoff = min(backoff * 2, 5.0)
                 if self.connects:
@@ -205,7 +208,7 @@ class HubStream:
 
     def _connect(self, cursor: int) -> None:
         try:
-            from websockets.exceptions import InvalidHandshake, InvalidStatus
+            from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMessage, InvalidStatus
             from websockets.sync.client import connect
         except ImportError:
             raise StreamUnavailable("the websockets package is not installed") from None
@@ -223,9 +226,13 @@ class HubStream:
                          open_timeout=10, max_size=None, close_timeout=2, proxy=None)
         except InvalidStatus as exc:
             raise StreamUnavailable(f"the handshake got HTTP {exc.response.status_code}") from None
+        except InvalidMessage as exc:
+            if isinstance(exc.__cause__, (EOFError, OSError)):  # the connection dropped before an answer: a hub restarting
+                raise HubUnreachable(f"cannot open the stream to {self.url} ({exc}: {exc.__cause__!r})") from None
+            raise StreamUnavailable(f"the handshake failed: {exc}") from None
         except InvalidHandshake as exc:
             raise StreamUnavailable(f"the handshake failed: {exc}") from None
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, ConnectionClosed) as exc:  # ConnectionClosed: a hub restarting resets the handshake
             raise HubUnreachable(f"cannot open the stream to {self.url} ({exc})") from None
         try:
             ws.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # Nagle + delayed ACK cost 40 ms a frame
