@@ -9,9 +9,20 @@ only endpoints that lack it get the FAB, which :class:`AppInstaller` checks (has
 under ``flower-apps/<sha256>`` (a temporary folder renamed into place, so a crash mid-install
 leaves nothing half-installed that would count as present).
 
-Dependencies: until execution environments build them, a device that lacks one of
-``[project].dependencies`` (name and version range; extras are not checked) refuses the app
-with one line naming each missing or mismatched package, and the run leaves it out.
+Dependencies (:func:`plan_dependencies`, run on the endpoint by the probe): each of the app's
+``[project].dependencies`` whose marker holds is either
+
+* **provided by the agent**: the agent's Python has it at a version in range (extras are not
+  checked), so nothing is built for it (flwr, numpy, scikit-learn, torch in the usual case);
+* **agent-only** (:data:`AGENT_ONLY`: flwr itself, whose wire format the runner speaks with the
+  agent's copy, and the multi-GB frameworks: torch, tensorflow, jax, ...) but missing or out of
+  range: the device refuses the app with one line naming each such package, and the run leaves
+  it out; these are never downloaded for an app;
+* **built**: everything else goes into the pip list of an execution environment
+  (docs/environments.md) in which the endpoint runs the app's ClientApp: a uv venv, built once
+  per resolved set and shared by every app that needs the same, with the agent's own packages
+  after the venv's on the worker's path. A package that cannot be installed fails the warm-up
+  with the agent's error naming it, and the run leaves that endpoint out.
 
 Runs on the endpoint without torch; flwr is needed only where the app itself needs it.
 """
@@ -29,7 +40,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Dict, List, Optional
 
 __all__ = ["AppPackage", "AppInstaller", "AppError", "MissingDependencies", "apps_dir", "installed_dir",
-           "check_dependencies"]
+           "check_dependencies", "plan_dependencies", "AGENT_ONLY"]
 
 PROTOCOL = 1
 _MAX_FAB = 200 * 1024 * 1024
@@ -85,6 +96,63 @@ def check_dependencies(requirements: List[str]) -> List[str]:
         if req.specifier and not req.specifier.contains(have, prereleases=True):
             missing.append(f"{req.name}{req.specifier} (installed: {have})")
     return missing
+
+
+#: Packages an app gets from the agent's own Python only, never from a venv built for it: flwr
+#: (the ClientApp runner and the driver exchange Flower's protobuf messages through the agent's
+#: flwr) and heavy frameworks (a PyPI torch is gigabytes, and a CUDA build would replace the
+#: device's own). Canonical names (PEP 503).
+AGENT_ONLY = frozenset({
+    "flwr", "flwr-nightly", "torch", "torchvision", "torchaudio", "tensorflow", "tensorflow-cpu", "tensorflow-gpu",
+    "tf-keras", "jax", "jaxlib", "mxnet", "paddlepaddle", "onnxruntime-gpu", "cupy", "triton",
+})
+
+
+def plan_dependencies(requirements: List[str]) -> Dict[str, List[str]]:
+    """Split ``requirements`` (PEP 508) for this Python (see the module doc): ``{"provided":
+    [...], "build": [...], "refused": [...]}``. ``provided``: satisfied here (``name==version``
+    as installed); ``build``: the requirement strings an execution environment must install;
+    ``refused``: one phrase per package that can be neither (agent-only and missing or out of
+    range, not a valid requirement, not one an environment accepts)."""
+    from importlib import metadata
+
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
+    out: Dict[str, List[str]] = {"provided": [], "build": [], "refused": []}
+    for raw in requirements:
+        try:
+            req = Requirement(raw)
+        except InvalidRequirement as exc:
+            out["refused"].append(f"{raw!r} (not a valid requirement: {exc})")
+            continue
+        if req.marker is not None and not req.marker.evaluate():
+            continue
+        name = canonicalize_name(req.name)
+        try:
+            have: Optional[str] = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            have = None
+        if have is not None and (not req.specifier or req.specifier.contains(have, prereleases=True)):
+            out["provided"].append(f"{name}=={have}")
+            continue
+        if name in AGENT_ONLY:
+            why = "not installed" if have is None else f"installed: {have}"
+            out["refused"].append(f"{req.name}{req.specifier} ({why}; comes from the agent's Python only, never downloaded)")
+            continue
+        if req.url:
+            out["refused"].append(f"{raw!r} (a URL requirement; execution environments take names and versions only)")
+            continue
+        out["build"].append(str(req))
+    if out["build"]:
+        try:
+            from mesh_agent.environment import normalize
+
+            normalize({"pip": list(out["build"])})
+        except Exception as exc:  # the rules every environment spec follows (docs/environments.md)
+            out["refused"].append(f"{', '.join(out['build'])} ({exc})")
+            out["build"] = []
+    return out
 
 
 def _read_toml(data: bytes) -> Dict[str, Any]:
@@ -200,10 +268,12 @@ def _safe_extract(fab: bytes, target: Path) -> None:
 class AppInstaller:
     """The mesh function that installs a Flower App on an endpoint.
 
-    ``{"v": 1, "kind": "probe", "sha256", "name", "dependencies"}`` -> ``{"installed": bool}``
-    (raises :class:`MissingDependencies` naming what is missing);
-    ``{"v": 1, "kind": "install", "sha256", "name", "dependencies", "fab": bytes}`` -> unpacks
-    it unless present (``{"installed": True, "skipped": bool}``).
+    ``{"v": 1, "kind": "probe", "sha256", "name", "dependencies"}`` -> ``{"installed": bool,
+    "environment": {"pip": [...]} or None, "provided": [...]}`` (raises
+    :class:`MissingDependencies` naming what can be neither provided nor built: see
+    :func:`plan_dependencies`); ``{"v": 1, "kind": "install", ..., "fab": bytes}`` -> unpacks it
+    unless present (``{"installed": True, "skipped": bool, ...}``). ``environment``: where the
+    endpoint must run the app's ClientApp (None: the agent's own Python).
     """
 
     name = "flower-app-installer"
@@ -213,13 +283,14 @@ class AppInstaller:
             raise AppError("expected a Flower app probe or install task")
         sha = str(task.get("sha256"))
         target = installed_dir(sha)
-        missing = check_dependencies(list(task.get("dependencies") or []))
-        if missing:
-            raise MissingDependencies(f"Flower app {task.get('name')!r} needs {', '.join(missing)} on this endpoint "
+        plan = plan_dependencies(list(task.get("dependencies") or []))
+        if plan["refused"]:
+            raise MissingDependencies(f"Flower app {task.get('name')!r} needs {', '.join(plan['refused'])} on this endpoint "
                                       f"({os.environ.get('MESH_ENDPOINT_NAME') or 'here'}); install them in the agent's Python")
+        deps = {"environment": {"pip": plan["build"]} if plan["build"] else None, "provided": plan["provided"]}
         present = (target / "pyproject.toml").is_file()
         if task["kind"] == "probe" or present:
-            return {"v": PROTOCOL, "kind": "app", "installed": present, "skipped": present, "path": str(target)}
+            return {"v": PROTOCOL, "kind": "app", "installed": present, "skipped": present, "path": str(target), **deps}
         fab = task.get("fab")
         if not isinstance(fab, (bytes, bytearray)) or hashlib.sha256(fab).hexdigest() != sha:
             raise AppError(f"the FAB sent for {sha[:12]} does not hash to it")
@@ -234,4 +305,4 @@ class AppInstaller:
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        return {"v": PROTOCOL, "kind": "app", "installed": True, "skipped": False, "path": str(target)}
+        return {"v": PROTOCOL, "kind": "app", "installed": True, "skipped": False, "path": str(target), **deps}

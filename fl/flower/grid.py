@@ -96,11 +96,14 @@ def _metrics(content: RecordDict) -> Dict[str, Any]:
 
 class MeshGrid(Grid):
     """See the module doc. ``endpoints``: the run's endpoints (ready ones: warm-up passed);
-    ``task``: the fields every task carries besides the message (app, run, run_config, dataset)."""
+    ``task``: the fields every task carries besides the message (app, run, run_config, dataset);
+    ``environments``: endpoint -> the execution environment its messages run in (the app's
+    dependencies built there, :mod:`fl.flower.delivery`)."""
 
     def __init__(self, client: Client, endpoints: Sequence[str], *, fid: str, task: Mapping[str, Any], run_id: int,
                  hub_wait_s: float = 300.0, poll_s: float = 5.0, max_failed_rounds: int = 2,
-                 on_round: Optional[Callable[["RoundLog"], None]] = None) -> None:
+                 on_round: Optional[Callable[["RoundLog"], None]] = None,
+                 environments: Optional[Mapping[str, Mapping[str, Any]]] = None) -> None:
         if max_failed_rounds < 1:
             raise ValueError("max_failed_rounds must be >= 1")
         self.client = client
@@ -112,6 +115,7 @@ class MeshGrid(Grid):
         self.poll_s = float(poll_s)
         self.max_failed_rounds = int(max_failed_rounds)
         self.on_round = on_round
+        self.environments = {e: dict(env) for e, env in (environments or {}).items() if env}  # endpoint -> where its ClientApp runs
         self._run = Run.create_empty(run_id)
         self._pending: Dict[str, _Pending] = {}
         self._answered_early: Dict[str, _Pending] = {}  # task id -> answered with an error; a reply may still come
@@ -168,7 +172,10 @@ class MeshGrid(Grid):
                 continue
             payload = {**self.task, "v": PROTOCOL, "kind": "flower-message", "message": data}
             ttl = max(1.0, float(msg.metadata.ttl))
-            specs.append(Client.task_spec(endpoint, self.fid, (payload,), None, ttl_s=ttl))
+            spec = Client.task_spec(endpoint, self.fid, (payload,), None, ttl_s=ttl)
+            if endpoint in self.environments:
+                spec["environment"] = self.environments[endpoint]
+            specs.append(spec)
             meta.append((mid, endpoint, msg, len(data)))
         if specs:
             tids = self._hub(self.client.submit_batch, specs)

@@ -128,6 +128,13 @@ def _gather(client: Client, pending: Dict[str, str], timeout_s: float) -> Dict[s
     return out
 
 
+def _with_env(spec: Dict[str, Any], env: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """A task spec that runs in ``env`` (a normalized spec, docs/environments.md)."""
+    if env:
+        spec["environment"] = dict(env)
+    return spec
+
+
 def _err(value: Any) -> str:
     remote = getattr(value, "remote_type", None)
     text = f"{remote or type(value).__name__}: {getattr(value, 'remote_message', None) or value}"
@@ -136,7 +143,10 @@ def _err(value: Any) -> str:
 
 def deliver(client: Client, pkg: AppPackage, endpoints: Sequence[str], *, timeout_s: float = 120.0) -> Dict[str, Any]:
     """Probe, then install where missing. Returns ``{"installed": [...], "already": [...],
-    "failed": {endpoint: first error}, "not_back": [...], "fab_bytes_sent": n}``."""
+    "failed": {endpoint: first error}, "not_back": [...], "fab_bytes_sent": n, "environments":
+    {endpoint: {"pip": [...]}}}``: ``environments`` holds, per endpoint that needs one, the
+    execution environment its ClientApp runs in (the app's dependencies its agent's Python does
+    not provide, :func:`fl.flower.delivery.plan_dependencies`)."""
     fid = client.register_function(AppInstaller(), "flower-app-installer")
     base = {"v": DELIVERY_PROTOCOL, "sha256": pkg.sha256, "name": pkg.name, "dependencies": pkg.dependencies}
     ttl = timeout_s + 30
@@ -144,7 +154,13 @@ def deliver(client: Client, pkg: AppPackage, endpoints: Sequence[str], *, timeou
     pmap = dict(zip(probes, endpoints))
     got = _gather(client, pmap, timeout_s)
     report: Dict[str, Any] = {"installed": [], "already": [], "failed": {}, "not_back": [], "fab_bytes_sent": 0,
-                              "sha256": pkg.sha256}
+                              "sha256": pkg.sha256, "environments": {}}
+
+    def note_env(e: str, value: Mapping[str, Any]) -> None:
+        env = value.get("environment")
+        if isinstance(env, Mapping) and env.get("pip"):
+            report["environments"][e] = {"pip": [str(r) for r in env["pip"]]}
+
     need = []
     for tid, e in pmap.items():
         if tid not in got:
@@ -155,6 +171,7 @@ def deliver(client: Client, pkg: AppPackage, endpoints: Sequence[str], *, timeou
             report["failed"][e] = _err(value)
         elif value.get("installed"):
             report["already"].append(e)
+            note_env(e, value)
         else:
             need.append(e)
     if need:
@@ -170,6 +187,7 @@ def deliver(client: Client, pkg: AppPackage, endpoints: Sequence[str], *, timeou
                 report["failed"][e] = _err(got[tid][1])
             else:
                 report["installed"].append(e)
+                note_env(e, got[tid][1])
     return report
 
 
@@ -240,7 +258,14 @@ def run_app(app: "str | os.PathLike[str] | AppPackage", client: Client, *, endpo
                                            "delivery": {k: v for k, v in result.delivery.items() if k != "sha256"}})
     result.run_id = str(created["id"])
     task = {"app": appref, "run": result.run_id, "run_id": run_int, "dataset": dataset, "run_config": rc}
-    warm = client.submit_batch([Client.task_spec(e, fid, ({**task, "v": 1, "kind": "flower-warmup"},), None, ttl_s=warmup_s + 30)
+    from mesh_agent.environment import normalize
+
+    envs: Dict[str, Dict[str, Any]] = {e: normalize(dict(env)) for e, env in (result.delivery.get("environments") or {}).items()}
+    for e, env in envs.items():
+        log.info("endpoint %s runs the ClientApp in an environment with %s (the rest from its agent's Python)",
+                 e, ", ".join(env["pip"]))
+    warm = client.submit_batch([_with_env(Client.task_spec(e, fid, ({**task, "v": 1, "kind": "flower-warmup"},), None,
+                                                           ttl_s=warmup_s + 30), envs.get(e))
                                 for e in candidates]) if candidates else []
     wmap = dict(zip(warm, candidates))
     got = _gather(client, wmap, warmup_s)
@@ -303,7 +328,8 @@ def run_app(app: "str | os.PathLike[str] | AppPackage", client: Client, *, endpo
             record(prev, grid_box[0])
 
     grid = MeshGrid(client, list(result.ready), fid=fid, task=task, run_id=run_int, poll_s=poll_s,
-                    max_failed_rounds=max_failed_rounds, on_round=on_train_done)
+                    max_failed_rounds=max_failed_rounds, on_round=on_train_done,
+                    environments={e: env for e, env in envs.items() if e in result.ready})
     grid_box.append(grid)
     error: Optional[str] = None
     cwd = os.getcwd()

@@ -28,6 +28,8 @@ from cloud_hub.localmesh import AgentProcess, LocalMesh  # noqa: E402
 from fl.flower.grid import RunFailed  # noqa: E402
 from fl.flower.run import run_app  # noqa: E402
 from fl.localmesh import add_digits_agents  # noqa: E402
+from mesh_agent.config import AgentConfig  # noqa: E402
+from tests.fixtures.wheels import build_wheel  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -48,10 +50,19 @@ class _Mesh:
 def fmesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Mesh]:
     if find_mosquitto() is None:
         pytest.fail("mosquitto is required for integration tests: run ./taskw setup (apt-get install mosquitto)")
-    m = LocalMesh(Path(tmp_path_factory.mktemp("flowermesh")), heartbeat_s=0.5, lost_after_s=2.5, lease_s=4.0)
+    work = Path(tmp_path_factory.mktemp("flowermesh"))
+    # the wheel depapp needs, served to the agents' execution environments offline (never PyPI)
+    wheels = work / "wheels"
+    build_wheel(wheels, "meshflwr-scale", "1.0", files={"meshflwr_scale/__init__.py": "VERSION = '1.0'\nFACTOR = 3.0\n"})
+    m = LocalMesh(work, heartbeat_s=0.5, lost_after_s=2.5, lease_s=4.0)
     m.start()
     try:
-        agents = add_digits_agents(m, 3, prefix="flwr", workers=1)
+        agents = add_digits_agents(m, 3, prefix="flwr", workers=1, start=False)
+        for a in agents:
+            a.cfg = AgentConfig.model_validate({**a.cfg.model_dump(),
+                                                "environments": {"no_index": True, "find_links": [str(wheels)]}})
+            a.cfg.save(a.config_path)
+            a.start()
         m.wait_online(timeout=120)
         yield _Mesh(m, agents)
     finally:
@@ -190,8 +201,48 @@ def test_missing_dependency_is_named_and_nothing_runs(fmesh: _Mesh, tmp_path: Pa
     app = _copy_app("quickstart-numpy", tmp_path)
     toml = app / "pyproject.toml"
     toml.write_text(toml.read_text().replace('"numpy>=2.0.2",', '"numpy>=2.0.2",\n    "torchvision==0.23.0",'))
-    with pytest.raises(RunFailed, match=r"no endpoint can run the app .*torchvision==0.23.0 \(not installed\)"):
+    with pytest.raises(RunFailed, match=r"no endpoint can run the app .*torchvision==0.23.0 \(not installed; comes from "
+                                        r"the agent's Python only, never downloaded\)"):
         run_app(app, fmesh.mesh.client, endpoints=fmesh.ids, dataset="digits", workdir=tmp_path)
+
+
+def test_app_dependency_is_built_in_an_environment_on_each_endpoint(fmesh: _Mesh, tmp_path: Path) -> None:
+    """depapp needs meshflwr-scale, which the agents' Python lacks: each endpoint runs its
+    ClientApp in an execution environment built from the local wheel (no index), with only that
+    package in it (flwr and numpy come from the agent). The replies prove the package was
+    imported there (its FACTOR scaled the model)."""
+    res = run_app(APPS / "depapp", fmesh.mesh.client, endpoints=fmesh.ids, dataset="digits", workdir=tmp_path,
+                  warmup_s=300)
+    assert res.status == "finished", res.error
+    assert res.delivery["environments"] == {e: {"pip": ["meshflwr-scale>=1.0"]} for e in fmesh.ids}, res.delivery
+    assert sorted(res.ready) == sorted(fmesh.ids) and not res.failed
+    for r in res.rounds:
+        cm = r["extra"]["client_metrics"]
+        assert sorted(cm) == sorted(fmesh.ids)
+        assert all(m["dep-factor"] == 3.0 and m["dep-version"] == 1.0 for m in cm.values()), cm
+    final = np.load(tmp_path / "final_model.npz")["arr_0"]
+    assert final.tolist() == [9.0, 9.0]  # ones, times 3 in each of 2 rounds
+    run = fmesh.mesh.client.fl_run(res.run_id)
+    assert run["config"]["delivery"]["environments"] == res.delivery["environments"]
+
+
+def test_app_dependency_that_cannot_be_built_fails_naming_it(fmesh: _Mesh, tmp_path: Path) -> None:
+    """The same app needing a package no index holds: every endpoint's environment build fails,
+    each warm-up error names the package, and the run fails with it (nothing trains)."""
+    app = _copy_app("depapp", tmp_path)
+    toml = app / "pyproject.toml"
+    toml.write_text(toml.read_text().replace('"meshflwr-scale>=1.0"', '"meshflwr-nosuch>=2.1"'))
+    before = {r["id"] for r in fmesh.mesh.client.fl_runs()}
+    p = _cli(fmesh.mesh, str(app), "--endpoints", ",".join(fmesh.ids), "--dataset", "digits", "--warmup-s", "300",
+             "--out-dir", str(tmp_path / "out"), cwd=tmp_path)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "run failed: no endpoint can run the app (3 failed)" in p.stderr and "meshflwr-nosuch>=2.1" in p.stderr, p.stderr[-3000:]
+    new = [r["id"] for r in fmesh.mesh.client.fl_runs() if r["id"] not in before]
+    assert len(new) == 1
+    run = fmesh.mesh.client.fl_run(new[0])
+    assert run["status"] == "failed" and "meshflwr-nosuch>=2.1" in (run.get("error") or ""), run
+    dropped = run["rounds"][0]["dropped"]
+    assert sorted(dropped) == sorted(fmesh.ids) and all("meshflwr-nosuch>=2.1" in why for why in dropped.values()), dropped
 
 
 def test_warmup_failure_is_not_ready(fmesh: _Mesh, tmp_path: Path) -> None:

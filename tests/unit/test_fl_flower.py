@@ -180,3 +180,40 @@ def test_device_evaluation_without_evaluate_is_a_clear_error(endpoint) -> None:
 class RawNoEvaluate(flwr.client.Client):
     def fit(self, ins):
         raise AssertionError("not called here")
+
+
+def test_app_dependencies_split_into_provided_built_and_refused() -> None:
+    """What the agent's Python has at a version in range is provided (never built); agent-only
+    packages (flwr, torch, ...) out of range are refused by name, never downloaded; the rest goes
+    into the app's execution environment; a false marker drops a requirement."""
+    from importlib import metadata
+
+    from fl.flower.delivery import plan_dependencies
+
+    np_version = metadata.version("numpy")
+    plan = plan_dependencies(["flwr[simulation]>=1.0", "numpy>=1.0", "meshflwr-absent>=1.2", "Other_Pkg[x]==2.0",
+                              "skipme==1.0; python_version < '3.0'"])
+    assert plan["refused"] == []
+    assert plan["provided"] == [f"flwr=={metadata.version('flwr')}", f"numpy=={np_version}"]
+    assert plan["build"] == ["meshflwr-absent>=1.2", "Other_Pkg[x]==2.0"]
+    plan = plan_dependencies(["torch==0.0.1", "flwr<1.0", "jax>=0.1", "numpy<1.0", "pkg @ https://example.invalid/p.whl", "not a req!"])
+    refused = " | ".join(plan["refused"])
+    assert plan["build"] == ["numpy<1.0"]  # numpy is not agent-only: an environment may install another version
+    assert f"torch==0.0.1 (installed: {metadata.version('torch')}; comes from the agent's Python only" in refused, refused
+    assert "flwr<1.0 (installed:" in refused and "jax>=0.1 (not installed; comes from the agent's Python only" in refused
+    assert "a URL requirement" in refused and "'not a req!' (not a valid requirement" in refused
+    assert len(plan["refused"]) == 5 and plan["provided"] == []
+
+
+def test_the_installer_probe_returns_the_environment_or_refuses_naming_the_package(monkeypatch: pytest.MonkeyPatch,
+                                                                                  tmp_path: Path) -> None:
+    from fl.flower.delivery import PROTOCOL, AppInstaller, MissingDependencies
+
+    monkeypatch.setenv("MESH_ENDPOINT_DATA_DIR", str(tmp_path))
+    base = {"v": PROTOCOL, "kind": "probe", "sha256": "a" * 64, "name": "demo"}
+    out = AppInstaller()({**base, "dependencies": ["numpy>=1", "meshflwr-absent>=1.2"]})
+    assert out["installed"] is False and out["environment"] == {"pip": ["meshflwr-absent>=1.2"]}
+    assert out["provided"][0].startswith("numpy==")
+    assert AppInstaller()({**base, "dependencies": ["numpy>=1"]})["environment"] is None
+    with pytest.raises(MissingDependencies, match=r"'demo' needs torchvision==0\.0\.1 \(not installed; comes from the agent's Python only"):
+        AppInstaller()({**base, "dependencies": ["numpy>=1", "torchvision==0.0.1"]})
