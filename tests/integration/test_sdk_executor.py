@@ -163,17 +163,20 @@ def test_code_sent_by_reference_fails_promptly_naming_the_module(mesh: _Mesh, tm
 
 # ------------------------------------------------------------------ item 6: asyncio
 def test_async_executor_awaits_results_without_a_thread_per_future(mesh: _Mesh) -> None:
-    async def main() -> tuple[list[int], int, int]:
+    async def main() -> tuple[list[int], set[threading.Thread]]:
         async with AsyncExecutor(mesh.mesh.client, endpoint=mesh.ep) as ex:
-            started = threading.active_count()
+            before = set(threading.enumerate())
             futs = [ex.submit(pow, 2, i) for i in range(200)]
-            during = threading.active_count()
+            new = set(threading.enumerate()) - before
             out = await asyncio.gather(*futs)
-            return list(out), started, during
+            return list(out), new
 
-    out, started, during = asyncio.run(main())
+    out, new = asyncio.run(main())
     assert out == [2**i for i in range(200)]
-    assert during == started  # 200 futures in flight, not one more thread
+    # 200 futures in flight, not a thread each. Compared by identity, not by count: a thread of an
+    # earlier test ending meanwhile made the count equal or lower by chance (seen in CI under load),
+    # and the executor may start one helper thread of its own lazily.
+    assert len(new) <= 1, sorted(t.name for t in new)
 
 
 # ------------------------------------------------------------------ item 4: Globus Compute
