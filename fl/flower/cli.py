@@ -1,6 +1,6 @@
 """``mesh-fl``: run Flower Apps on the mesh.
 
-    mesh-fl run APP_DIR|APP.fab (--endpoints ID,ID | --tags T,T | --auto)
+    mesh-fl run APP_DIR|APP.fab (--endpoints ID,ID | --tags T,T | --auto [--clients N])
                 [--run-config 'num-server-rounds=5 penalty="l2"'] [--dataset NAME]
                 [--max-failed-rounds 2] [--warmup-s 120] [--out-dir DIR] [--json]
 
@@ -36,7 +36,8 @@ def run(
     app_path: Path = typer.Argument(..., help="Flower App directory (pyproject.toml with [tool.flwr.app]) or a .fab"),
     endpoints: Optional[str] = typer.Option(None, "--endpoints", help="comma-separated endpoint ids or names"),
     tags: Optional[str] = typer.Option(None, "--tags", help="every endpoint carrying all these tags"),
-    auto: bool = typer.Option(False, "--auto", help="every endpoint of yours that is online"),
+    auto: bool = typer.Option(False, "--auto", help="endpoints of yours that are online, best first as the scheduler predicts"),
+    clients: Optional[int] = typer.Option(None, "--clients", help="with --auto: take the N best (default: every online endpoint)"),
     run_config: Optional[List[str]] = typer.Option(None, "--run-config", help="overrides: 'key=value key2=\"text\"' or a .toml file"),
     dataset: str = typer.Option("flower", "--dataset", help="the endpoints' dataset declaration that gives node_config"),
     max_failed_rounds: int = typer.Option(2, "--max-failed-rounds", min=1, help="stop after this many rounds in which every client failed the same way"),
@@ -73,7 +74,7 @@ def run(
     try:
         res = run_app(pkg, client, endpoints=_split(endpoints) or None, tags=_split(tags) or None, auto=auto,
                       run_config=overrides, dataset=dataset, warmup_s=warmup_s, max_failed_rounds=max_failed_rounds,
-                      workdir=out_dir)
+                      workdir=out_dir, clients=clients)
     except ValueError as exc:  # no such endpoint, bad selection
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
@@ -87,6 +88,14 @@ def run(
         typer.echo(f"run {res.run_id} {res.status}: {len(res.rounds)} round(s) on {len(res.ready)} endpoint(s); "
                    f"last loss {last.get('loss')} accuracy {last.get('accuracy')}; "
                    f"{res.bytes_out} B of messages out, {res.bytes_in} B back, app {res.delivery.get('fab_bytes_sent', 0)} B delivered")
+        if res.selection is not None:
+            sel = res.selection
+
+            def pred(x: dict) -> str:
+                return "no prediction" if x["predicted_s"] is None else f"{float(x['predicted_s']):.3f}s"
+
+            ranking = ", ".join(f"{x['rank']}. {x['name'] or x['endpoint']} ({pred(x)})" for x in sel["ranking"])
+            typer.echo(f"  --auto ({sel['policy']}): took {len(sel['chosen'])} of {sel['online']} online endpoint(s); {ranking}")
         for e, why in res.failed.items():
             typer.echo(f"  left out {e}: {why}", err=True)
     sys.exit(0)

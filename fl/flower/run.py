@@ -4,8 +4,11 @@ SuperLink: ``mesh-fl run APP_DIR --endpoints ... | --tags ... | --auto --run-con
 1. The app: ``[tool.flwr.app.components]`` (``serverapp``, ``clientapp``) and
    ``[tool.flwr.app.config]`` from its ``pyproject.toml``, with ``--run-config`` overrides (an
    unknown key is an error, as in Flower); the ``run_config`` every ``Context`` gets.
+   ``--auto`` ranks the online endpoints by what the hub's scheduler predicts for the ClientApp
+   runner and takes the ``--clients`` best (:func:`select_auto`, recorded with its reasons).
 2. Delivery (:mod:`fl.flower.delivery`): each endpoint is probed for the app's hash and its
-   dependencies; the FAB goes only to those that lack it.
+   dependencies; the FAB goes only to those that lack it. Dependencies its agent's Python does
+   not provide are built into an execution environment the endpoint's ClientApp runs in.
 3. Warm-up: each endpoint loads the ``ClientApp`` once and builds its ``Context``; one that
    cannot (a missing module, no dataset declaration) is left out with its first error and is
    never called ready.
@@ -36,7 +39,7 @@ from fl.flower.delivery import PROTOCOL as DELIVERY_PROTOCOL
 from fl.flower.delivery import AppError, AppInstaller, AppPackage
 from fl.flower.grid import MeshGrid, RoundLog, RunFailed
 
-__all__ = ["run_app", "FlowerRun", "RunFailed", "AppError"]
+__all__ = ["run_app", "FlowerRun", "RunFailed", "AppError", "rank_endpoints", "select_auto"]
 
 log = logging.getLogger("fl.flower.run")
 
@@ -58,6 +61,8 @@ class FlowerRun:
     late_replies: int = 0
     error: Optional[str] = None
     time_s: float = 0.0
+    selection: Optional[Dict[str, Any]] = None  # --auto: what the scheduler predicted and which were taken
+
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -109,6 +114,63 @@ def _resolve(client: Client, endpoints: Optional[Sequence[str]], tags: Optional[
     if not out:
         raise ValueError("--auto: no endpoint is online")
     return out
+
+
+def rank_endpoints(predictions: Mapping[str, Mapping[str, Any]], rows: Mapping[str, Mapping[str, Any]]) -> List[Dict[str, Any]]:
+    """The online endpoints best first, from the scheduler's predictions for the ClientApp runner
+    (``POST /v1/scheduler/predict``): by expected seconds per reply, ``predicted_s / p_online``
+    (no prediction: last; no outage history: p_online 1), then by name, then by id, so equal
+    predictions always rank the same way. Each row says why: ``endpoint``, ``name``, ``rank``,
+    ``predicted_s``, ``p_online``, ``source`` (where the runtime came from: ``prior`` = no
+    measurement of this function there yet), ``score``."""
+    import math
+
+    out = []
+    for e, r in rows.items():
+        p = predictions.get(e) or {}
+        pred = p.get("predicted_s")
+        p_on = p.get("p_online")
+        p_use = 1.0 if p_on is None else max(float(p_on), 0.01)
+        score = float(pred) / p_use if isinstance(pred, (int, float)) and math.isfinite(pred) else math.inf
+        out.append({"endpoint": e, "name": str(r.get("name") or ""), "predicted_s": pred, "p_online": p_on,
+                    "source": p.get("source"), "score": score})
+    out.sort(key=lambda x: (round(x["score"], 6) if math.isfinite(x["score"]) else math.inf, x["name"], x["endpoint"]))
+    for i, x in enumerate(out, 1):
+        x["rank"] = i
+        if not math.isfinite(x["score"]):
+            x["score"] = None
+    return out
+
+
+def select_auto(client: Client, fid: str, online: Mapping[str, Mapping[str, Any]], clients: Optional[int]) -> Dict[str, Any]:
+    """``--auto``: ask the scheduler what it predicts for the ClientApp runner on each online
+    endpoint and take the ``clients`` best (default: all, still ranked). Returns the selection
+    record (``policy``, ``chosen``, ``left_out``, ``ranking``, ``error`` when the scheduler could
+    not be asked: then the ranking is by name and id)."""
+    error = None
+    try:
+        pred = client.scheduler_predict(fid, sorted(online))
+    except Exception as exc:  # the route refused or the hub is old: rank by name, say so
+        pred, error = {}, f"{type(exc).__name__}: {exc}"[:300]
+        log.warning("--auto: the scheduler could not be asked (%s); taking endpoints by name", error)
+    ranking = rank_endpoints(pred, online)
+    n = len(ranking) if clients is None else min(int(clients), len(ranking))
+    chosen = [x["endpoint"] for x in ranking[:n]]
+    rec: Dict[str, Any] = {"policy": "scheduler" if error is None else "by-name", "function_id": fid, "asked_for": clients,
+                           "online": len(ranking), "chosen": chosen, "left_out": [x["endpoint"] for x in ranking[n:]],
+                           "ranking": ranking}
+    if error:
+        rec["error"] = error
+
+    def say(x: Mapping[str, Any]) -> str:
+        pred_s = "no prediction" if x["predicted_s"] is None else f"predicted {float(x['predicted_s']):.3f}s ({x['source']})"
+        p_on = "" if x["p_online"] is None else f", p_online {float(x['p_online']):.2f}"
+        return f"{x['name'] or x['endpoint']} [{x['endpoint']}] {pred_s}{p_on}"
+
+    log.info("--auto: took %d of %d online endpoint(s): %s", n, len(ranking), "; ".join(say(x) for x in ranking[:n]))
+    if ranking[n:]:
+        log.info("--auto: left out: %s", "; ".join(say(x) for x in ranking[n:]))
+    return rec
 
 
 def _gather(client: Client, pending: Dict[str, str], timeout_s: float) -> Dict[str, Any]:
@@ -230,24 +292,32 @@ def run_app(app: "str | os.PathLike[str] | AppPackage", client: Client, *, endpo
             tags: Optional[Sequence[str]] = None, auto: bool = False, run_config: Optional[Dict[str, Any]] = None,
             dataset: str = "flower", warmup_s: float = 120.0, max_failed_rounds: int = 2, name: Optional[str] = None,
             workdir: "str | os.PathLike[str] | None" = None, poll_s: float = 5.0,
-            on_round: Optional[Any] = None) -> FlowerRun:
+            on_round: Optional[Any] = None, clients: Optional[int] = None) -> FlowerRun:
     """Run a Flower App on the mesh (see the module doc). Raises :class:`RunFailed` (after
     recording the run as failed) when the run produced nothing; ``AppError``/``ValueError`` for
-    bad input before anything is stored."""
+    bad input before anything is stored. ``auto``: the ``clients`` endpoints (default: every
+    online one) the scheduler predicts best for the ClientApp (:func:`select_auto`; recorded in
+    ``FlowerRun.selection`` and the run record's ``config.selection``)."""
     t_start = time.monotonic()
+    if clients is not None and (not auto or int(clients) < 1):
+        raise ValueError("--clients N takes N >= 1, with --auto")
     pkg = app if isinstance(app, AppPackage) else AppPackage.load(app)
     rc = pkg.run_config(run_config)
     chosen = _resolve(client, endpoints, tags, auto)
-    result = FlowerRun(run_id=None, status="running", app=pkg.describe(), run_config=rc)
+    from fl.flower.clientapp import ClientAppRunner
+
+    fid = client.register_function(ClientAppRunner(), "flower-clientapp")
+    selection = None
+    if auto:
+        selection = select_auto(client, fid, chosen, clients)
+        chosen = {e: chosen[e] for e in selection["chosen"]}
+    result = FlowerRun(run_id=None, status="running", app=pkg.describe(), run_config=rc, selection=selection)
     # delivery and warm-up
     result.delivery = deliver(client, pkg, list(chosen), timeout_s=warmup_s)
     result.failed.update(result.delivery["failed"])
     result.failed.update({e: f"no answer to the app delivery within {warmup_s:.0f}s" for e in result.delivery["not_back"]
                           if e not in result.failed})
     candidates = [e for e in chosen if e in set(result.delivery["installed"]) | set(result.delivery["already"])]
-    from fl.flower.clientapp import ClientAppRunner
-
-    fid = client.register_function(ClientAppRunner(), "flower-clientapp")
     run_int = zlib.crc32(f"{pkg.sha256}:{time.time_ns()}".encode()) or 1
     appref = {"sha256": pkg.sha256, "clientapp": pkg.clientapp, "name": pkg.name}
     # the hub's run record first: its id keys the clients' durable Context.state
@@ -255,7 +325,8 @@ def run_app(app: "str | os.PathLike[str] | AppPackage", client: Client, *, endpo
     created = client.fl_create_run(name or f"flower-{pkg.name}", strategy=f"flower-app:{pkg.name}", rounds_planned=max(1, rounds_planned),
                                    mode="sync", clients=list(chosen), client_names={e: str(r.get("name")) for e, r in chosen.items()},
                                    config={"flower_app": pkg.describe(), "run_config": rc, "dataset": dataset,
-                                           "delivery": {k: v for k, v in result.delivery.items() if k != "sha256"}})
+                                           "delivery": {k: v for k, v in result.delivery.items() if k != "sha256"},
+                                           **({"selection": selection} if selection is not None else {})})
     result.run_id = str(created["id"])
     task = {"app": appref, "run": result.run_id, "run_id": run_int, "dataset": dataset, "run_config": rc}
     from mesh_agent.environment import normalize

@@ -9,6 +9,8 @@ One mesh for the module; tests run in file order.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -69,6 +71,19 @@ def fmesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Mesh]:
         m.stop()
 
 
+@pytest.fixture
+def fresh_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Mesh]:
+    """Three new agents on a new hub: a scheduler that has seen nothing of other tests' runs."""
+    m = LocalMesh(Path(tmp_path_factory.mktemp("flowerauto")), heartbeat_s=0.5, lost_after_s=2.5, lease_s=4.0)
+    m.start()
+    try:
+        agents = add_digits_agents(m, 3, prefix="auto", workers=1)
+        m.wait_online(timeout=120)
+        yield _Mesh(m, agents)
+    finally:
+        m.stop()
+
+
 def _copy_app(name: str, dst: Path) -> Path:
     out = dst / name
     shutil.copytree(APPS / name, out)
@@ -117,7 +132,8 @@ def test_quickstart_sklearn_through_a_device_outage(fmesh: _Mesh, tmp_path: Path
             victim.kill()
             killed.set()
         elif rec["round"] == 3 and killed.is_set() and not restarted.is_set():
-            victim.start()
+            with contextlib.chdir(REPO):  # as the fixture started it (run_app has chdir'd to its workdir)
+                victim.start()
             fmesh.mesh.wait_online(victim, timeout=60)
             restarted.set()
 
@@ -296,3 +312,40 @@ def test_bad_input_is_refused_before_anything_is_stored(fmesh: _Mesh, tmp_path: 
     p = _cli(fmesh.mesh, str(APPS / "quickstart-numpy"), "--endpoints", "ep-nope", cwd=tmp_path)
     assert p.returncode == 2 and "unknown endpoint(s): ep-nope" in p.stderr, p.stderr
     assert len(fmesh.mesh.client.fl_runs()) == before
+
+
+def test_auto_takes_the_n_best_endpoints_the_scheduler_predicts(fresh_mesh: _Mesh, tmp_path: Path) -> None:
+    """``--auto --clients 2`` of 3 online endpoints: the scheduler has seen the ClientApp runner
+    take ~1.5 s per message on one endpoint (an app that sleeps there) and milliseconds on the
+    others, so it predicts that endpoint slowest; the run takes the other two and records which,
+    and why (each endpoint's prediction and rank), in its summary and in the hub's run record."""
+    slow = fresh_mesh.agents[0].endpoint_id  # first by name: a ranking by name would take it
+    app = _copy_app("quickstart-numpy", tmp_path)
+    client_py = app / "quickstart_numpy" / "client_app.py"
+    src = client_py.read_text()
+    src = src.replace('    """Train the model on local data."""\n', '    """Train the model on local data."""\n    _slow_here()\n')
+    src = src.replace('    """Evaluate the model on local data."""\n', '    """Evaluate the model on local data."""\n    _slow_here()\n')
+    client_py.write_text("import time as _time\n\nfrom fl.datasets import endpoint_id as _endpoint_id\n\n\n"
+                         f"def _slow_here():\n    if _endpoint_id() == {slow!r}:\n        _time.sleep(1.5)\n\n\n" + src)
+    res = run_app(app, fresh_mesh.mesh.client, endpoints=fresh_mesh.ids, dataset="digits", workdir=tmp_path,
+                  run_config={"num-server-rounds": 3})
+    assert res.status == "finished" and sorted(res.ready) == sorted(fresh_mesh.ids), res.error
+    p = _cli(fresh_mesh.mesh, str(APPS / "quickstart-numpy"), "--auto", "--clients", "2", "--dataset", "digits",
+             "--run-config", "num-server-rounds=1", "--out-dir", str(tmp_path / "out"), "--json", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    sel = out["selection"]
+    ranking = {x["endpoint"]: x for x in sel["ranking"]}
+    assert sel["policy"] == "scheduler" and sel["online"] == 3 and sel["asked_for"] == 2, sel
+    assert sel["left_out"] == [slow] and sorted(sel["chosen"]) == sorted(set(fresh_mesh.ids) - {slow}), sel
+    assert ranking[slow]["rank"] == 3 and all(ranking[e]["predicted_s"] < ranking[slow]["predicted_s"] for e in sel["chosen"])
+    assert sorted(out["ready"]) == sorted(sel["chosen"])  # the run used exactly those
+    assert all(sorted(r["participants"]) == sorted(sel["chosen"]) for r in out["rounds"])
+    assert "--auto: took 2 of 3 online endpoint(s)" in p.stderr and f"--auto: left out: auto-0 [{slow}]" in p.stderr, p.stderr[-2000:]
+    run = fresh_mesh.mesh.client.fl_run(out["run_id"])
+    assert run["config"]["selection"]["chosen"] == sel["chosen"] and sorted(run["clients"]) == sorted(sel["chosen"])
+    # --clients without --auto is bad input: exit 2, nothing stored
+    before = len(fresh_mesh.mesh.client.fl_runs())
+    p = _cli(fresh_mesh.mesh, str(APPS / "quickstart-numpy"), "--endpoints", ",".join(fresh_mesh.ids), "--clients", "2", cwd=tmp_path)
+    assert p.returncode == 2 and "--clients N takes N >= 1, with --auto" in p.stderr, p.stderr
+    assert len(fresh_mesh.mesh.client.fl_runs()) == before

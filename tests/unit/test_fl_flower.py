@@ -217,3 +217,21 @@ def test_the_installer_probe_returns_the_environment_or_refuses_naming_the_packa
     assert AppInstaller()({**base, "dependencies": ["numpy>=1"]})["environment"] is None
     with pytest.raises(MissingDependencies, match=r"'demo' needs torchvision==0\.0\.1 \(not installed; comes from the agent's Python only"):
         AppInstaller()({**base, "dependencies": ["numpy>=1", "torchvision==0.0.1"]})
+
+
+def test_auto_ranking_is_by_expected_seconds_per_reply_then_name_then_id() -> None:
+    from fl.flower.run import rank_endpoints
+
+    rows = {"ep-a": {"name": "zeta"}, "ep-b": {"name": "alpha"}, "ep-c": {"name": "alpha"}, "ep-d": {"name": "mid"},
+            "ep-e": {"name": "flaky"}, "ep-f": {"name": "new"}}
+    pred = {"ep-a": {"predicted_s": 0.5, "p_online": 1.0, "source": "endpoint"},
+            "ep-b": {"predicted_s": 0.5, "p_online": None, "source": "endpoint"},  # no outage history: 1
+            "ep-c": {"predicted_s": 0.5, "p_online": 1.0, "source": "endpoint"},
+            "ep-d": {"predicted_s": 0.2, "p_online": 1.0, "source": "endpoint"},
+            "ep-e": {"predicted_s": 0.2, "p_online": 0.25, "source": "endpoint"},  # 0.8 s per reply expected
+            "ep-f": {"predicted_s": None, "p_online": None, "source": "prior"}}
+    ranked = rank_endpoints(pred, rows)
+    assert [x["endpoint"] for x in ranked] == ["ep-d", "ep-b", "ep-c", "ep-a", "ep-e", "ep-f"]
+    assert [x["rank"] for x in ranked] == [1, 2, 3, 4, 5, 6]
+    assert ranked[4]["score"] == pytest.approx(0.8) and ranked[5]["score"] is None
+    assert rank_endpoints(dict(reversed(list(pred.items()))), dict(reversed(list(rows.items())))) == ranked  # order-free
