@@ -114,6 +114,11 @@ class _Session:
     site_cache: bool = False  # a site gateway that caches function bodies: each crosses the uplink once
     site_have: set[str] = field(default_factory=set)  # function ids that gateway holds
     site_clock: ConfirmClock | None = None  # a site gateway: how long its confirmations take (cloud_hub/site_lease.py)
+    # A site gateway back after its session ended (an uplink outage): until this time, work that
+    # went back to the queue from its unconfirmed leases is not sent to it again. It probably holds
+    # those frames, or the broker is delivering them now (its session is persistent), and its
+    # confirmations re-claim them (docs/sites.md); what it does not confirm goes out again after.
+    site_wait_until: float = 0.0
 
 
 def per_day(t: list[float], now: float | None = None) -> dict[str, float]:
@@ -160,6 +165,7 @@ class Dispatcher:
         # transaction per watchdog pass instead of one durable transaction per heartbeat.
         self._beat_dirty: set[str] = set()
         self._site_of: dict[str, str] = {}  # device -> the site gateway that relays its frames
+        self._sites = hasattr(store, "lease_site")  # site leasing ahead: SQLite only for now (docs/sites.md)
         # Incoming frames: different endpoints concurrently, each endpoint's in arrival order
         # (cloud_hub/lanes.py), so a slow hello does not hold up everyone's acks.
         self.lanes = Lanes()
@@ -369,7 +375,8 @@ class Dispatcher:
                 # gateway died before its commit) is sent again soon, and a slow uplink is not flooded
                 # with re-sends of batches whose confirmation is merely late.
                 unconfirmed_s = g.site_clock.lease_s() if g.site_clock is not None else self.cfg.lease_s
-                by_dev, bodies = await self.store.lease_site(g.endpoint_id, devices, min(room, _LEASE_BATCH), unconfirmed_s, _LEASE_BYTES)
+                by_dev, bodies = await self.store.lease_site(g.endpoint_id, devices, min(room, _LEASE_BATCH), unconfirmed_s, _LEASE_BYTES,
+                                                             skip_returned=time.time() < g.site_wait_until)
                 if not by_dev:
                     break
                 if g.site_cache:
@@ -410,11 +417,28 @@ class Dispatcher:
         finally:
             g.site_pumping = False
 
+    def served_by_site(self, device_id: str) -> bool:
+        """Whether a device's work goes only through its gateway's lease-ahead: its gateway has a
+        session and holds work ahead (``site_hold`` > 0). Its own FETCH credit then leases nothing
+        directly: such a direct lease would cross the uplink again with its function bodies
+        (bypassing the site's cache), go back to the queue whenever the device's session ends (at
+        every uplink outage) or the device's ack comes back over the uplink later than ``lease_s``,
+        and be sent again each time (measured in village.yaml, docs/sites.md). Direct dispatch
+        resumes when the gateway's session ends or the device is moved off it; a gateway that
+        holds nothing ahead (``hold: 0``) leaves its devices on the direct path."""
+        gw = self._site_of.get(device_id)
+        if gw is None or not self._sites:
+            return False
+        g = self._sessions.get(gw)
+        return g is not None and g.site_hold > 0
+
     def kick(self, endpoint_id: str) -> None:
         """New work for an endpoint: send it now if its agent has credit (coalesced per endpoint)."""
         gw = self._site_of.get(endpoint_id)
         if gw is not None:
             self.kick_site(gw)
+            if self.served_by_site(endpoint_id):
+                return
         s = self._sessions.get(endpoint_id)
         if s is None or s.credit <= 0:
             return
@@ -428,7 +452,7 @@ class Dispatcher:
         try:
             while True:
                 s.again = False
-                while s.credit > 0 and self._sessions.get(s.endpoint_id) is s:
+                while s.credit > 0 and self._sessions.get(s.endpoint_id) is s and not self.served_by_site(s.endpoint_id):
                     tasks, bodies = await self.store.lease(s.endpoint_id, min(s.credit, _LEASE_BATCH), self.cfg.lease_s, _LEASE_BYTES)
                     if not tasks:
                         break
@@ -600,6 +624,10 @@ class Dispatcher:
             if s.site_hold > 0:  # a re-hello keeps what was learned about the uplink
                 s.site_clock = old.site_clock if old is not None and old.site_clock is not None else \
                     ConfirmClock(min(self.cfg.lease_s, self.cfg.site_hold_s), self.cfg.site_hold_s)
+                # Back after its session ended (it reconnects and confirms all it holds at once):
+                # give that confirmation the time of an unconfirmed lease before re-sending work
+                # that went back to the queue from its leases meanwhile.
+                s.site_wait_until = old.site_wait_until if old is not None else now + s.site_clock.lease_s()
             where = site.get("broker")
             if isinstance(where, str) and where.count(":") == 1 and where.rsplit(":", 1)[1].isdigit():
                 s.site_broker = (where.rsplit(":", 1)[0], int(where.rsplit(":", 1)[1]))
@@ -668,6 +696,9 @@ class Dispatcher:
             self._owned.pop(ep, None)
             await self.store.release_endpoint(ep, self.replica_id)
         self._observe("endpoint_lost", ep, now, s.last_seen)
+        if s.site_hold > 0:  # its devices' own credit leases to them directly again (served_by_site)
+            for d in self.site_devices(ep):
+                self.kick(d)
         log.log(level, "endpoint %s offline: %s (silent %.1fs); %d leased tasks re-queued", ep, why, now - s.last_seen, n,
                 extra={"endpoint_id": ep})
 
@@ -677,8 +708,11 @@ class Dispatcher:
 
     async def _on_ack(self, s: _Session, body: dict[str, Any]) -> None:
         await self.store.ack(s.endpoint_id, body.get("ids", []))
-        if s.site_hold > 0 and body.get("ids"):  # a gateway confirms it holds tasks for its devices
-            await self.store.hold_site(s.endpoint_id, body["ids"], time.time() + self.cfg.site_hold_s)
+        live = self._sessions.get(s.endpoint_id) is s
+        # A gateway confirms it holds tasks for its devices. Also without a session: right after
+        # reconnecting, its confirmation of everything it holds may reach us before its hello.
+        if body.get("ids") and self._sites and (s.site_hold > 0 or (not live and s.endpoint_id in self._site_of.values())):
+            await self.store.hold_site(s.endpoint_id, body["ids"], time.time() + self.cfg.site_hold_s, frame_ttl_s=self.cfg.site_hold_s)
             if s.site_clock is not None:
                 s.site_clock.confirmed(body["ids"], time.monotonic())
         gw = self._site_of.get(s.endpoint_id)

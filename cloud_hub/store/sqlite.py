@@ -616,12 +616,17 @@ class SqliteStore:
         return {r[0]: r[1] for r in rows}
 
     async def lease_site(self, gateway_id: str, devices: Sequence[str], n: int, hold_s: float, max_bytes: int,
-                         ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, bytes]]:
+                         *, skip_returned: bool = False) -> tuple[dict[str, list[dict[str, Any]]], dict[str, bytes]]:
         """Lease up to ``n`` queued tasks of a site's devices ahead of time to its gateway: each is
         leased for ``hold_s`` and marked with the gateway, so the device's lost session does not
         re-queue it while the gateway holds it (the dispatcher leases for ``lease_s`` and extends
         to ``site_hold_s`` once the gateway confirms it stored them: :meth:`hold_site`). Returns tasks per device and the
-        function bodies they need (each body once)."""
+        function bodies they need (each body once).
+
+        ``skip_returned``: leave out tasks that went back to the queue from an unconfirmed lease
+        ahead to this same gateway (``site`` still names it): the gateway may hold their frames
+        and is about to confirm them (:meth:`hold_site` re-claims them then), e.g. right after
+        it came back from an uplink outage."""
 
         def q(db: sqlite3.Connection) -> tuple[dict[str, list[dict[str, Any]]], dict[str, bytes]]:
             now = time.time()
@@ -629,9 +634,10 @@ class SqliteStore:
             if not devices or n <= 0:
                 return out, {}
             marks = ",".join("?" * len(devices))
+            skip = " AND (site IS NULL OR site != ?)" if skip_returned else ""
             rows = db.execute(
                 f"SELECT id, endpoint_id, function_id, args, timeout, expires FROM tasks WHERE endpoint_id IN ({marks}) "
-                "AND state='queued' ORDER BY created, rowid LIMIT ?", (*devices, n)).fetchall()
+                f"AND state='queued'{skip} ORDER BY created, rowid LIMIT ?", (*devices, *((gateway_id,) if skip_returned else ()), n)).fetchall()
             sizes: dict[str, int] = {}
             size = taken = 0
             for tid, ep, fid, args, timeout, exp in rows:
@@ -677,17 +683,34 @@ class SqliteStore:
             db.execute("UPDATE endpoints SET gateway_id=? WHERE id=?", (gateway_id, device_id))
             n = db.execute("UPDATE tasks SET state='queued', leased_until=NULL, site=NULL WHERE endpoint_id=? AND state='leased' "
                            "AND site IS NOT NULL", (device_id,)).rowcount
+            # Work that went back to the queue from the old gateway: no longer its to re-claim.
+            db.execute("UPDATE tasks SET site=NULL WHERE endpoint_id=? AND state='queued' AND site IS NOT NULL", (device_id,))
             return row[2], n
 
         return await self.tx(q)
 
-    async def hold_site(self, gateway_id: str, ids: Sequence[str], until: float) -> int:
+    async def hold_site(self, gateway_id: str, ids: Sequence[str], until: float, frame_ttl_s: float | None = None) -> int:
         """The gateway confirmed it stored these tasks (its own signed ack): their lease at the site
-        now lasts until ``until`` (``site_hold_s``) instead of ``lease_s``."""
+        now lasts until ``until`` (``site_hold_s``) instead of ``lease_s``.
+
+        With ``frame_ttl_s`` (the validity of a frame leased ahead, ``site_hold_s``) it also
+        re-claims tasks that went back to the queue because this confirmation came after their
+        unconfirmed lease ran out (the uplink went down, or was slow): still queued, last leased
+        ahead to this gateway, of a device it still serves, and with that frame still valid. They
+        are leased to the site again until the frame expires, without sending anything: the
+        gateway holds the frame. A gateway that lies about holding one delays that task by at most
+        the frame's validity, as a gateway that dies does."""
 
         def q(db: sqlite3.Connection) -> int:
-            return sum(db.execute("UPDATE tasks SET leased_until=? WHERE id=? AND site=? AND state='leased'",
-                                  (until, i, gateway_id)).rowcount for i in ids)
+            n = sum(db.execute("UPDATE tasks SET leased_until=? WHERE id=? AND site=? AND state='leased'",
+                               (until, i, gateway_id)).rowcount for i in ids)
+            if frame_ttl_s is not None:
+                now = time.time()
+                n += sum(db.execute(
+                    "UPDATE tasks SET state='leased', leased_until=MIN(?, dispatched + ?) WHERE id=? AND site=? AND state='queued' "
+                    "AND dispatched + ? > ? AND endpoint_id IN (SELECT id FROM endpoints WHERE gateway_id=?)",
+                    (until, frame_ttl_s, i, gateway_id, frame_ttl_s, now + 1.0, gateway_id)).rowcount for i in ids)
+            return n
 
         return await self.tx(q, durable=False)
 
@@ -937,23 +960,25 @@ def _requeue(db: Any, endpoint_id: str | None, expired_before: float | None, not
     n = 0
     now = time.time()
     # A task leased ahead to a site gateway (site set) waits there through the device's and
-    # the gateway's lost sessions and a hub restart: only its own (long) lease frees it.
+    # the gateway's lost sessions and a hub restart: only its own (long) lease frees it. Back in
+    # the queue it keeps ``site``: the gateway may still hold its frame, and its confirmation
+    # re-claims it (hold_site) instead of the hub sending it again (docs/sites.md).
     if expired_before is not None:
         n += db.execute(
-            "UPDATE tasks SET state='queued', leased_until=NULL, site=NULL WHERE state='leased' AND leased_until < ? "
+            "UPDATE tasks SET state='queued', leased_until=NULL WHERE state='leased' AND leased_until < ? "
             "AND (site IS NULL OR leased_until < ?)",
             (expired_before, min(expired_before, now)),
         ).rowcount
     if endpoint_id is not None and not_in is None:
         n += db.execute(
-            "UPDATE tasks SET state='queued', leased_until=NULL, site=NULL WHERE state='leased' AND endpoint_id=? "
+            "UPDATE tasks SET state='queued', leased_until=NULL WHERE state='leased' AND endpoint_id=? "
             "AND (site IS NULL OR leased_until < ?)",
             (endpoint_id, now),
         ).rowcount
     if endpoint_id is not None and not_in is not None:
         acked = [r[0] for r in db.execute("SELECT id FROM tasks WHERE endpoint_id=? AND state='acked'", (endpoint_id,))]
         lost = [i for i in acked if i not in not_in]
-        db.executemany("UPDATE tasks SET state='queued' WHERE id=? AND state='acked'", [(i,) for i in lost])
+        db.executemany("UPDATE tasks SET state='queued', site=NULL WHERE id=? AND state='acked'", [(i,) for i in lost])
         n += len(lost)
     return n
 
