@@ -244,8 +244,8 @@ def compression_sweep(args: argparse.Namespace, mesh: Any, ids: list[str], base:
 class _Links:
     """Fault proxies (sim/emulate/proxy.py) capped at a bandwidth, on an event loop in a thread."""
 
-    def __init__(self, kbps: float) -> None:
-        self.kbps = float(kbps)
+    def __init__(self, kbps: float | None) -> None:
+        self.kbps = None if kbps is None else float(kbps)  # None: no cap, the proxies only count bytes
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="links", daemon=True)
         self.thread.start()
@@ -254,7 +254,7 @@ class _Links:
     def add(self, name: str, upstream_port: int) -> int:
         from sim.emulate.proxy import FaultProxy, LinkShape
 
-        shape = LinkShape(bandwidth_bps=self.kbps * 1000)
+        shape = LinkShape(bandwidth_bps=self.kbps * 1000) if self.kbps else LinkShape()
         proxy = asyncio.run_coroutine_threadsafe(FaultProxy(name, ("127.0.0.1", upstream_port), shape).start(), self.loop).result(10)
         self.proxies[name] = proxy
         return int(proxy.port)
@@ -444,8 +444,29 @@ def _flower_final_metrics(text: str) -> dict[str, float]:
     return {k: float(v) for k, v in re.findall(r"'([\w-]+)': '([-+0-9.e]+)'", rounds[-1][1])}
 
 
+def _round_app_s(rec: dict[str, Any]) -> float:
+    """The clients' own time in one round: the slowest training plus the slowest evaluation
+    (clients run in parallel), from the ClientApp runner's clock on each endpoint."""
+    app = rec["extra"].get("client_app_s") or {}
+    return max((app.get("train") or {}).values(), default=0.0) + max((app.get("evaluate") or {}).values(), default=0.0)
+
+
+def _traffic(client: Any, ids: list[str]) -> int:
+    """Bytes on the wire both ways, all of ``ids``: the hub's per-endpoint frame counters."""
+    total = 0
+    for e in client.list_endpoints():
+        if e["id"] in ids:
+            t = (e.get("info") or {}).get("traffic") or {}
+            total += int(t.get("bytes_in", 0)) + int(t.get("bytes_out", 0))
+    return total
+
+
 def run_flower_app_mesh(args: argparse.Namespace, workdir: Path, app: Path) -> dict[str, Any]:
-    """The Flower App on the mesh: ``fl.flower.run_app`` against N agents (one worker each)."""
+    """The Flower App on the mesh: ``fl.flower.run_app`` against N agents (one worker each).
+    Overhead per round = round time minus the clients' time in the app (:func:`_round_app_s`);
+    wire bytes per round = the hub's frame counters of the N endpoints (MQTT payloads both
+    ways, heartbeats included) from round 1's record to the end of the run (counters settled),
+    over the rounds in between, i.e. after delivery and warm-up."""
     from cloud_hub.localmesh import LocalMesh
     from fl.flower.run import run_app
     from fl.localmesh import add_digits_agents
@@ -455,29 +476,50 @@ def run_flower_app_mesh(args: argparse.Namespace, workdir: Path, app: Path) -> d
         mesh.wait_online(timeout=120)
         ids = [a.endpoint_id for a in agents]
         traffic0 = {e["id"]: dict((e.get("info") or {}).get("traffic") or {}) for e in mesh.client.list_endpoints()}
+        snaps: list[int] = []
         t0 = time.time()
         res = run_app(app, mesh.client, endpoints=ids, dataset="digits", workdir=workdir / "mesh-app-out",
-                      run_config={"num-server-rounds": args.rounds})
+                      run_config={"num-server-rounds": args.rounds}, on_round=lambda rec: snaps.append(_traffic(mesh.client, ids)))
         total = time.time() - t0
+        time.sleep(2.5)  # the last beats' counters
+        traffic1 = {e["id"]: dict((e.get("info") or {}).get("traffic") or {}) for e in mesh.client.list_endpoints()}
         rounds = res.rounds
         first_start = total - sum(float(r["round_time_s"]) for r in rounds)
         fe = (rounds[-1]["extra"].get("federated_eval") or {}).get("metrics") or {}
-        traffic1 = {e["id"]: dict((e.get("info") or {}).get("traffic") or {}) for e in mesh.client.list_endpoints()}
+        overhead = [float(r["round_time_s"]) - _round_app_s(r) for r in rounds]
+        # the hub updates an endpoint's counters in steps (not per frame): rounds shorter than that
+        # show 0 or a lump, so per round = (after the run, counters settled) - (at round 1's record)
+        # over the rounds in between; heartbeats of those seconds included
+        settled = _traffic(mesh.client, ids)
+        wire = [b - a for a, b in zip(snaps, snaps[1:])]
+        whole = sum(int(t.get("bytes_in", 0)) + int(t.get("bytes_out", 0)) for e, t in traffic1.items() if e in ids) - \
+            sum(int(t.get("bytes_in", 0)) + int(t.get("bytes_out", 0)) for e, t in traffic0.items() if e in ids)
         return {
             "status": res.status, "rounds": len(rounds), "total_s": round(total, 3),
             "mean_s_per_round": round(statistics.fmean(float(r["round_time_s"]) for r in rounds), 4) if rounds else None,
             "round_s": [round(float(r["round_time_s"]), 4) for r in rounds],
+            "clients_app_s_per_round": [round(_round_app_s(r), 4) for r in rounds],
+            "mean_overhead_s_per_round": round(statistics.fmean(overhead), 4) if overhead else None,
             "startup_s_delivery_and_warmup": round(first_start, 3),
             "final_federated_eval": fe,
             "message_bytes_out": res.bytes_out, "message_bytes_in": res.bytes_in,
             "message_bytes_per_round": round((res.bytes_out + res.bytes_in) / max(1, len(rounds))),
+            "wire_bytes_per_round_both_ways": round((settled - snaps[0]) / (len(snaps) - 1)) if len(snaps) > 1 else None,
+            "wire_bytes_per_round_samples_lumpy": wire,
+            "wire_bytes_whole_run_both_ways": whole,
             "app_fab_bytes_delivered": res.delivery.get("fab_bytes_sent"),
             "endpoint_traffic_before": traffic0, "endpoint_traffic_after": traffic1,
         }
 
 
-def run_flower_app_flower(args: argparse.Namespace, workdir: Path, app: Path) -> dict[str, Any]:
-    """The same app directory on Flower's Deployment Engine (SuperLink + N SuperNodes, flwr run)."""
+def run_flower_app_flower(args: argparse.Namespace, workdir: Path, app: Path, clients_app_s: float | None = None) -> dict[str, Any]:
+    """The same app directory on Flower's Deployment Engine (SuperLink + N SuperNodes, flwr run).
+    The SuperNodes reach the SuperLink through one counting TCP proxy on loopback
+    (sim/emulate/proxy.py, unshaped): bytes per round are its counters between consecutive
+    ``[ROUND n/N]`` lines of ``flwr run --stream`` (each line's arrival time stamped here), and
+    round time is the time between those lines. Flower reports no per-client training time, so
+    overhead per round = round time minus ``clients_app_s`` (the same app's client time measured
+    on the mesh, same machine): an estimate, labelled as such."""
     venv_bin = Path(sys.executable).parent
     flwr = shutil.which("flwr", path=str(venv_bin)) or shutil.which("flwr")
     if flwr is None:
@@ -490,6 +532,7 @@ def run_flower_app_flower(args: argparse.Namespace, workdir: Path, app: Path) ->
     env = dict(os.environ, FLWR_HOME=str(home), PYTHONPATH=str(c.REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                PATH=str(venv_bin) + os.pathsep + os.environ.get("PATH", ""), PYTHONUNBUFFERED="1")
     procs = _Procs()
+    links = _Links(None)
     try:
         procs.start([str(venv_bin / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
                      "--host", "127.0.0.1", "--port", str(port)], workdir / "superlink-app.log", env)
@@ -499,38 +542,79 @@ def run_flower_app_flower(args: argparse.Namespace, workdir: Path, app: Path) ->
                 if s.connect_ex(("127.0.0.1", port)) == 0:
                     break
             time.sleep(0.2)
+        proxy_port = links.add("supernodes", port)
         for k in range(args.clients):
-            procs.start([str(venv_bin / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
+            procs.start([str(venv_bin / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{proxy_port}",
                          "--node-config", f"partition-id={k} num-partitions={args.clients}", "--port", str(_free_port())],
                         workdir / f"supernode-app-{k}.log", env)
-        c.log(f"flower: SuperLink on :{port}, {args.clients} SuperNodes; flwr run {app.name}")
+        c.log(f"flower: SuperLink on :{port} (SuperNodes through a counting proxy :{proxy_port}), {args.clients} SuperNodes; "
+              f"flwr run {app.name}")
         out_dir = workdir / "flwr-app-out"
         out_dir.mkdir()
         t0 = time.time()
-        run = subprocess.run([flwr, "run", str(app), "bench", "--run-config", f"num-server-rounds={args.rounds}", "--stream"],
-                             env=env, cwd=out_dir, capture_output=True, text=True, timeout=args.flower_timeout)
+        bytes0 = links.counters()
+        marks: list[tuple[float, dict[str, int]]] = []  # at each [ROUND n/N] line, then at the end
+        lines: list[str] = []
+        proc = subprocess.Popen([flwr, "run", str(app), "bench", "--run-config", f"num-server-rounds={args.rounds}", "--stream"],
+                                env=env, cwd=out_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        kill = threading.Timer(args.flower_timeout, proc.kill)
+        kill.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line)
+                if "[ROUND " in line:
+                    marks.append((time.time(), links.counters()))
+                elif marks and len(marks) == args.rounds and ("Strategy execution finished" in line or "Final results" in line):
+                    marks.append((time.time(), links.counters()))
+            proc.wait()
+        finally:
+            kill.cancel()
         total = time.time() - t0
-        text = run.stdout + run.stderr
+        text = "".join(lines)
         (workdir / "flwr-app-run.log").write_text(text)
         done = text.count("[ROUND ")
-        if run.returncode != 0 or done < args.rounds:
-            raise RuntimeError(f"flwr run exited {run.returncode} after {done} rounds: {text[-3000:]}")
-        return {"status": "finished", "rounds": done, "total_s": round(total, 3), "mean_s_per_round_incl_startup": round(total / done, 4),
-                "final_federated_eval": _flower_final_metrics(text)}
+        if proc.returncode != 0 or done < args.rounds:
+            raise RuntimeError(f"flwr run exited {proc.returncode} after {done} rounds: {text[-3000:]}")
+        if len(marks) == args.rounds:
+            marks.append((time.time(), links.counters()))  # no end line seen: the process end
+        round_s = [b[0] - a[0] for a, b in zip(marks, marks[1:])]
+        wire = [(b[1]["up"] + b[1]["down"]) - (a[1]["up"] + a[1]["down"]) for a, b in zip(marks, marks[1:])]
+        bytes1 = links.counters()
+        out = {"status": "finished", "rounds": done, "total_s": round(total, 3), "mean_s_per_round_incl_startup": round(total / done, 4),
+               "round_s": [round(x, 3) for x in round_s], "mean_s_per_round": round(statistics.fmean(round_s), 4) if round_s else None,
+               "wire_bytes_per_round_both_ways": round(statistics.fmean(wire)) if wire else None,
+               "wire_bytes_per_round_samples": wire,
+               "wire_bytes_whole_run_both_ways": (bytes1["up"] + bytes1["down"]) - (bytes0["up"] + bytes0["down"]),
+               "wire_bytes_whole_run_up_down": {"up": bytes1["up"] - bytes0["up"], "down": bytes1["down"] - bytes0["down"]},
+               "final_federated_eval": _flower_final_metrics(text)}
+        if clients_app_s is not None and round_s:
+            out["mean_overhead_s_per_round_estimate"] = round(statistics.fmean(round_s) - clients_app_s, 4)
+            out["clients_app_s_per_round_from_the_mesh_run"] = round(clients_app_s, 4)
+        return out
     finally:
         procs.stop()
+        links.close()
 
 
 def flower_app_main(args: argparse.Namespace, out: dict[str, Any], workdir: Path) -> None:
     app = Path(args.flower_app).resolve()
+    la = c.loadavg()
     mesh = run_flower_app_mesh(args, workdir, app)
+    mesh["loadavg_before"], mesh["loadavg_after"] = la, c.loadavg()
     out["flower_app"] = {"app": str(app.relative_to(c.REPO)) if app.is_relative_to(c.REPO) else str(app), "continuum_mesh": mesh}
-    c.log(f"mesh: {mesh['rounds']} rounds in {mesh['total_s']} s ({mesh['mean_s_per_round']} s/round), {mesh['final_federated_eval']}")
+    c.log(f"mesh: {mesh['rounds']} rounds in {mesh['total_s']} s ({mesh['mean_s_per_round']} s/round, overhead "
+          f"{mesh['mean_overhead_s_per_round']} s/round, {mesh['wire_bytes_per_round_both_ways']} B/round on the wire), "
+          f"{mesh['final_federated_eval']}")
     if not args.no_flower:
         try:
-            fl = run_flower_app_flower(args, workdir, app)
+            app_s = mesh.get("clients_app_s_per_round") or []
+            la = c.loadavg()
+            fl = run_flower_app_flower(args, workdir, app, statistics.fmean(app_s) if app_s else None)
+            fl["loadavg_before"], fl["loadavg_after"] = la, c.loadavg()
             out["flower_app"]["flower"] = fl
-            c.log(f"flower: {fl['rounds']} rounds in {fl['total_s']} s, {fl['final_federated_eval']}")
+            c.log(f"flower: {fl['rounds']} rounds in {fl['total_s']} s ({fl['mean_s_per_round']} s/round between round lines, "
+                  f"{fl['wire_bytes_per_round_both_ways']} B/round on the wire), {fl['final_federated_eval']}")
         except Exception as exc:  # reported, not hidden
             out["flower_app"]["flower"] = {"error": f"{type(exc).__name__}: {exc}"}
 

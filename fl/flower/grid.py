@@ -74,6 +74,8 @@ class RoundLog:
     eval_ok: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     eval_failed: Dict[str, str] = field(default_factory=dict)
     asked: List[str] = field(default_factory=list)
+    train_app_s: Dict[str, float] = field(default_factory=dict)  # endpoint -> seconds inside the ClientApp (its own clock)
+    eval_app_s: Dict[str, float] = field(default_factory=dict)
     bytes_out: int = 0
     bytes_in: int = 0
     ended: Optional[float] = None
@@ -293,7 +295,11 @@ class MeshGrid(Grid):
                 reply = decode_message(data)
                 reply.metadata.__dict__["_message_id"] = reply.metadata.message_id or f"r-{mid}"
                 self.bytes_in += len(data)
-                self._round(p.msg).bytes_in += len(data)
+                rl = self._round(p.msg)
+                rl.bytes_in += len(data)
+                if isinstance(value.get("app_s"), (int, float)):
+                    train = p.msg.metadata.message_type.startswith("train")
+                    (rl.train_app_s if train else rl.eval_app_s)[p.endpoint] = float(value["app_s"])
             else:
                 err = _short(value) if not ok else f"unexpected reply {type(value).__name__}"
                 code = ErrorCode.MESSAGE_UNAVAILABLE if "expired" in err.lower() else ErrorCode.CLIENT_APP_CRASHED

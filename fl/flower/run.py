@@ -376,6 +376,7 @@ def run_app(app: "str | os.PathLike[str] | AppPackage", client: Client, *, endpo
                "extra": {"flower": True, "train_metrics": train_m, "client_metrics": rl.train_ok,
                          "federated_eval": {"metrics": eval_m, "clients": sorted(rl.eval_ok), "failed": rl.eval_failed} if (rl.eval_ok or rl.eval_failed) else None,
                          "bytes_out": rl.bytes_out, "bytes_in": rl.bytes_in, "asked": rl.asked,
+                         "client_app_s": {"train": rl.train_app_s, "evaluate": rl.eval_app_s},
                          "skipped": not rl.train_ok, **({"reason": "no training reply"} if not rl.train_ok else {}),
                          **({} if arrays is not None else {"weights_note": "the grid saw no model after this round"}),
                          **({"warmup_failed": warm_failed} if rl.round == 1 and warm_failed else {})}}
