@@ -57,7 +57,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from mesh_agent.engine.environments import DEFAULT_KIND, EnvError, Environments, WorkerKind, channel_prefix, sandbox_environ
+from mesh_agent.engine.environments import DEFAULT_KIND, EnvError, Environments, WorkerKind, _bootstrap_dirs, channel_prefix, sandbox_environ
 from mesh_agent.protocol.serialize import serialize
 
 __all__ = [
@@ -451,7 +451,10 @@ class LocalEngine:
         parent_sock, child_sock = socket.socketpair()
         path = list(kind.path)
         if kind.python:  # the agent's interpreter or a venv's: our import path behind the venv's own
-            path += [p if p else os.getcwd() for p in sys.path]
+            # The bootstrap first: with an editable install ``mesh_agent`` is found through a .pth
+            # finder that only site.py runs, so a venv worker started from another directory could
+            # not import it from the agent's sys.path alone.
+            path += [*_bootstrap_dirs(), *(p if p else os.getcwd() for p in sys.path)]
         # Wrapped (bwrap, a container): our pid is not the worker's parent; the wrapper dies with us instead.
         prefix, worker_fd = channel_prefix(kind, child_sock.fileno())
         args = {"fd": worker_fd, "mem": self._memory_limit_mb, "ppid": 0 if kind.wrap else os.getpid(), "path": path}

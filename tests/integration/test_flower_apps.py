@@ -9,7 +9,6 @@ One mesh for the module; tests run in file order.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -132,8 +131,7 @@ def test_quickstart_sklearn_through_a_device_outage(fmesh: _Mesh, tmp_path: Path
             victim.kill()
             killed.set()
         elif rec["round"] == 3 and killed.is_set() and not restarted.is_set():
-            with contextlib.chdir(REPO):  # as the fixture started it (run_app has chdir'd to its workdir)
-                victim.start()
+            victim.start()  # from run_app's working directory, not the repository's: venv workers still import mesh_agent
             fmesh.mesh.wait_online(victim, timeout=60)
             restarted.set()
 
