@@ -133,8 +133,10 @@ def test_clean_stop_says_goodbye_and_stale_will_is_ignored(tmp_path: Path, loop:
         ep = agent.endpoint_id
         assert _wait(lambda: proxy.stats["connections"] >= 2 and disp.session_info(ep) is not None, 15)
         agent.stop()
-        # Offline at once by its goodbye, not after the 300 s bound.
-        assert _wait(lambda: disp.session_info(ep) is None, 10)
+        # Offline by its goodbye, not after the 300 s bound (30 s: a stop on a loaded machine first
+        # finishes what it was sending through the proxy; seen slower than 10 s once in CI in this
+        # module). The will count below tells a goodbye from a dropped connection.
+        assert _wait(lambda: disp.session_info(ep) is None, 30), (disp.stats, agent.log_path.read_text()[-2500:])
         assert disp.stats["goodbyes"] == 1 and disp.stats["wills"] == 0, disp.stats
         agent.start()
         mesh.wait_online(agent)
