@@ -18,8 +18,9 @@ What a restore can promise, and what it cannot (docs/operations.md, "Backups and
   the hub can say how much was lost: the restore says so in words instead of reporting zero.
 - Enrollments made after the backup are gone (those devices enroll again); revocations made
   after it are applied again to the restored database, so a revoked device stays revoked.
-- The result cursor (``results.seq``) never goes back: SDK clients that read results up to a
-  cursor on the old database would otherwise skip results the restored hub stores.
+- Result cursors never go back, the hub-wide ``results.seq`` nor each user's own (the cursor an
+  SDK client holds, migration 14): clients that read results up to a cursor on the old database
+  would otherwise skip results the restored hub stores.
 
 Files are created 0600 (the database holds every endpoint's key and the hub's CURVE secret key),
 a partial backup never carries the final name, and a failed restore leaves the old database in
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from cloud_hub.store.migrations import MIGRATIONS
+from cloud_hub.store.sqlite import migrate
 
 __all__ = ["BackupError", "BackupInfo", "RestoreReport", "backup_sqlite", "inspect_backup", "restore_sqlite", "db_in_use"]
 
@@ -227,6 +229,14 @@ def backup_sqlite(db_path: Path, out: Path, *, force: bool = False) -> BackupInf
     return info
 
 
+def _user_cursors(db: sqlite3.Connection) -> dict[str, int]:
+    """Each user's last result cursor: migration 14's counters, or before it the global seq of the
+    user's newest result (what that hub's clients were handed)."""
+    if "result_cursors" in _tables(db):
+        return dict(db.execute("SELECT user_id, last FROM result_cursors").fetchall())
+    return dict(db.execute("SELECT user_id, MAX(seq) FROM results GROUP BY user_id").fetchall())
+
+
 def _compare(old: sqlite3.Connection, new: sqlite3.Connection, report: RestoreReport) -> None:
     """Fill ``report`` with what ``old`` (the database being replaced) has that ``new`` (the backup) lacks."""
     in_backup = {r[0] for r in new.execute("SELECT id FROM tasks")}
@@ -295,6 +305,8 @@ def restore_sqlite(backup: Path, db_path: Path, *, force: bool = False) -> Resto
         new = sqlite3.connect(tmp, isolation_level=None)
         try:
             src.backup(new)
+            migrate(new, backup)  # a backup from an older hub: its result cursors are fixed up below on the new schema
+            old_cursors: dict[str, int] = {}
             new.execute("BEGIN IMMEDIATE")
             new.execute(f"DROP TABLE IF EXISTS {MARKER_TABLE}")
             report.result_seq = new.execute("SELECT COALESCE(MAX(seq), 0) FROM results").fetchone()[0]
@@ -304,6 +316,7 @@ def restore_sqlite(backup: Path, db_path: Path, *, force: bool = False) -> Resto
                     try:
                         _check_hub_db(old, db_path)
                         _compare(old, new, report)
+                        old_cursors = _user_cursors(old)
                         report.compared = True
                     finally:
                         old.close()
@@ -316,6 +329,15 @@ def restore_sqlite(backup: Path, db_path: Path, *, force: bool = False) -> Resto
             # The next result gets a cursor above every one a client may have read before.
             new.execute("DELETE FROM sqlite_sequence WHERE name='results'")
             new.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('results', ?)", (report.result_seq,))
+            # Each user's own cursor (migration 14) never goes back either: it starts above the one
+            # the replaced database had for that user, or jumps when that is unknown.
+            jump = 0 if report.compared else _SEQ_JUMP_UNKNOWN
+            mine = _user_cursors(new)
+            users = {r[0] for r in new.execute("SELECT id FROM users")} | set(mine) | set(old_cursors)
+            new.executemany(
+                "INSERT INTO result_cursors (user_id, last) VALUES (?, ?) ON CONFLICT (user_id) DO UPDATE SET last=excluded.last",
+                [(u, max(mine.get(u, 0), old_cursors.get(u, 0)) + jump) for u in sorted(users)],
+            )
             new.execute("COMMIT")
         finally:
             new.close()

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ from mesh_agent.protocol import (
     Envelope,
     Kind,
     ProtocolError,
+    Replayed,
     ReplayGuard,
     check_freshness,
     encode,
@@ -48,6 +50,11 @@ from mesh_agent.transport import HubLink, LinkError
 __all__ = ["Dispatcher", "ResultBus"]
 
 log = logging.getLogger("cloud_hub.dispatcher")
+
+#: A replayed results frame is acknowledged again at most this often (Dispatcher._reack); the
+#: gateway re-sends at least mesh_agent.gateway.RESEND_UP_S apart.
+_REACK_EVERY_S = 5.0
+_REACK_REMEMBER = 20_000
 
 _LEASE_BATCH = 2000
 _LEASE_BYTES = 8 * 2**20
@@ -148,7 +155,10 @@ class Dispatcher:
         self._replay = ReplayGuard()
         self._allow: dict[str, frozenset[str]] = {}  # endpoints with a function allow-list
         self._watchdog: asyncio.Task[None] | None = None
-        self.stats = {"rejected_frames": 0, "tasks_sent": 0, "results_stored": 0, "duplicate_results": 0, "wills": 0, "goodbyes": 0}
+        self.stats = {"rejected_frames": 0, "tasks_sent": 0, "results_stored": 0, "duplicate_results": 0, "wills": 0, "goodbyes": 0,
+                      "results_reacked": 0}
+        #: When a replayed results frame was last answered with a result_ack (see _reack), bounded.
+        self._reacked: OrderedDict[str, float] = OrderedDict()
         #: Frame bytes per endpoint since this hub started: [in, out, frames in, frames out, since].
         self.traffic: dict[str, list[float]] = {}
         self._resumed: set[str] = set()  # endpoints whose kept counters this hub has read back
@@ -509,6 +519,13 @@ class Dispatcher:
                 check_freshness(sealed)
             self._replay.check(sealed)
             env = sealed.open()  # the body is parsed only after MAC, freshness and replay passed
+        except Replayed as exc:
+            self.stats["rejected_frames"] += 1
+            if sealed.kind is Kind.RESULTS and (not self.replicated or await self._holds(endpoint_id)):
+                await self._reack(endpoint_id, sealed, link)
+            else:
+                log.warning("rejected frame on %s channel %s: %s: %s", link.name, claimed, exc.reason, exc, extra={"endpoint_id": claimed})
+            return
         except ProtocolError as exc:
             self.stats["rejected_frames"] += 1
             log.warning("rejected frame on %s channel %s: %s: %s", link.name, claimed, exc.reason, exc, extra={"endpoint_id": claimed})
@@ -542,6 +559,30 @@ class Dispatcher:
         handler = _HANDLERS.get(env.kind)
         if handler is not None:
             await handler(self, s, env.body)
+
+    async def _reack(self, endpoint_id: str, sealed: Any, link: HubLink) -> None:
+        """A results frame we handled already came again, verbatim: a site gateway re-sends the very
+        frame it holds (it cannot sign a new one) until our result_ack reaches it, and that ack may
+        have been lost on its uplink. Nothing is stored again; the ids are acknowledged again, as
+        the first time, so the gateway stops re-sending. Authentic and fresh (checked before the
+        replay check); at most once per frame per ``_REACK_EVERY_S``, so a replayer gains nothing."""
+        now = time.time()
+        key = f"{endpoint_id}\0{sealed.id}"
+        if now - self._reacked.get(key, 0.0) < _REACK_EVERY_S:
+            return
+        self._reacked[key] = now
+        self._reacked.move_to_end(key)
+        while len(self._reacked) > _REACK_REMEMBER:
+            self._reacked.popitem(last=False)
+        try:
+            results = sealed.open().body.get("results", [])
+            check_results(results)
+        except (ProtocolError, ValueError):
+            return  # the first arrival was refused for the same reason, and nothing was acked then either
+        self.stats["results_reacked"] += 1
+        s = self._sessions.get(endpoint_id) or _Session(endpoint_id, link, now)
+        with contextlib.suppress(LinkError):
+            await self._send(s, Kind.RESULT_ACK, {"ids": [r["id"] for r in results]})
 
     async def _holds(self, endpoint_id: str) -> bool:
         """Whether this replica holds the endpoint's session, claiming it when nobody does.

@@ -44,6 +44,7 @@ import aiomqtt
 import msgpack
 
 from mesh_agent.agent import SITE_BODY_MAGIC
+from mesh_agent.backoff import AckTimeout
 from mesh_agent.protocol import Kind
 from mesh_agent.protocol.envelope import _inflate, _parse_header
 from mesh_agent.site_store import SiteStore
@@ -57,7 +58,8 @@ log = logging.getLogger("mesh_agent.gateway")
 
 #: A tasks frame not yet acked by its device is handed to it again after this long, when the device is heard from.
 REDELIVER_S = 15.0
-#: Results sent up and not yet acked by the hub are sent again after this long (the device does the same).
+#: Results sent up and not yet acked by the hub are sent again after at least this long (the device
+#: does the same); longer on an uplink whose acks come slower (AckTimeout, measured per gateway).
 RESEND_UP_S = 10.0
 #: Frames relayed up without being kept (heartbeats, hellos, fetches) that may wait for their PUBACK at once.
 MAX_IN_FLIGHT = 1000
@@ -271,7 +273,12 @@ class Gateway:
         self._confirm = True  # tell the hub about every task we hold (after reconnecting)
         self._to_confirm: set[str] = set()  # ... and about these, stored since the last confirmation
         self._in_flight: set[asyncio.Task[None]] = set()  # relayed frames waiting for their PUBACK
-        self.stats = {"up_frames": 0, "down_frames": 0, "up_bytes": 0, "down_bytes": 0, "dropped": 0, "redelivered": 0, "bodies_to_devices": 0}
+        self.ack_timeout = AckTimeout(floor=RESEND_UP_S)
+        #: task id -> (when its results frame was first sent up, whether it was sent again): the ack
+        #: delays AckTimeout learns from. Bounded; lost on restart (the next sends count as first).
+        self._results_sent: dict[str, tuple[float, bool]] = {}
+        self.stats = {"up_frames": 0, "down_frames": 0, "up_bytes": 0, "down_bytes": 0, "dropped": 0, "redelivered": 0, "bodies_to_devices": 0,
+                      "results_resent": 0}
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self, stop: asyncio.Event) -> None:
@@ -375,8 +382,10 @@ class Gateway:
             self._to_confirm.update(ids)
             self._up_wake.set()
         elif kind is Kind.RESULT_ACK:
+            acked = frame_task_ids(kind, frame, end, z)
+            self._ack_delays(acked, time.time())
             with contextlib.suppress(StoreError):
-                await self.store.relay_release("up", device, frame_task_ids(kind, frame, end, z))
+                await self.store.relay_release("up", device, acked)
         await self._to_device(device, frame)
 
     async def _site_bodies_for(self, device: str, frame: bytes) -> bool:
@@ -504,8 +513,9 @@ class Gateway:
                 if self._confirm or self._to_confirm:
                     await self._confirm_held()
                 now = time.time()
+                resent = False
                 for _ in range(100):  # bounded per pass
-                    rows = await self.store.relay_pending("up", sent_before=now - RESEND_UP_S, limit=200)
+                    rows = await self.store.relay_pending("up", sent_before=now - self.ack_timeout.timeout, limit=200)
                     if not rows:
                         break
                     acks, results = [], []
@@ -514,11 +524,45 @@ class Gateway:
                     await asyncio.gather(*(up.send_for(ep, frame) for _seq, ep, _kind, frame in rows))
                     for seq, ep, kind, frame in rows:
                         self._count_up(frame)
-                        (acks if kind == Kind.ACK.value else results).append(seq)
+                        if kind == Kind.ACK.value:
+                            acks.append(seq)
+                        else:
+                            results.append(seq)
+                            resent |= self._note_sent(frame, now)
                     await self.store.relay_sent(acks, now, drop=True)
                     await self.store.relay_sent(results, now)
+                if resent:
+                    self.ack_timeout.backoff()
             except (LinkError, StoreError) as exc:
                 log.warning("forwarding up paused: %s", exc)
+
+
+    def _note_sent(self, frame: bytes, now: float) -> bool:
+        """Remember when a results frame went up; True when it had gone up before (a re-send)."""
+        try:
+            kind, _ep, _mid, _ts, _exp, end, z = _parse_header(frame)
+            ids = frame_task_ids(kind, frame, end, z)
+        except Exception:  # our own stored frame: cannot happen, and timing is not worth failing over
+            return False
+        again = any(t in self._results_sent for t in ids)
+        for t in ids:
+            first = self._results_sent.pop(t, (now, False))[0]
+            self._results_sent[t] = (first, again)
+        while len(self._results_sent) > 50_000:
+            self._results_sent.pop(next(iter(self._results_sent)))
+        if again:
+            self.stats["results_resent"] += 1
+        return again
+
+    def _ack_delays(self, ids: list[str], now: float) -> None:
+        """The hub acked these results: learn the uplink's ack delay from frames sent only once."""
+        delays = []
+        for t in ids:
+            sent = self._results_sent.pop(t, None)
+            if sent is not None and not sent[1]:
+                delays.append(now - sent[0])
+        if delays:
+            self.ack_timeout.sample(max(delays))
 
 
 async def _held_ids(store: AgentStore, limit: int = 50_000) -> list[str]:

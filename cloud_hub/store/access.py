@@ -12,7 +12,7 @@ import time
 from typing import Any, Callable, Iterable, Literal
 
 from cloud_hub.broker_auth import BrokerAccount
-from cloud_hub.store.sqlite import SqliteStore
+from cloud_hub.store.sqlite import SqliteStore, fail_tasks
 
 __all__ = ["AccessStore", "Role"]
 
@@ -101,12 +101,7 @@ class AccessStore:
                 for tid, uid, fid in db.execute("SELECT id, user_id, function_id FROM tasks WHERE endpoint_id=? AND state='queued'", (endpoint_id,))
                 if fid not in allowed
             ]
-            now = time.time()
-            db.executemany(
-                "INSERT OR IGNORE INTO results (task_id, user_id, ok, data, started, finished, received, pid) VALUES (?, ?, 0, ?, ?, ?, ?, 0)",
-                [(tid, uid, error_blob(tid, fid), now, now, now) for tid, uid, fid in rows],
-            )
-            db.executemany("UPDATE tasks SET state='done', done=?, args=NULL WHERE id=?", [(now, tid) for tid, _, _ in rows])
+            fail_tasks(db, [(tid, uid, error_blob(tid, fid)) for tid, uid, fid in rows], time.time())
             return [(tid, uid) for tid, uid, _ in rows]
 
         return await self.store.tx(q)
@@ -125,11 +120,7 @@ class AccessStore:
             )
             db.execute("DELETE FROM endpoint_shares WHERE endpoint_id=?", (endpoint_id,))
             rows = db.execute("SELECT id, user_id FROM tasks WHERE endpoint_id=? AND state != 'done'", (endpoint_id,)).fetchall()
-            db.executemany(
-                "INSERT OR IGNORE INTO results (task_id, user_id, ok, data, started, finished, received, pid) VALUES (?, ?, 0, ?, ?, ?, ?, 0)",
-                [(tid, uid, error_blob(tid), now, now, now) for tid, uid in rows],
-            )
-            db.executemany("UPDATE tasks SET state='done', done=?, args=NULL WHERE id=?", [(now, tid) for tid, _ in rows])
+            fail_tasks(db, [(tid, uid, error_blob(tid)) for tid, uid in rows], now)
             return [(tid, uid) for tid, uid in rows]
 
         return await self.store.tx(q)

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from cloud_hub.store.sqlite import _chunks, number_results
+
 __all__ = ["MemoSettings", "Hit", "record", "lookup", "pending", "write_hits", "count", "counts", "prune"]
 
 
@@ -30,11 +32,6 @@ class Hit:
     task_id: str  # the task whose result answers it
     endpoint_id: str  # where that result was made (the SDK's trust rule reads it)
     joined: bool = False  # that task is still queued or running: the repeat is answered with its id
-
-
-def _chunks(seq: Sequence[Any], n: int = 500) -> Iterable[Sequence[Any]]:
-    for i in range(0, len(seq), n):
-        yield seq[i : i + n]
 
 
 def record(db: Any, fresh: Sequence[Mapping[str, Any]], settings: MemoSettings, now: float) -> int:
@@ -98,6 +95,7 @@ def write_hits(db: Any, user_id: str, hits: Sequence[tuple[dict[str, Any], Hit]]
         db.execute("INSERT INTO results (task_id, user_id, ok, data, started, finished, received, pid) "
                    "SELECT ?, user_id, ok, data, started, finished, ?, pid FROM results WHERE task_id=?", (row["id"], now, hit.task_id))
         db.execute("UPDATE memo SET hits = hits + 1, last_hit=? WHERE user_id=? AND key=?", (now, user_id, hit.key))
+    number_results(db)
     per_fn: dict[str, list[int]] = {fid: [0, k] for fid, k in misses.items()}
     for row, _ in hits:
         per_fn.setdefault(row["function_id"], [0, 0])[0] += 1

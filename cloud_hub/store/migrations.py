@@ -214,4 +214,22 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE api_tokens ADD COLUMN revoked REAL;
         """,
     ),
+    (
+        14,
+        """
+        -- Result cursors per user (GET /v1/results/cursor, ?after=, the SDK stream): the global
+        -- results.seq told a user, by the gaps between their own cursors, how many results everyone
+        -- else got. user_seq numbers a user's results 1, 2, 3 (cloud_hub/store/sqlite.py,
+        -- number_results), and result_cursors keeps each user's last number, so pruning old results
+        -- never hands a number out twice. Results stored before this migration keep their global
+        -- seq as their number (a cursor a client holds stays valid) and each user counts on from
+        -- their own newest.
+        ALTER TABLE results ADD COLUMN user_seq INTEGER;
+        UPDATE results SET user_seq = seq;
+        CREATE TABLE result_cursors (user_id TEXT PRIMARY KEY, last INTEGER NOT NULL);
+        INSERT INTO result_cursors (user_id, last) SELECT user_id, MAX(seq) FROM results GROUP BY user_id;
+        CREATE UNIQUE INDEX results_user_cursor ON results (user_id, user_seq);
+        CREATE INDEX results_unnumbered ON results (seq) WHERE user_seq IS NULL;
+        """,
+    ),
 ]

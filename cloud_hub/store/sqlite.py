@@ -202,18 +202,7 @@ class SqliteStore:
             row = db.execute("PRAGMA quick_check").fetchone()
             if row is None or row[0] != "ok":
                 raise sqlite3.DatabaseError(f"integrity check failed: {row[0] if row else '?'}")
-            db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-            cur = db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0
-            latest = max(v for v, _ in MIGRATIONS)
-            if cur > latest:
-                raise StoreError(f"{self.path}: database schema v{cur} is newer than this hub (v{latest})")
-            for version, sql in MIGRATIONS:
-                if version > cur:
-                    db.execute("BEGIN IMMEDIATE")
-                    for statement in _statements(sql):  # executescript would commit behind our back
-                        db.execute(statement)
-                    db.execute("INSERT INTO schema_version VALUES (?)", (version,))
-                    db.execute("COMMIT")
+            migrate(db, self.path)
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"{self.path}: not a usable hub database ({exc})") from None
         self._db = db
@@ -817,6 +806,7 @@ class SqliteStore:
                 [(r["id"], owners[r["id"]], int(bool(r["ok"])), r["data"], r.get("started"), r.get("finished"), now, r.get("pid")) for r in fresh],
             )
             db.executemany("UPDATE tasks SET state='done', done=?, args=NULL WHERE id=?", [(now, r["id"]) for r in fresh])
+            number_results(db)
             if getattr(self, "memo", None) is not None and fresh:  # results of tasks submitted with cache=True answer repeats (cloud_hub/store/memo.py)
                 from cloud_hub.store import memo
 
@@ -832,11 +822,7 @@ class SqliteStore:
             rows = db.execute(
                 "SELECT id, user_id FROM tasks WHERE state='queued' AND expires IS NOT NULL AND expires < ? LIMIT 10000", (now,)
             ).fetchall()
-            db.executemany(
-                "INSERT OR IGNORE INTO results (task_id, user_id, ok, data, started, finished, received, pid) VALUES (?, ?, 0, ?, ?, ?, ?, 0)",
-                [(tid, uid, error_blob(tid), now, now, now) for tid, uid in rows],
-            )
-            db.executemany("UPDATE tasks SET state='done', done=?, args=NULL WHERE id=?", [(now, tid) for tid, _ in rows])
+            fail_tasks(db, [(tid, uid, error_blob(tid)) for tid, uid in rows], now)
             return [(tid, uid) for tid, uid in rows]
 
         return await self.tx(q)
@@ -867,9 +853,10 @@ class SqliteStore:
         return await self._run(q)
 
     async def results_after(self, user_id: str, seq: int, limit: int) -> list[dict[str, Any]]:
+        """The user's results after their cursor ``seq`` (a per-user number, see number_results)."""
         def q() -> list[dict[str, Any]]:
             rows = self._conn().execute(
-                f"{_RESULT_SELECT} WHERE r.user_id=? AND r.seq > ? ORDER BY r.seq LIMIT ?",
+                f"{_RESULT_SELECT} WHERE r.user_id=? AND r.user_seq > ? ORDER BY r.user_seq LIMIT ?",
                 (user_id, seq, limit),
             ).fetchall()
             return _result_rows(rows)
@@ -877,11 +864,12 @@ class SqliteStore:
         return await self._run(q)
 
     async def last_result_seq(self, user_id: str | None = None) -> int:
-        """The newest result's cursor: a user's own (what a stream reader starts from; the global
-        one would tell a user how many results everyone else gets), or the whole table's."""
+        """The newest result's cursor: a user's own (what a stream reader starts from, counted per
+        user so it tells nothing of other users' results), or the whole table's (internal only)."""
         if user_id is None:
             return await self._run(lambda: self._conn().execute("SELECT COALESCE(MAX(seq), 0) FROM results").fetchone()[0])
-        return await self._run(lambda: self._conn().execute("SELECT COALESCE(MAX(seq), 0) FROM results WHERE user_id=?", (user_id,)).fetchone()[0])
+        return await self._run(lambda: self._conn().execute(
+            "SELECT COALESCE(MAX(last), 0) FROM result_cursors WHERE user_id=?", (user_id,)).fetchone()[0])
 
     async def task_counts(self, user_id: str | None = None) -> dict[str, int]:
         def q() -> dict[str, int]:
@@ -904,11 +892,61 @@ class SqliteStore:
         return await self.tx(q)
 
 
+def number_results(db: Any) -> None:
+    """Give every result stored in this transaction the next number of its user's cursor.
+
+    Called by each writer of ``results`` before its transaction commits, so no committed result is
+    without a number. Why per user: one hub-wide sequence told a user, by the gaps between their
+    own cursors, how many results everyone else got. Why a counter table and not MAX(user_seq):
+    pruning a user's newest results must not hand their numbers out again (a client holding that
+    cursor would skip the new results). In PostgreSQL the writer already holds the results lock
+    (postgres.py), so numbers are committed in order for the stream readers too."""
+    rows = db.execute("SELECT seq, user_id FROM results WHERE user_seq IS NULL ORDER BY seq").fetchall()
+    by_user: dict[str, list[int]] = {}
+    for seq, uid in rows:
+        by_user.setdefault(uid, []).append(seq)
+    for uid, seqs in by_user.items():
+        row = db.execute("SELECT last FROM result_cursors WHERE user_id=?", (uid,)).fetchone()
+        last = row[0] if row else 0
+        db.executemany("UPDATE results SET user_seq=? WHERE seq=?", [(last + i, s) for i, s in enumerate(seqs, 1)])
+        db.execute("INSERT INTO result_cursors (user_id, last) VALUES (?, ?) ON CONFLICT (user_id) DO UPDATE SET last=excluded.last",
+                   (uid, last + len(seqs)))
+
+
+def migrate(db: sqlite3.Connection, path: Path | str) -> None:
+    """Bring a hub database (autocommit connection) to the newest schema, one transaction per
+    migration. Also used by restore, so a backup from an older hub is fixed up on the new schema."""
+    db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+    cur = db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0
+    latest = max(v for v, _ in MIGRATIONS)
+    if cur > latest:
+        raise StoreError(f"{path}: database schema v{cur} is newer than this hub (v{latest})")
+    for version, sql in MIGRATIONS:
+        if version > cur:
+            db.execute("BEGIN IMMEDIATE")
+            for statement in _statements(sql):  # executescript would commit behind our back
+                db.execute(statement)
+            db.execute("INSERT INTO schema_version VALUES (?)", (version,))
+            db.execute("COMMIT")
+
+
+def fail_tasks(db: Any, rows: Sequence[tuple[str, str, bytes]], now: float) -> None:
+    """Finish tasks with an error result the hub wrote itself (expired, revoked endpoint, function
+    no longer allowed): ``rows`` are (task id, user id, error blob). A task that already has a
+    result keeps it."""
+    db.executemany(
+        "INSERT OR IGNORE INTO results (task_id, user_id, ok, data, started, finished, received, pid) VALUES (?, ?, 0, ?, ?, ?, ?, 0)",
+        [(tid, uid, blob, now, now, now) for tid, uid, blob in rows],
+    )
+    db.executemany("UPDATE tasks SET state='done', done=?, args=NULL WHERE id=?", [(now, tid) for tid, _, _ in rows])
+    number_results(db)
+
+
 #: A result with the endpoint that produced it and whether that endpoint is the user's own: the SDK
 #: unpickles only results from the user's own (or explicitly trusted) endpoints. No endpoint (a task
 #: that expired before any ran it) means the hub made the result itself.
 _RESULT_SELECT = (
-    "SELECT r.seq, r.task_id, r.ok, r.data, r.started, r.finished, t.endpoint_id, e.user_id = r.user_id "
+    "SELECT r.user_seq, r.task_id, r.ok, r.data, r.started, r.finished, t.endpoint_id, e.user_id = r.user_id "
     "FROM results r LEFT JOIN tasks t ON t.id = r.task_id LEFT JOIN endpoints e ON e.id = t.endpoint_id"
 )
 

@@ -59,3 +59,43 @@ def test_an_authentic_but_malformed_results_frame_stores_nothing(mesh: LocalMesh
         pub.close()
     assert stats["rejected_frames"] == rejected + 1
     assert f"rejected frame on mqtt channel {agent.endpoint_id}: malformed: results body: results[1] has no 'data'" in caplog.text
+
+
+def test_a_results_frame_sent_again_verbatim_is_acked_again_and_stored_once(mesh: LocalMesh) -> None:
+    """A site gateway re-sends the very results frame it holds (it cannot sign a new one) until the
+    hub's result_ack reaches it. The hub refuses the copy as a replay, stores nothing twice, and
+    acknowledges its ids again: without that, a lost ack left the gateway re-sending the frame
+    over its uplink until the frame expired (docs/sites.md)."""
+    from mesh_agent.protocol import open_frame
+    from mesh_agent.transport.mqtt import down_topic
+
+    agent = mesh.add_agent("behind-a-gateway", "mqtt", start=False)
+    _, creds = load_config(agent.config_path)
+    fid = mesh.client.register_function(pow, "pow")
+    tid = mesh.client.submit(agent.endpoint_id, fid, 2, 5)
+    stats = mesh.hub.hub.dispatcher.stats  # type: ignore[union-attr]
+    good = {"id": tid, "ok": True, "data": serialize(32), "started": time.time(), "finished": time.time(), "pid": 1}
+    frame = encode(Envelope(Kind.RESULTS, agent.endpoint_id, {"results": [good]}), creds.key_bytes)
+    pub = connect_intruder(mesh)
+    assert pub.connected.is_set()
+
+    def acks() -> list[list[str]]:
+        out = []
+        for topic, f in list(pub.frames):
+            env = open_frame(f, creds.key_bytes).open()
+            if topic == down_topic("mesh", agent.endpoint_id) and env.kind is Kind.RESULT_ACK:
+                out.append(list(env.body["ids"]))
+        return out
+
+    try:
+        pub.subscribe(down_topic("mesh", agent.endpoint_id))
+        pub.publish(up_topic("mesh", agent.endpoint_id), frame)
+        _wait(lambda: _task_row(mesh, tid) == ("done", 1) and len(acks()) == 1, "the results stored and acked")
+        rejected = stats["rejected_frames"]
+        pub.publish(up_topic("mesh", agent.endpoint_id), frame)  # the gateway's re-send: the same bytes
+        _wait(lambda: len(acks()) == 2, "the copy acknowledged again")
+    finally:
+        pub.close()
+    assert acks() == [[tid], [tid]]
+    assert stats["rejected_frames"] == rejected + 1 and stats["results_reacked"] == 1, "refused as a replay, answered with an ack"
+    assert _task_row(mesh, tid) == ("done", 1), "stored once"

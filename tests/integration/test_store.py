@@ -178,6 +178,65 @@ async def test_result_stream_order_expiry_and_pruning(store: SqliteStore) -> Non
     assert await store.results_after(uid, 0, 100) == [] and await store.task_counts(uid) == {"leased": 2}
 
 
+async def test_result_cursors_count_each_users_own_results(store: SqliteStore) -> None:
+    """A user's cursor moves by their own results only (the gaps between cursors once told how many
+    results other users got), numbers are never handed out twice, even after pruning."""
+    alice, bob = await store.create_user("alice"), await store.create_user("bob")
+    await store.put_function(alice, FID, b"body", "fn")
+    ep_a, ep_b = await _endpoint(store, alice, "a"), await _endpoint(store, bob, "b")
+    await store.insert_tasks(_tasks(alice, ep_a, 4) + [dict(t, user_id=bob, endpoint_id=ep_b) for t in _tasks(bob, ep_b, 6, start=10)])
+    await store.lease(ep_a, 4, 30.0, 1 << 20)
+    await store.lease(ep_b, 6, 30.0, 1 << 20)
+    for i in range(4):  # interleaved: bob's results land between alice's
+        await store.store_results(ep_a, [{"id": f"t{i:05d}", "ok": True, "data": b"a"}])
+        await store.store_results(ep_b, [{"id": f"t{10 + i:05d}", "ok": True, "data": b"b"}])
+    mine = await store.results_after(alice, 0, 100)
+    assert [r["seq"] for r in mine] == [1, 2, 3, 4], "alice's cursors say nothing of bob's results"
+    assert await store.last_result_seq(alice) == 4 and await store.last_result_seq(bob) == 4
+    assert [r["task_id"] for r in await store.results_after(alice, 2, 100)] == ["t00002", "t00003"]
+    assert await store.prune_results(time.time() + 1) == 8
+    assert await store.last_result_seq(alice) == 4, "pruning does not take a cursor back"
+    await store.store_results(ep_b, [{"id": "t00014", "ok": True, "data": b"b"}])
+    assert [r["seq"] for r in await store.results_after(bob, 4, 100)] == [5]
+    await store.insert_tasks(_tasks(alice, ep_a, 1, start=50, expires_in=-1))
+    assert await store.expire_tasks(time.time(), lambda tid: b"expired") == [("t00050", alice)]
+    (hub_written,) = await store.results_after(alice, 4, 100)
+    assert (hub_written["task_id"], hub_written["seq"]) == ("t00050", 5), "results the hub writes itself are numbered too"
+
+
+def test_result_cursors_survive_the_upgrade_to_per_user(tmp_path: Path) -> None:
+    """A hub database from before migration 14: each result keeps its global seq as its number (a
+    cursor a client holds stays valid) and each user counts on from their own newest."""
+    import sqlite3
+
+    from cloud_hub.store.migrations import MIGRATIONS
+    from cloud_hub.store.sqlite import _statements
+
+    path = tmp_path / "old.sqlite3"
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    for version, sql in MIGRATIONS:
+        if version < 14:
+            for statement in _statements(sql):
+                db.execute(statement)
+            db.execute("INSERT INTO schema_version VALUES (?)", (version,))
+    db.execute("INSERT INTO users (id, name, created) VALUES ('ua', 'alice', 0), ('ub', 'bob', 0)")
+    for i, user in enumerate(["ua", "ub", "ub", "ua", "ub"]):
+        db.execute("INSERT INTO results (task_id, user_id, ok, data, received) VALUES (?, ?, 1, x'00', 0)", (f"r{i}", user))
+    db.close()
+
+    async def go() -> None:
+        store = await SqliteStore(path).open()
+        try:
+            assert await store.last_result_seq("ua") == 4 and await store.last_result_seq("ub") == 5
+            assert [r["seq"] for r in await store.results_after("ua", 0, 10)] == [1, 4]
+            assert [r["task_id"] for r in await store.results_after("ub", 2, 10)] == ["r2", "r4"]
+        finally:
+            await store.close()
+
+    asyncio.run(go())
+
+
 async def test_endpoint_ownership_for_replicas(store: SqliteStore) -> None:
     now = time.time()
     assert await store.claim_endpoint("ep-1", "A", now + 10, now)

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from cloud_hub.backup import BackupError, backup_sqlite, db_in_use, inspect_backup, restore_sqlite
 from cloud_hub.cli import app
 from cloud_hub.store import SqliteStore
+from cloud_hub.store.sqlite import number_results
 
 
 def make_hub_db(path: Path) -> None:
@@ -60,6 +61,12 @@ def finish(db: sqlite3.Connection, ids: list[str]) -> None:
     for t in ids:
         db.execute("UPDATE tasks SET state='done' WHERE id=?", (t,))
         db.execute("INSERT INTO results (task_id, user_id, ok, data, received) VALUES (?, 'u1', 1, x'00', 0)", (t,))
+    number_results(db)  # as every writer of results in the hub does
+
+
+def user_cursor(db: sqlite3.Connection, user: str = "u1") -> int:
+    row = db.execute("SELECT last FROM result_cursors WHERE user_id=?", (user,)).fetchone()
+    return row[0] if row else 0
 
 
 def digest(path: Path) -> str:
@@ -186,6 +193,8 @@ def test_restore_counts_what_was_lost_and_keeps_cursors_and_revocations(hub_db: 
         db.execute("UPDATE api_tokens SET revoked=5 WHERE hash='0123456789abcdef-before'")  # mesh-hub token revoke
         db.execute("UPDATE endpoints SET revoked=1, key=X'' WHERE id='ep_revoked_later'")
         live_seq = db.execute("SELECT MAX(seq) FROM results").fetchone()[0]
+        live_cursor = user_cursor(db)
+    assert live_cursor == 6, "alice's own cursor counts her results only"
     r = restore_sqlite(out, hub_db, force=True)
     assert r.compared and r.not_compared_why is None
     assert r.lost_tasks == 4 and sorted(r.lost_task_ids) == ["b0", "b1", "b2", "b3"]
@@ -202,9 +211,12 @@ def test_restore_counts_what_was_lost_and_keeps_cursors_and_revocations(hub_db: 
         assert db.execute("SELECT name FROM sqlite_master WHERE name='mesh_backup'").fetchone() is None
         assert db.execute("SELECT revoked IS NOT NULL, key FROM endpoints WHERE id='ep_revoked_later'").fetchone() == (1, b"")
         assert db.execute("SELECT revoked FROM api_tokens WHERE hash='0123456789abcdef-before'").fetchone() == (5,)
+        assert user_cursor(db) == live_cursor, "alice's cursor does not go back to the backup's 2"
         db.execute("INSERT INTO results (task_id, user_id, ok, data, received) VALUES ('a5', 'u1', 1, x'00', 0)")
-        new_seq = db.execute("SELECT seq FROM results WHERE task_id='a5'").fetchone()[0]
+        number_results(db)
+        new_seq, mine = db.execute("SELECT seq, user_seq FROM results WHERE task_id='a5'").fetchone()
     assert new_seq > live_seq, "a client's cursor from before the restore must not skip the next result"
+    assert mine == live_cursor + 1, "nor one from the user's own cursor"
 
     async def opens() -> None:  # the hub starts on it
         store = await SqliteStore(hub_db).open()
@@ -221,6 +233,8 @@ def test_restore_without_the_old_database_says_the_loss_is_unknown(hub_db: Path,
     r = restore_sqlite(out, gone)
     assert not r.compared and r.lost_tasks == 0 and "no database" in (r.not_compared_why or "")
     assert r.result_seq >= 1_000_000_000
+    with connect(gone) as db:
+        assert user_cursor(db) >= 1_000_000_000, "every user's own cursor jumps too when the old one is unknown"
     garbage = tmp_path / "garbage" / "hub.sqlite3"
     garbage.parent.mkdir()
     garbage.write_bytes(b"\x00" * 8192)  # a database the disk ate: replaced, kept beside, not comparable
