@@ -38,8 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
-from cloud_hub.store.migrations import MIGRATIONS
-from cloud_hub.store.sqlite import SqliteStore, StoreError, StoreFull, _statements
+from cloud_hub.store.sqlite import SqliteStore, StoreError, StoreFull, _statements, pending_migrations
 
 __all__ = ["PostgresStore", "to_pg_sql", "to_pg_ddl"]
 
@@ -273,15 +272,10 @@ class PostgresStore(SqliteStore):
             db.execute("BEGIN")
             db.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATE_LOCK,))  # replicas starting together
             db.execute("CREATE TABLE IF NOT EXISTS schema_version (version BIGINT NOT NULL)")
-            cur = db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0
-            latest = max(v for v, _ in MIGRATIONS)
-            if cur > latest:
-                raise StoreError(f"{_safe(self.url)}: database schema v{cur} is newer than this hub (v{latest})")
-            for version, sql in MIGRATIONS:
-                if version > cur:
-                    for statement in _statements(to_pg_ddl(sql)):
-                        db.execute(statement)
-                    db.execute("INSERT INTO schema_version VALUES (%s)", (version,))
+            for version, sql in pending_migrations(db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0], _safe(self.url)):
+                for statement in _statements(to_pg_ddl(sql)):
+                    db.execute(statement)
+                db.execute("INSERT INTO schema_version VALUES (%s)", (version,))
             db.execute("COMMIT")
         except BaseException as exc:
             if not db.closed and not db.broken:

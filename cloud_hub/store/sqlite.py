@@ -917,17 +917,22 @@ def migrate(db: sqlite3.Connection, path: Path | str) -> None:
     """Bring a hub database (autocommit connection) to the newest schema, one transaction per
     migration. Also used by restore, so a backup from an older hub is fixed up on the new schema."""
     db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-    cur = db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0
+    for version, sql in pending_migrations(db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0], path):
+        db.execute("BEGIN IMMEDIATE")
+        for statement in _statements(sql):  # executescript would commit behind our back
+            db.execute(statement)
+        db.execute("INSERT INTO schema_version VALUES (?)", (version,))
+        db.execute("COMMIT")
+
+
+def pending_migrations(current: int | None, where: object) -> list[tuple[int, str]]:
+    """The migrations a database at schema ``current`` still needs (both backends); a database
+    newer than this hub is refused rather than half understood."""
+    current = current or 0
     latest = max(v for v, _ in MIGRATIONS)
-    if cur > latest:
-        raise StoreError(f"{path}: database schema v{cur} is newer than this hub (v{latest})")
-    for version, sql in MIGRATIONS:
-        if version > cur:
-            db.execute("BEGIN IMMEDIATE")
-            for statement in _statements(sql):  # executescript would commit behind our back
-                db.execute(statement)
-            db.execute("INSERT INTO schema_version VALUES (?)", (version,))
-            db.execute("COMMIT")
+    if current > latest:
+        raise StoreError(f"{where}: database schema v{current} is newer than this hub (v{latest})")
+    return [(v, sql) for v, sql in MIGRATIONS if v > current]
 
 
 def fail_tasks(db: Any, rows: Sequence[tuple[str, str, bytes]], now: float) -> None:
