@@ -192,6 +192,17 @@ def test_state_node_config_and_run_config_reach_the_clientapp(fmesh: _Mesh, tmp_
     assert res.rounds[-1]["extra"]["federated_eval"] is None  # fraction_evaluate=0
 
 
+def _failed_cli_run(fmesh: _Mesh, app: Path, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """``mesh-fl run`` on the mesh's endpoints that must exit 1, and the one run it recorded."""
+    before = {r["id"] for r in fmesh.mesh.client.fl_runs()}
+    p = _cli(fmesh.mesh, str(app), "--endpoints", ",".join(fmesh.ids), "--dataset", "digits", *args,
+             "--out-dir", str(tmp_path / "out"), cwd=tmp_path)
+    assert p.returncode == 1, p.stdout + p.stderr
+    new = [r["id"] for r in fmesh.mesh.client.fl_runs() if r["id"] not in before]
+    assert len(new) == 1, new
+    return p, fmesh.mesh.client.fl_run(new[0])
+
+
 def test_missing_run_config_key_fails_loudly_with_nonzero_exit(fmesh: _Mesh, tmp_path: Path) -> None:
     """The ClientApp reads a run_config key the app does not define (the KeyError a user meets):
     every client fails every round the same way, so the run stops after 2 such rounds (not 10),
@@ -199,14 +210,8 @@ def test_missing_run_config_key_fails_loudly_with_nonzero_exit(fmesh: _Mesh, tmp
     app = _copy_app("quickstart-sklearn", tmp_path)
     client_py = app / "sklearnexample" / "client_app.py"
     client_py.write_text(client_py.read_text().replace('context.run_config["penalty"]', 'context.run_config["client-penalty"]'))
-    before = {r["id"] for r in fmesh.mesh.client.fl_runs()}
-    p = _cli(fmesh.mesh, str(app), "--endpoints", ",".join(fmesh.ids), "--dataset", "digits", "--run-config",
-             "num-server-rounds=10", "--out-dir", str(tmp_path / "out"), cwd=tmp_path)
-    assert p.returncode == 1, p.stdout + p.stderr
+    p, run = _failed_cli_run(fmesh, app, tmp_path, "--run-config", "num-server-rounds=10")
     assert "every client failed 2 training round(s) in a row" in p.stderr and "client-penalty" in p.stderr, p.stderr[-2000:]
-    new = [r["id"] for r in fmesh.mesh.client.fl_runs() if r["id"] not in before]
-    assert len(new) == 1
-    run = fmesh.mesh.client.fl_run(new[0])
     assert run["status"] == "failed" and "client-penalty" in (run.get("error") or ""), run
     assert run["rounds_done"] <= 2
 
@@ -246,14 +251,8 @@ def test_app_dependency_that_cannot_be_built_fails_naming_it(fmesh: _Mesh, tmp_p
     app = _copy_app("depapp", tmp_path)
     toml = app / "pyproject.toml"
     toml.write_text(toml.read_text().replace('"meshflwr-scale>=1.0"', '"meshflwr-nosuch>=2.1"'))
-    before = {r["id"] for r in fmesh.mesh.client.fl_runs()}
-    p = _cli(fmesh.mesh, str(app), "--endpoints", ",".join(fmesh.ids), "--dataset", "digits", "--warmup-s", "300",
-             "--out-dir", str(tmp_path / "out"), cwd=tmp_path)
-    assert p.returncode == 1, p.stdout + p.stderr
+    p, run = _failed_cli_run(fmesh, app, tmp_path, "--warmup-s", "300")
     assert "run failed: no endpoint can run the app (3 failed)" in p.stderr and "meshflwr-nosuch>=2.1" in p.stderr, p.stderr[-3000:]
-    new = [r["id"] for r in fmesh.mesh.client.fl_runs() if r["id"] not in before]
-    assert len(new) == 1
-    run = fmesh.mesh.client.fl_run(new[0])
     assert run["status"] == "failed" and "meshflwr-nosuch>=2.1" in (run.get("error") or ""), run
     dropped = run["rounds"][0]["dropped"]
     assert sorted(dropped) == sorted(fmesh.ids) and all("meshflwr-nosuch>=2.1" in why for why in dropped.values()), dropped

@@ -10,8 +10,10 @@ again on the same port and database, a real broker and one ZeroMQ agent:
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Iterator
 
@@ -48,13 +50,22 @@ def _tasks_in_group(m: LocalMesh, group: str) -> int:
         return int(db.execute("SELECT COUNT(*) FROM tasks WHERE task_group_id=?", (group,)).fetchone()[0])
 
 
-def test_submit_timeout_fails_the_future_and_sends_nothing_later(mesh: LocalMesh) -> None:
-    ep = mesh.agents[0].endpoint_id
+@contextlib.contextmanager
+def _warm_executor(mesh: LocalMesh, group: str, submit_timeout_s: float) -> Iterator[tuple[Executor, Future[int]]]:
+    """An Executor on the agent with one task done through it (the hub is up), shut down after."""
     client = Client(mesh.url, mesh.token, timeout=10)
-    ex = Executor(client, endpoint_id=ep, submit_timeout_s=3, task_group_id="timeout-group")
+    ex = Executor(client, endpoint_id=mesh.agents[0].endpoint_id, submit_timeout_s=submit_timeout_s, task_group_id=group)
     try:
         a = ex.submit(inc, 1)
         assert a.result(60) == 2
+        yield ex, a
+    finally:
+        ex.shutdown(wait=False, cancel_futures=True)
+        client.close()
+
+
+def test_submit_timeout_fails_the_future_and_sends_nothing_later(mesh: LocalMesh) -> None:
+    with _warm_executor(mesh, "timeout-group", 3) as (ex, a):
         mesh.stop_hub()  # down, and not back within submit_timeout_s
         t0 = time.monotonic()
         lost = ex.submit(inc, 10)
@@ -69,18 +80,10 @@ def test_submit_timeout_fails_the_future_and_sends_nothing_later(mesh: LocalMesh
         b = ex.submit(inc, 20)  # the Executor works again ...
         assert b.result(120) == 21
         assert _tasks_in_group(mesh, "timeout-group") == 2, "... and the timed-out submits were never sent"
-    finally:
-        ex.shutdown(wait=False, cancel_futures=True)
-        client.close()
 
 
 def test_a_future_argument_submit_makes_no_request_and_completes_after_the_hub_returns(mesh: LocalMesh) -> None:
-    ep = mesh.agents[0].endpoint_id
-    client = Client(mesh.url, mesh.token, timeout=10)
-    ex = Executor(client, endpoint_id=ep, submit_timeout_s=120, task_group_id="dataflow-group")
-    try:
-        a = ex.submit(inc, 1)
-        assert a.result(60) == 2
+    with _warm_executor(mesh, "dataflow-group", 120) as (ex, a):
         pending = ex.submit(inc, 100)  # not awaited: may still be running when the hub stops
         mesh.stop_hub()
         b = ex.submit(double, a)  # a done input: before issue 18 this asked GET /v1/kv here and raised
@@ -90,6 +93,3 @@ def test_a_future_argument_submit_makes_no_request_and_completes_after_the_hub_r
         assert b.result(120) == 4
         assert c.result(120) == 202
         assert _tasks_in_group(mesh, "dataflow-group") == 4, "each submit made one task"
-    finally:
-        ex.shutdown(wait=False, cancel_futures=True)
-        client.close()

@@ -157,6 +157,24 @@ def _train(weights, data, config):
     return [w + 0.01 * (1 + int(config["seed"]) % 3) for w in weights], 10 + int(config["seed"]) % 5, {"loss": 0.5}
 
 
+def _losing_answers(apps, dropped, seen=None):
+    """secure_round's ``ask``: every client answers but those in ``dropped``, which train and mask
+    and then lose their answer (dropped after masking); ``seen`` records who was asked at which stage."""
+
+    def ask(stage, tasks):
+        out = {}
+        for c, t in tasks.items():
+            if seen is not None:
+                seen.append((stage, c))
+            if stage == "train" and c in dropped:
+                apps[c](t)
+                continue
+            out[c] = apps[c](t)
+        return out
+
+    return ask
+
+
 def test_secure_round_through_client_apps_in_process(tmp_path):
     """The device app and the driver orchestration together (``ask`` calls the apps directly):
     6 clients, 2 never answer the train step, the new model equals plain averaging of the
@@ -168,17 +186,8 @@ def test_secure_round_through_client_apps_in_process(tmp_path):
         a.inner.loads_data = False
     current = [np.zeros((3, 2)), np.ones(4)]
     dropped = {"ep-1", "ep-4"}
-    seen = []
-
-    def ask(stage, tasks):
-        out = {}
-        for c, t in tasks.items():
-            seen.append((stage, c))
-            if stage == "train" and c in dropped:
-                apps[c](t)  # it trains and masks, then its answer is lost
-                continue
-            out[c] = apps[c](t)
-        return out
+    seen: list[tuple[str, str]] = []
+    ask = _losing_answers(apps, dropped, seen)
 
     def train_task(c):
         return {"round": 3, "weights": encode_weights(current), "dataset": "none", "config": {"seed": 0}}
@@ -312,17 +321,8 @@ def test_secure_round_with_q8_through_client_apps(tmp_path):
     for a in apps.values():
         a.inner.loads_data = False
     current = [np.zeros((30, 20)), np.ones(40)]
-    dropped = {"ep-1", "ep-4"}
     uplink = {"spec": parse("q8").spec()}
-
-    def ask(stage, tasks):
-        out = {}
-        for c, t in tasks.items():
-            if stage == "train" and c in dropped:
-                apps[c](t)  # it trains and masks, then its answer is lost
-                continue
-            out[c] = apps[c](t)
-        return out
+    ask = _losing_answers(apps, {"ep-1", "ep-4"})
 
     def train_task(c):
         t = {"round": 3, "weights": encode_weights(current), "dataset": "none", "config": {"seed": 0}}
