@@ -433,18 +433,15 @@ class FunctionClientApp(ClientApp):
 
 
 def _group_blob(task: Dict[str, Any], new: Weights, current: Weights) -> Tuple[bytes, Optional[Dict[str, Any]]]:
-    """The site's one update as it goes up: compressed against the staged model when the run
-    compresses with a dense method (q8, fp16; the driver decodes it against the same model);
-    top-k would need an error-feedback memory at the gateway, so it goes up whole."""
+    """The site's one update as it goes up, compressed against the staged model as the run asks
+    (the driver decodes it against the same model). Top-k keeps its error-feedback residual as a
+    device does, in the gateway's own durable store (``fl-state`` in its data directory), under
+    the gateway's id: what one round leaves out of the site's update goes up in a later one."""
     spec = task.get("uplink")
-    if spec and task.get("current_ref") is not None:
-        from fl import compression as fc
-
-        comp = fc.from_spec(spec)
-        if comp.sparsify is None:
-            blob, enc, _ = fc.encode_update(new, current, comp, seed=zlib.crc32(f"{task.get('gateway_id')}:{task.get('round')}".encode()))
-            return blob, enc
-    return encode_weights(new), None
+    if not spec or task.get("current_ref") is None:
+        return encode_weights(new), None
+    seed = zlib.crc32(f"{task.get('gateway_id')}:{task.get('round')}".encode())
+    return _compress({**task, "client_id": str(task.get("gateway_id"))}, current, new, seed)
 
 
 @dataclass

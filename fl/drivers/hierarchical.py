@@ -115,7 +115,8 @@ class HierarchicalDriver(SyncDriver):
             if gw.startswith("direct:"):
                 continue
             if gw in staged:  # on the site's LAN: keys only (a child answered the old way: its weights ride along)
-                payloads.append((gw, {"v": PROTOCOL, "kind": "aggregate", "round": r, "gateway_id": gw, "current_ref": staged[gw][0],
+                payloads.append((gw, {"v": PROTOCOL, "kind": "aggregate", "run_id": self.run_id, "round": r, "gateway_id": gw,
+                                      "current_ref": staged[gw][0],
                                       "site_store": staged[gw][1],
                                       **({"uplink": run.compression.spec()} if run.compression is not None else {}),
                                       "updates": [lan[u.client_id] if u.client_id in lan else
@@ -189,7 +190,9 @@ class HierarchicalDriver(SyncDriver):
         extra: Dict[str, Any] = {"gateways": {g: list(cs) for g, cs in self.fed.gateways.items()}}
         if staged:
             extra["site_lan"] = {g: {"staged": True, "lan_updates": sum(1 for u in groups.get(g, []) if u.client_id in lan),
-                                     "bytes_lan": int((answers.get(g) or {}).get("bytes_lan") or 0)} for g in staged}
+                                     "bytes_lan": int((answers.get(g) or {}).get("bytes_lan") or 0),
+                                     # the site's one update as it came up the uplink (compressed as the run asks)
+                                     "bytes_up": len((answers.get(g) or {}).get("weights") or b"")} for g in staged}
         if fallback:
             extra["gateway_fallback"] = fallback
         return Aggregate(new, accepted, rejected, reason, extra)

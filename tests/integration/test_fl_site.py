@@ -159,12 +159,19 @@ def test_hierarchical_on_the_lan_equals_flat_fedavg_on_the_same_devices(site: Si
     assert crossed["site"] < crossed["flat"], crossed
 
 
-def test_site_round_with_compressed_updates(site: Site) -> None:
+@pytest.mark.parametrize("compression", ["q8", "topk:0.25+q8"])
+def test_site_round_with_compressed_updates(site: Site, compression: str) -> None:
+    """Children's updates compressed on the LAN, and the site's one update compressed up the
+    uplink the same way (top-k with its error-feedback residual in the gateway's own store)."""
     gw = site.gateway.endpoint_id
     fed = Federation(site.mesh.client, gateways={gw: site.ids})
     hist = fed.fit(_mlp(), "digits", rounds=3, strategy=Hierarchical(FedAvg(), FedAvg()), local_epochs=2,
-                   deadline_s=60, trainer=TRAINER, eval_data=load_test_data(), compression="q8")
+                   deadline_s=60, trainer=TRAINER, eval_data=load_test_data(), compression=compression)
     assert all(sorted(r.participants) == sorted(site.ids) for r in hist), [(r.participants, r.dropped) for r in hist]
+    up = [r.extra["site_lan"][gw]["bytes_up"] for r in hist]
+    print(f"{compression}: the site's update up the uplink per round {up} B (float32 model {_model_bytes()} B)")
+    # q8 is about a quarter of float32; top-k of a quarter of the values, q8, plus their indices, well under that
+    assert all(0 < b < _model_bytes() * (0.3 if compression == "q8" else 0.2) for b in up), up
     # q8 deltas are about a quarter of the float32 model: the gateway got compressed blobs and decoded them
     assert all(0 < r.extra["site_lan"][gw]["bytes_lan"] < N * _model_bytes() * 0.5 for r in hist), [r.extra for r in hist]
     assert hist[-1].accuracy > hist.metadata["initial_eval"]["accuracy"] + 0.3, [r.accuracy for r in hist]

@@ -363,3 +363,25 @@ def test_device_moves_to_another_gateway(mesh: LocalMesh, tmp_path: Path) -> Non
     wait_for(lambda: len(results_of(mesh, ids)) == len(ids), 60, "results through gateway B", [gwb, dev])
     assert all(r["ok"] for r in results_of(mesh, ids).values())
     assert sorted(runs(out)) == [f"t{i}" for i in range(4)]
+
+
+def test_gateway_uplink_is_tls_and_its_devices_run_work(tmp_path: Path) -> None:
+    """The uplink is TLS (docs/sites.md, "Security"): on a hub whose broker speaks mqtts, the gateway
+    enrolls with the CA pinned by its token and dials the TLS port, never the plaintext one; its
+    devices dial the gateway's own Mosquitto on the LAN; their work runs once each."""
+    with LocalMesh(tmp_path / "mesh", heartbeat_s=1.0, lost_after_s=4.0, lease_s=5.0, tls=True,
+                   hub_overrides={"site_hold_s": 600.0}) as mesh:
+        gw, site_port = add_gateway(mesh, "gw-tls")
+        assert mesh.tls_files is not None and gw.cfg.mqtt.tls is not None
+        assert gw.cfg.mqtt.port == mesh.broker.tls_port != mesh.broker.port
+        assert gw.cfg.mqtt.tls.ca_file is not None and gw.cfg.mqtt.tls.ca_file.read_bytes() == mesh.tls_files.ca_cert.read_bytes()
+        mesh.wait_online(gw, timeout=60)
+        devs = [add_device(mesh, f"tdev{i}", gw) for i in range(2)]
+        assert all(d.cfg.mqtt.port == site_port and d.cfg.mqtt.host == "127.0.0.1" for d in devs), "devices dial the LAN broker"
+        mesh.wait_online(*devs, gw, timeout=60)
+        fid = mesh.client.register_function(count_runs)
+        out = tmp_path / "runs.txt"
+        ids = [mesh.client.submit(d.endpoint_id, fid, str(out), f"{d.cfg.name}-{i}") for d in devs for i in range(4)]
+        wait_for(lambda: len(results_of(mesh, ids)) == len(ids), 90, "results through the TLS uplink", [gw, *devs])
+        assert all(r["ok"] for r in results_of(mesh, ids).values())
+        assert sorted(runs(out)) == sorted(f"{d.cfg.name}-{i}" for d in devs for i in range(4))

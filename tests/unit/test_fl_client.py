@@ -246,3 +246,23 @@ def test_fit_refuses_federated_evaluation_an_app_cannot_do() -> None:
     with pytest.raises(ValueError, match=r"eval_data=\.\.\. \(the data it evaluates on\) \(FlowerClientApp's evaluate_fn runs on the driver only\)$"):
         fed.fit(FlowerClientApp(lambda ctx: None, evaluate_fn=lambda w: (0.0, {})), "digits", fed_eval_every=1)
     assert fed.run_id is None and fed.driver is None
+
+
+def test_gateway_sends_a_top_k_site_update_with_error_feedback_in_its_own_store(tmp_path, monkeypatch) -> None:
+    """A top-k run's site update goes up compressed like a device's: what one round leaves out
+    (the residual) is kept in the gateway's durable store and goes up in the next round."""
+    from fl import compression as fc
+    from fl.client import _group_blob
+
+    monkeypatch.setenv(fc.ENV_DATA_DIR, str(tmp_path))
+    comp = fc.parse("topk:0.25")
+    cur = [np.zeros(1000, np.float32)]
+    new = [np.arange(1000, 0, -1).astype(np.float32)]  # 1000, 999, ..., 1: the top quarter is the first 250
+    task = {"round": 1, "run_id": "run-k", "gateway_id": "gw-1", "current_ref": "0" * 64, "uplink": comp.spec()}
+    blob, enc = _group_blob(task, new, cur)
+    assert enc is not None and len(blob) < len(encode_weights(new)) / 2
+    np.testing.assert_allclose(fc.decode_update(blob, enc, cur, expected=comp)[0], np.where(np.arange(1000) < 250, new[0], 0))
+    assert list((tmp_path / "fl-state").iterdir()), "the residual is on the gateway's disk"
+    blob, enc = _group_blob({**task, "round": 2}, cur, cur)  # nothing new: the next quarter of what was left out goes up
+    np.testing.assert_allclose(fc.decode_update(blob, enc, cur, expected=comp)[0],
+                               np.where((np.arange(1000) >= 250) & (np.arange(1000) < 500), new[0], 0))
