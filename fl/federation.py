@@ -158,6 +158,7 @@ class Federation:
         fed_eval_holdout: float = 0.2,
         max_failed_rounds: int = 2,
         late_updates: str = "discard",
+        site_models: bool = True,
     ) -> History:
         """Train ``model`` for ``rounds`` rounds on each client's local dataset ``data``.
 
@@ -187,6 +188,12 @@ class Federation:
         an update that comes back after its round in ``late_discarded``; ``"use"`` lets it join
         the round it arrives in, its weight discounted by its staleness (``late_used``). Async
         strategies (FedAsync, FedBuff) always use late updates, staleness-weighted.
+
+        ``site_models`` (synchronous rounds, on by default): when two or more of a round's
+        clients sit behind one site gateway with a site store (docs/sites.md), the global model
+        goes down that site's uplink once (a ``stage`` task to the gateway) and each client
+        fetches it on the LAN, checked against the key in its hub-signed task; ``False`` sends
+        every client its own copy through the hub.
         """
         if rounds < 1:
             raise ValueError("rounds must be >= 1")
@@ -235,7 +242,7 @@ class Federation:
             raise ValueError("Federation(gateways=...) needs strategy=Hierarchical(...)")
         app = model if isinstance(model, ClientApp) else TorchClientApp(model, trainer)
         driver_cls = driver_for(driver if driver is not None else mode_of(strategy))
-        options: Dict[str, Any] = {"late_updates": late_updates}
+        options: Dict[str, Any] = {"late_updates": late_updates, "site_models": bool(site_models)}
         if self.features.active:
             # selection, secure aggregation and DP are layered on synchronous rounds
             if driver_cls.mode != "sync":

@@ -43,6 +43,7 @@ from cloud_hub.client import Client, HubError
 from cloud_hub.client._results import decode_row
 from fl.client import PROTOCOL, ClientApp
 from fl.history import History, RoundRecord
+from fl.sites import site_stores
 from fl.strategies import ClientInstruction, ClientUpdate, Strategy, Weights
 from fl.wire import WireError, decode_weights, encode_weights
 from mesh_agent._logs import log_context
@@ -307,6 +308,54 @@ class RoundDriver:
             return encode_global(weights, self.run.downlink)
         return encode_weights(weights)
 
+    def stage_at_sites(self, round: int, blob: bytes, gateways: Mapping[str, Sequence[str]],
+                       rows: Mapping[str, Mapping[str, Any]]) -> None:
+        """Put this round's global model in the site store of each gateway in ``gateways``
+        (gateway -> its clients this round), one ``stage`` task each: the model crosses that
+        site's uplink once instead of once per client (docs/sites.md, "Fetched once per site").
+        Clients behind a staged site get its key instead of the model (:meth:`train_payload`);
+        the key is inside the hub's signature, so the gateway cannot swap the model. A site whose
+        stage task is not answered in time gets the round the old way (fl.sites)."""
+        self._staged: Dict[str, Tuple[str, str]] = {}
+        self._site_of = {c: g for g, cs in gateways.items() for c in cs}
+        stores = site_stores(rows, gateways)
+        if not stores:
+            return
+        if not self.run.gateway_fid:  # a flat run: the gateway's worker only puts the model in its store
+            from fl.client import GatewayAggregator
+
+            self.run.gateway_fid = self.hub(self.client.register_function, GatewayAggregator(), "fl-gateway")
+        payloads = [(gw, {"v": PROTOCOL, "kind": "stage", "round": round, "gateway_id": gw, "weights": blob, "site_store": addr})
+                    for gw, addr in stores.items()]
+        pending = self.submit(self.run.gateway_fid, payloads, self.run.ttl_s)
+        deadline = time.monotonic() + min(self.run.deadline_s, 120.0)
+        while pending and time.monotonic() < deadline:
+            for tid, arr in self.wait(list(pending), min(self.poll_s, max(0.1, deadline - time.monotonic()))):
+                gw = pending.pop(tid, None)
+                if gw is None:
+                    continue
+                if arr.ok and isinstance(arr.value, dict) and arr.value.get("kind") == "staged" and isinstance(arr.value.get("ref"), str):
+                    self._staged[gw] = (arr.value["ref"], stores[gw])
+                else:
+                    log.warning("site %s could not stage round %d's model (%s); its clients get it through the hub",
+                                gw, round, arr.error or arr.value)
+        self.retire(pending, round)
+
+    def site_of(self, client: str) -> Optional[str]:
+        """The gateway whose site store serves ``client`` this round (see stage_at_sites)."""
+        return getattr(self, "_site_of", {}).get(client)
+
+    @staticmethod
+    def sites_of(clients: Sequence[str], rows: Mapping[str, Mapping[str, Any]]) -> Dict[str, List[str]]:
+        """Gateway -> the clients behind it (from their hellos, ``info.gateway``), for gateways with
+        two or more of ``clients``: staging one model for a single client would save nothing."""
+        out: Dict[str, List[str]] = {}
+        for c in clients:
+            gw = ((rows.get(c) or {}).get("info") or {}).get("gateway")
+            if isinstance(gw, str):
+                out.setdefault(gw, []).append(c)
+        return {g: cs for g, cs in out.items() if len(cs) >= 2}
+
     def client_config(self, ins: ClientInstruction) -> Dict[str, Any]:
         return {**ins.config, "local_epochs": self.run.local_epochs, "seed": self.run.seed}
 
@@ -321,6 +370,10 @@ class RoundDriver:
             p["uplink"] = self.run.compression.spec()
         if self.run.downlink is not None:
             p["downlink"] = self.run.downlink
+        staged = getattr(self, "_staged", {}).get(self.site_of(ins.client_id) or "")
+        if staged is not None:  # the model is in the client's site store (stage_at_sites)
+            del p["weights"]
+            p.update({"weights_ref": staged[0], "site_store": staged[1]})
         return p
 
     def decode_update(self, client: str, value: Any, base_version: int) -> Tuple[Optional[ClientUpdate], Optional[str], Dict[str, Any]]:

@@ -18,7 +18,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 
 from fl.client import PROTOCOL, GatewayAggregator
-from fl.sites import site_stores
 from fl.strategies import ClientUpdate, Hierarchical, Weights
 from fl.wire import WireError, decode_weights, encode_weights
 
@@ -43,38 +42,21 @@ class HierarchicalDriver(SyncDriver):
 
     # ---------------------------------------------------------------- the LAN path (fl.sites)
     def encode_global(self, round: int, weights: Weights, version: int) -> bytes:
-        """The global model's blob, and (once per site) the stage task that puts it in each site
-        store: children of a staged site get its key instead of the model."""
+        """The global model's blob, staged once per site (RoundDriver.stage_at_sites): children of
+        a staged site get its key instead of the model, and leave their updates on the LAN."""
         blob = super().encode_global(round, weights, version)
         self._staged_base = [w.astype("float32") if w.dtype == "float16" else w for w in decode_weights(blob)]
-        self._staged: Dict[str, Tuple[str, str]] = {}
         self._lan_updates: Dict[str, Dict[str, Any]] = {}
-        stores = site_stores(self.endpoint_rows(), self.fed.gateways)
-        if not stores:
-            return blob
-        payloads = [(gw, {"v": PROTOCOL, "kind": "stage", "round": round, "gateway_id": gw, "weights": blob, "site_store": addr})
-                    for gw, addr in stores.items()]
-        pending = self.submit(self.run.gateway_fid, payloads, self.run.ttl_s)
-        deadline = time.monotonic() + min(self.run.deadline_s, 120.0)
-        while pending and time.monotonic() < deadline:
-            for tid, arr in self.wait(list(pending), min(self.poll_s, max(0.1, deadline - time.monotonic()))):
-                gw = pending.pop(tid, None)
-                if gw is None:
-                    continue
-                if arr.ok and isinstance(arr.value, dict) and arr.value.get("kind") == "staged" and isinstance(arr.value.get("ref"), str):
-                    self._staged[gw] = (arr.value["ref"], stores[gw])
-                else:
-                    log.warning("site %s could not stage round %d's model (%s); its children get it through the hub",
-                                gw, round, arr.error or arr.value)
-        self.retire(pending, round)
+        self.stage_at_sites(round, blob, self.fed.gateways, self.endpoint_rows())
         return blob
+
+    def site_of(self, client: str) -> Optional[str]:
+        return self.fed._gateway_of.get(client)
 
     def train_payload(self, ins: Any, round: int, blob: bytes, version: int) -> Dict[str, Any]:
         p = super().train_payload(ins, round, blob, version)
-        staged = getattr(self, "_staged", {}).get(self.fed._gateway_of.get(ins.client_id, ""))
-        if staged is not None:
-            p.pop("weights", None)
-            p.update({"weights_ref": staged[0], "site_store": staged[1], "update_to_site": True})
+        if "weights_ref" in p:
+            p["update_to_site"] = True
         return p
 
     def decode_update(self, client: str, value: Any, base_version: int) -> Tuple[Optional[ClientUpdate], Optional[str], Dict[str, Any]]:

@@ -93,6 +93,10 @@ class SyncDriver(RoundDriver):
                     break
                 continue
             base = self.encode_global(r, weights, version)
+            if self.mode != "hierarchical" and run.options.get("site_models", True):  # flat: the model goes down once per site too
+                self.stage_at_sites(r, base, self.sites_of(asked, rows), rows)
+                if self._staged:
+                    extra["site_staged"] = {g: len(base) for g in self._staged}
             payloads = [(ins.client_id, self.train_payload(ins, r, base, version)) for ins in instructions]
             down = {c: len(p["weights"]) for c, p in payloads if isinstance(p.get("weights"), (bytes, bytearray))}
             t_sent = time.monotonic()

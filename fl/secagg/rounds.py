@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from fl.client import PROTOCOL, ClientApp, TaskError, client_seed
+from fl.sites import task_weights_blob
 from fl.wire import decode_weights
 
 from .field import FieldCodec, QuantCodec, flatten, unflatten
@@ -212,7 +213,7 @@ class SecureClientApp(ClientApp):
         state = store.get(tag, me)  # fail before training if the earlier steps are missing
         t0 = time.perf_counter()
         tt = task["train"]
-        weights = decode_weights(tt["weights"])
+        weights = decode_weights(task_weights_blob(tt))  # inline, or by key from the site's store (fl.sites)
         data = self.inner._load(tt)
         cfg = dict(tt.get("config") or {})
         cfg.setdefault("round", tt["round"])

@@ -137,8 +137,9 @@ def test_site_round_stays_on_the_lan_and_learns(site: Site) -> None:
 
 def test_hierarchical_on_the_lan_equals_flat_fedavg_on_the_same_devices(site: Site) -> None:
     """At equal accuracy by construction: FedAvg of the site's FedAvg is FedAvg, so the same devices
-    (same client ids and seeds) must end with the same model whether their round ran flat (each
-    model and update relayed over the uplink) or on the site's LAN; and flat costs more uplink."""
+    (same client ids and seeds) must end with the same model whether their round ran flat (the
+    model staged once per site, each update relayed over the uplink) or on the site's LAN; and
+    flat costs more uplink."""
     import numpy as np
 
     gw = site.gateway.endpoint_id
@@ -157,6 +158,37 @@ def test_hierarchical_on_the_lan_equals_flat_fedavg_on_the_same_devices(site: Si
     assert diff < 1e-5, diff
     print(f"2 rounds on {N} devices: flat {crossed['flat']} B over the uplink, on the site's LAN {crossed['site']} B")
     assert crossed["site"] < crossed["flat"], crossed
+
+
+def test_flat_rounds_send_the_model_down_once_per_site(site: Site) -> None:
+    """Flat FedAvg on devices behind one site gateway (docs/sites.md, "Fetched once per site"):
+    by default the global model crosses the uplink once per round (a stage task to the gateway,
+    each device fetches it on the LAN against the key in its signed task), not once per device.
+    The same run with site_models=False pays a copy per device; the final model is the same."""
+    import numpy as np
+
+    gw = site.gateway.endpoint_id
+    finals, crossed = {}, {}
+    for staged in (True, False):
+        before = site.uplink.bytes()
+        torch.manual_seed(0)
+        fed = Federation(site.mesh.client, site.ids)
+        hist = fed.fit(_mlp(), "digits", rounds=2, strategy=FedAvg(), local_epochs=1, deadline_s=60, min_clients=N,
+                       trainer=TRAINER, seed=0, site_models=staged)
+        crossed[staged] = site.uplink.bytes() - before
+        finals[staged] = fed.final_weights
+        assert all(len(r.participants) == N for r in hist), [(r.participants, r.dropped) for r in hist]
+        if staged:
+            assert all(r.extra.get("site_staged") == {gw: _model_bytes()} for r in hist), [r.extra.get("site_staged") for r in hist]
+            assert all(r.extra["bytes_down_total"] == 0 for r in hist), "no device got the model through the hub"
+        else:
+            assert all("site_staged" not in r.extra and r.extra["bytes_down_total"] == N * _model_bytes() for r in hist)
+    diff = max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))) for a, b in zip(finals[True], finals[False]))
+    assert diff < 1e-5, diff
+    saved = crossed[False] - crossed[True]
+    print(f"2 flat rounds on {N} devices: {crossed[True]} B over the uplink with the model staged per site, "
+          f"{crossed[False]} B with a copy per device (model {_model_bytes()} B)")
+    assert saved > 0.8 * 2 * (N - 1) * _model_bytes(), (crossed, _model_bytes())
 
 
 @pytest.mark.parametrize("compression", ["q8", "topk:0.25+q8"])
