@@ -288,7 +288,7 @@ class LocalMesh:
         path = self.workdir / "agents" / f"{name}.yaml"
         site = gateway.cfg.site
         cfg = enroll(self.url, token, name, path, workers=workers, prefetch=prefetch, gateway_id=gateway.endpoint_id,
-                     mqtt_host=site.listen_host, mqtt_port=site.listen_port)
+                     mqtt_host=site.listen_host, mqtt_port=site.listen_port, ca_hash=getattr(token, "ca_hash", None))
         if settings:
             cfg = AgentConfig.model_validate({**cfg.model_dump(), **settings})
             cfg.save(path)
