@@ -702,6 +702,10 @@ class Dispatcher:
                    **({"keepalive_s": keepalive_for(self.cfg.mqtt_lost_after_s)} if adaptive else {})}
         if isinstance(site, dict):
             welcome["site"] = {"devices": await self._site_welcome(env.endpoint), "hold_s": self.cfg.site_hold_s}
+        gw = self._sessions.get(self._site_of.get(env.endpoint) or "")
+        if gw is not None and isinstance((gw.info.get("site") or {}).get("store"), str):
+            # a device behind a gateway with a LAN blob store: shared data refs are read there first (cloud_hub/client/refs.py)
+            welcome["site_store"] = gw.info["site"]["store"]
         try:
             await self._send(s, Kind.WELCOME, welcome, msg_id=b["nonce"])
         except LinkError as exc:

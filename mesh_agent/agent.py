@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from mesh_agent import __version__
@@ -600,6 +601,7 @@ class Agent:
             self._heartbeat_s = float(hub_beat)  # the hub declares us lost on its own period
         await self._adopt_liveness(body)
         await self._set_hub_allow(body)
+        self._note_site_store(body.get("site_store"))
         if self.on_site is not None and isinstance(body.get("site"), dict):
             await self.on_site(body["site"])
         self._welcomed.set()
@@ -612,6 +614,26 @@ class Agent:
         if again:  # that welcome waited somewhere (a broker queue, an outage): measure again
             log.warning("welcome came %.0fs after its hello; measuring the hub's clock again", now - sent)
             await self._send_hello()
+
+    def _note_site_store(self, addr: Any) -> None:
+        """Where our site's LAN blob store is (the welcome says so behind a gateway that runs one),
+        in a file of our data directory that tasks' workers read (cloud_hub.client.refs): shared
+        data refs are then fetched over the uplink once per site. Written only when it changes
+        (one small SD-card write per change of gateway), removed when the welcome names none."""
+        from mesh_agent.site_store import SITE_STORE_FILE
+
+        path = Path(self.cfg.data_dir) / SITE_STORE_FILE
+        want = addr if isinstance(addr, str) and addr.count(":") == 1 and len(addr) < 300 else None
+        try:
+            have = path.read_text() if path.exists() else None
+            if want is None and have is not None:
+                path.unlink()
+            elif want is not None and want != have:
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(want)
+                os.replace(tmp, path)
+        except OSError as exc:  # shared refs are then read from the shared store, as without a site
+            log.warning("could not record the site store %s: %s", want, exc)
 
     async def _adopt_liveness(self, body: dict[str, Any]) -> None:
         """What the welcome says about liveness: ``beat_max_s`` (adaptive beats allowed, this long

@@ -32,11 +32,14 @@ import time
 from collections import OrderedDict
 from typing import Optional, Tuple
 
-__all__ = ["SiteStore", "SiteStoreError", "put_blob", "get_blob", "parse_address", "MAX_BLOB"]
+__all__ = ["SiteStore", "SiteStoreError", "put_blob", "get_blob", "parse_address", "MAX_BLOB", "SITE_STORE_FILE"]
 
 log = logging.getLogger("mesh_agent.site_store")
 
 MAX_BLOB = 64 * 1024 * 1024
+#: A device's agent writes its site store's address (from the hub's welcome) to this file in its
+#: data directory; its tasks' workers read it to find shared data refs on the LAN (cloud_hub.client.refs).
+SITE_STORE_FILE = "site-store"
 _HDR = struct.Struct(">4sQ")
 _ANS = struct.Struct(">BQ")
 OK, NOT_FOUND, REFUSED = 0, 1, 2

@@ -20,6 +20,12 @@ Tiers (``put(..., tier=)``, docs/data.md):
   none is configured, the hub's embedded store (``GET /v1/kv``).
 * ``auto`` (default): ``local`` in a task on an agent, ``shared`` in the program.
 
+A shared ref carries the SHA-256 of its bytes (``meta["sha256"]``). A device behind a site gateway
+(docs/sites.md) reads it from its site's LAN store first, and leaves a copy there after fetching
+it from the shared store: the bytes cross the site's uplink once, not once per device. The digest
+is in the ref, inside the hub-signed task, and every read is checked against it, so neither the
+gateway nor the shared store can hand a task other bytes.
+
 A ``Future`` of the Executor may also be an argument of a later task (:class:`TaskOutput`): the
 consumer's agent reads the producer's result from the hub, not through this program.
 
@@ -30,6 +36,7 @@ task that produced it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import socket
@@ -136,16 +143,35 @@ class Store:
         pipe.set(key, blob, px=int(ttl_s * 1000))
         pipe.set(key + ":by", producer, px=int(ttl_s * 1000))
         retrying(self.url, pipe.execute)
-        return MeshRef(key, self.url, len(blob), producer, expires, "shared")
+        return MeshRef(key, self.url, len(blob), producer, expires, "shared", {"sha256": hashlib.sha256(blob).hexdigest()})
 
     def get(self, ref: MeshRef) -> Any:
         from cloud_hub.client.multiprocessing._resource import loads, retrying
 
         if ref.tier == "local":
             return loads(_local_blob(ref))
+        digest = ref.meta.get("sha256")
+        site = _site_store() if isinstance(digest, str) else None
+        if site is not None:
+            from mesh_agent.site_store import SiteStoreError, get_blob
+
+            try:
+                return loads(get_blob(site, digest))  # checked against the digest: the gateway cannot swap it
+            except SiteStoreError:
+                pass  # not there yet (or the store is down): from the shared store, then left at the site
         blob = retrying(self.url, lambda: self._r().get(ref.key))
         if blob is None:
             raise _gone(ref, f"its data is no longer in {_safe(self.url)}")
+        if isinstance(digest, str) and hashlib.sha256(blob).hexdigest() != digest:
+            raise RefError(f"{ref.key} ({ref.size} B, put by {ref.producer}): the bytes in {_safe(self.url)} are not the ones "
+                           "put (SHA-256 differs); refusing them")
+        if site is not None:
+            from mesh_agent.site_store import SiteStoreError, put_blob
+
+            try:
+                put_blob(site, blob)
+            except SiteStoreError:
+                pass  # the next device of the site fetches it from the shared store too
         return loads(blob)
 
     def delete(self, ref: MeshRef) -> None:
@@ -161,6 +187,23 @@ class Store:
             retrying(self.url, lambda: self._r().delete(ref.key + ":staged"))
             return
         retrying(self.url, lambda: self._r().delete(ref.key, ref.key + ":by"))
+
+
+def _site_store() -> str | None:
+    """The LAN blob store of this worker's site (``host:port``), when its agent sits behind a site
+    gateway that runs one: the agent writes what the hub's signed welcome says to a file in its
+    data directory (mesh_agent.agent), read here at each shared-ref read (one small file)."""
+    root = os.environ.get("MESH_ENDPOINT_DATA_DIR")
+    if not root:
+        return None
+    from mesh_agent.site_store import SITE_STORE_FILE
+
+    try:
+        with open(os.path.join(root, SITE_STORE_FILE)) as f:
+            addr = f.read(300).strip()
+    except OSError:
+        return None
+    return addr if addr.count(":") == 1 else None
 
 
 def _safe(url: str) -> str:

@@ -385,3 +385,57 @@ def test_gateway_uplink_is_tls_and_its_devices_run_work(tmp_path: Path) -> None:
         wait_for(lambda: len(results_of(mesh, ids)) == len(ids), 90, "results through the TLS uplink", [gw, *devs])
         assert all(r["ok"] for r in results_of(mesh, ids).values())
         assert sorted(runs(out)) == sorted(f"{d.cfg.name}-{i}" for d in devs for i in range(4))
+
+
+def digest_of(value: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(value).hexdigest()
+
+
+def test_a_shared_ref_crosses_the_uplink_once_per_site(mesh: LocalMesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Data refs are fetched once per site (docs/sites.md): a shared ref carries the SHA-256 of its
+    bytes, inside the hub-signed task. The hub's welcome names each device's site store; the first
+    device to read the ref fetches it from the hub's store and leaves a copy on the LAN, the next
+    reads it there. Proof: with the hub's copy deleted, the second device still reads it. A ref the
+    site never held fails as before."""
+    from cloud_hub.client import Client, Executor, refs
+    from cloud_hub.client import multiprocessing as mp
+    from cloud_hub.client.multiprocessing import _state
+    from cloud_hub.client.multiprocessing._resource import loads
+    from mesh_agent.site_store import SITE_STORE_FILE, SiteStoreError, get_blob
+
+    monkeypatch.setattr(_state, "_settings", {**_state._settings, "redis_url": None})  # refs.Store(): the hub's store
+    mp.config(client=Client(mesh.url, mesh.token))
+    gw, _ = add_gateway(mesh, "gw")
+    mesh.wait_online(gw)
+    devs = [add_device(mesh, f"rdev{i}", gw) for i in range(2)]
+    mesh.wait_online(*devs, gw, timeout=40)
+    store_addr = f"127.0.0.1:{gw.cfg.site.store_port}"
+    wait_for(lambda: all((d.cfg.data_dir / SITE_STORE_FILE).exists() for d in devs), 30, "the welcome naming the site store", devs)
+    assert all((d.cfg.data_dir / SITE_STORE_FILE).read_text() == store_addr for d in devs)
+    value = os.urandom(300_000)
+    store = refs.Store()
+    ref = store.put(value, tier="shared")
+    assert len(ref.meta["sha256"]) == 64  # of the stored (serialized) bytes
+
+    def run_on(dev: AgentProcess, r: refs.MeshRef) -> Any:
+        with Executor(client=Client(mesh.url, mesh.token), endpoint=dev.endpoint_id) as ex:
+            f = ex.submit(digest_of, r)
+            exc = f.exception(90)
+            return exc if exc is not None else f.result()
+
+    assert run_on(devs[0], ref) == digest_of(value)
+    assert loads(get_blob(store_addr, ref.meta["sha256"])) == value, "the first reader left a copy on the site's LAN"
+    store.delete(ref)  # gone from the hub's store: only the site's copy is left
+    assert run_on(devs[1], ref) == digest_of(value), "the second device read it on the LAN"
+    other = store.put(b"never at the site" * 100, tier="shared")
+    store.delete(other)
+    exc = run_on(devs[1], other)
+    assert isinstance(exc, refs.RefError) and "was deleted or lost" in str(exc), exc
+    swapped = store.put(b"the bytes put" * 100, tier="shared")
+    store._r().set(swapped.key, store._r().get(store.put(b"other bytes" * 100, tier="shared").key))  # the shared store's copy changed
+    exc = run_on(devs[1], swapped)
+    assert isinstance(exc, refs.RefError) and "SHA-256 differs" in str(exc), exc
+    with pytest.raises(SiteStoreError, match="not found|no blob|unknown"):
+        get_blob(store_addr, swapped.meta["sha256"])  # and nothing was left at the site
