@@ -20,9 +20,10 @@ Tiers (``put(..., tier=)``, docs/data.md):
   none is configured, the hub's embedded store (``GET /v1/kv``).
 * ``auto`` (default): ``local`` in a task on an agent, ``shared`` in the program.
 
-A shared ref carries the SHA-256 of its bytes (``meta["sha256"]``). A device behind a site gateway
+A ref carries the SHA-256 of its bytes (``meta["sha256"]``). A device behind a site gateway
 (docs/sites.md) reads it from its site's LAN store first, and leaves a copy there after fetching
-it from the shared store: the bytes cross the site's uplink once, not once per device. The digest
+it (from the shared store, or staged from the endpoint that holds a local ref): the bytes cross
+the site's uplink once, not once per device. The digest
 is in the ref, inside the hub-signed task, and every read is checked against it, so neither the
 gateway nor the shared store can hand a task other bytes.
 
@@ -137,7 +138,8 @@ class Store:
                     raise
             else:
                 _localrefs.ensure_stager(self.url)
-                return MeshRef(key, self.url, len(blob), producer, expires, "local", {"endpoint": _localrefs.endpoint_id()})
+                return MeshRef(key, self.url, len(blob), producer, expires, "local",
+                               {"endpoint": _localrefs.endpoint_id(), "sha256": hashlib.sha256(blob).hexdigest()})
         r = self._r()
         pipe = r.pipeline()
         pipe.set(key, blob, px=int(ttl_s * 1000))
@@ -150,29 +152,14 @@ class Store:
 
         if ref.tier == "local":
             return loads(_local_blob(ref))
-        digest = ref.meta.get("sha256")
-        site = _site_store() if isinstance(digest, str) else None
-        if site is not None:
-            from mesh_agent.site_store import SiteStoreError, get_blob
 
-            try:
-                return loads(get_blob(site, digest))  # checked against the digest: the gateway cannot swap it
-            except SiteStoreError:
-                pass  # not there yet (or the store is down): from the shared store, then left at the site
-        blob = retrying(self.url, lambda: self._r().get(ref.key))
-        if blob is None:
-            raise _gone(ref, f"its data is no longer in {_safe(self.url)}")
-        if isinstance(digest, str) and hashlib.sha256(blob).hexdigest() != digest:
-            raise RefError(f"{ref.key} ({ref.size} B, put by {ref.producer}): the bytes in {_safe(self.url)} are not the ones "
-                           "put (SHA-256 differs); refusing them")
-        if site is not None:
-            from mesh_agent.site_store import SiteStoreError, put_blob
+        def fetch() -> bytes:
+            blob = retrying(self.url, lambda: self._r().get(ref.key))
+            if blob is None:
+                raise _gone(ref, f"its data is no longer in {_safe(self.url)}")
+            return blob
 
-            try:
-                put_blob(site, blob)
-            except SiteStoreError:
-                pass  # the next device of the site fetches it from the shared store too
-        return loads(blob)
+        return loads(_via_site(ref, fetch))
 
     def delete(self, ref: MeshRef) -> None:
         """Delete the value (a local ref: on its own endpoint; elsewhere only its staged copy,
@@ -217,6 +204,34 @@ def _gone(ref: MeshRef, where: str) -> RefError:
     return RefError(f"{ref.key} ({ref.size} B, put by {ref.producer}) {when}: {where}")
 
 
+def _via_site(ref: MeshRef, fetch: Any) -> bytes:
+    """A ref's bytes through this device's site store (docs/sites.md, "Data refs, once per site"):
+    from the site's LAN when a reader there left them, else ``fetch()`` (over the uplink), checked
+    against the ref's digest and left at the site for the next reader. Without a digest or a site
+    store, just ``fetch()``."""
+    digest = ref.meta.get("sha256")
+    site = _site_store() if isinstance(digest, str) else None
+    if site is not None:
+        from mesh_agent.site_store import SiteStoreError, get_blob
+
+        try:
+            return get_blob(site, digest)  # checked against the digest: the gateway cannot swap it
+        except SiteStoreError:
+            pass  # not there yet (or the store is down): fetched, then left at the site
+    blob = fetch()
+    if isinstance(digest, str) and hashlib.sha256(blob).hexdigest() != digest:
+        raise RefError(f"{ref.key} ({ref.size} B, put by {ref.producer}): the bytes read are not the ones put "
+                       "(SHA-256 differs); refusing them")
+    if site is not None:
+        from mesh_agent.site_store import SiteStoreError, put_blob
+
+        try:
+            put_blob(site, blob)
+        except SiteStoreError:
+            pass  # the next device of the site fetches it over the uplink too
+    return blob
+
+
 def _local_blob(ref: MeshRef) -> bytes:
     """A local-tier ref's bytes: from this endpoint's own store, or staged through the shared one."""
     from cloud_hub.client import _localrefs
@@ -231,11 +246,15 @@ def _local_blob(ref: MeshRef) -> bytes:
         return hit[0]
     if time.time() >= ref.expires:
         raise _gone(ref, f"its TTL ran out (it was in the local store of endpoint {ep})")
-    blob, why = _localrefs.stage_in(ref.url, ref.key, str(ep), float(os.environ.get("MESH_REF_STAGE_S", "30")))
-    if blob is None:
-        raise RefError(f"{ref.key} ({ref.size} B, put by {ref.producer}) is in the local store of endpoint {ep} and could not "
-                       f"be staged: {why}")
-    return blob
+
+    def staged() -> bytes:
+        blob, why = _localrefs.stage_in(ref.url, ref.key, str(ep), float(os.environ.get("MESH_REF_STAGE_S", "30")))
+        if blob is None:
+            raise RefError(f"{ref.key} ({ref.size} B, put by {ref.producer}) is in the local store of endpoint {ep} and could not "
+                           f"be staged: {why}")
+        return blob
+
+    return _via_site(ref, staged)
 
 
 @dataclass(frozen=True)
