@@ -69,11 +69,18 @@ def add_intruder(mesh: LocalMesh) -> tuple[str, str]:
 
 
 def connect_intruder(mesh: LocalMesh) -> MqttPeer:
-    """An MQTT client with full broker access, connected (retrying while the broker reloads its files)."""
+    """An MQTT client with full broker access, connected (retrying while the broker reloads its files).
+
+    The hub rewrites the broker's password and ACL files from its database whenever broker
+    logins change; a rewrite that lands after ``add_intruder`` appended its login drops it (seen
+    once in an idle CI run: 10 s without a connection). So each retry adds the login again when
+    the file no longer has it."""
     login = add_intruder(mesh)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 20
     while True:
         peer = MqttPeer(mesh.broker.port, *login)
         if peer.wait(1) or time.monotonic() > deadline:
             return peer
         peer.close()
+        if f"{login[0]}:" not in (mesh.broker.workdir / "password_file").read_text():
+            add_intruder(mesh)
