@@ -15,12 +15,13 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from mesh_agent.reload import reload_process
 
 __all__ = ["MosquittoBroker", "BrokerError", "free_port", "find_mosquitto", "port_holder"]
 
@@ -152,7 +153,7 @@ class MosquittoBroker:
     def reload(self) -> None:
         """Re-read password and ACL files (what the hub does through ``broker.pid``)."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGHUP)
+            reload_process(self.proc.pid)
 
     def write_config(self) -> Path:
         self.workdir.mkdir(parents=True, exist_ok=True)

@@ -21,11 +21,12 @@ import hmac
 import logging
 import os
 import secrets
-import signal
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
+
+from mesh_agent.reload import reload_process
 
 __all__ = [
     "BrokerAccount",
@@ -234,11 +235,8 @@ def reload_broker(pid_file: Path) -> bool:
         return False
     told = 0
     for pid in pids:
-        try:
-            os.kill(pid, signal.SIGHUP)
-            told += 1
-        except ProcessLookupError:  # one node of a cluster down: the others still reload
-            continue
+        # One node of a cluster down: the others still reload. One still starting: told once it listens for SIGHUP.
+        told += reload_process(pid)
     return told > 0
 
 

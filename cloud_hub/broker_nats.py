@@ -26,7 +26,6 @@ import json
 import logging
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -39,6 +38,7 @@ import bcrypt
 
 from cloud_hub.broker import BrokerError, free_port, port_taken
 from cloud_hub.broker_auth import BrokerAccount, _check_name, _write_atomic, default_group, group_id, hash_part
+from mesh_agent.reload import reload_process
 
 __all__ = ["NATS_AUTH_FILE", "NatsCluster", "NatsNode", "find_nats_server", "node_conf", "render_nats_auth", "topic_subject",
            "write_nats_auth"]
@@ -275,7 +275,7 @@ class NatsCluster:
     def reload(self) -> None:
         for node in self.nodes:
             if node.alive and node.proc is not None:
-                node.proc.send_signal(signal.SIGHUP)
+                reload_process(node.proc.pid)
 
     def kill(self, node: NatsNode) -> None:
         """SIGKILL one node (a crashed machine, as far as the others can tell)."""

@@ -47,6 +47,7 @@ from mesh_agent.agent import SITE_BODY_MAGIC
 from mesh_agent.backoff import AckTimeout
 from mesh_agent.protocol import Kind
 from mesh_agent.protocol.envelope import _inflate, _parse_header
+from mesh_agent.reload import reload_process
 from mesh_agent.site_store import SiteStore
 from mesh_agent.store import AgentStore, StoreError
 from mesh_agent.transport import LinkError
@@ -177,7 +178,8 @@ class _SiteBroker:
             self.devices = devices
             self._write()
             if self.proc is not None and self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGHUP)
+                # Not before it catches SIGHUP: this can run while start() waits for it to listen.
+                reload_process(self.proc.pid)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -86,7 +86,7 @@ class Hub:
                     write_broker_files, self.cfg.mqtt_auth_dir, self.cfg.mqtt_username, self.cfg.mqtt_password, self.cfg.mqtt_prefix, accounts,
                     peers,
                 )
-            if self.cfg.mqtt_broker_pid_file is not None and not reload_broker(self.cfg.mqtt_broker_pid_file):
+            if self.cfg.mqtt_broker_pid_file is not None and not await asyncio.to_thread(reload_broker, self.cfg.mqtt_broker_pid_file):
                 log.warning("broker pid file %s names no running process; the broker reads the new files when it starts", self.cfg.mqtt_broker_pid_file)
 
     @property
