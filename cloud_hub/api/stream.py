@@ -283,10 +283,13 @@ class _Conn:
                 ev = h.bus.event(self.user)  # before the query: a result stored in between sets it
                 rows = await h.store.results_after(self.user, cursor, _RESULTS_PER_FRAME)
                 if rows:
-                    rows = _fit(rows)
-                    cursor = rows[-1]["seq"]
-                    await self._send_stored(cursor, rows)
-                    continue
+                    fitted = _fit(rows)
+                    cursor = fitted[-1]["seq"]
+                    await self._send_stored(cursor, fitted)
+                    if len(rows) >= _RESULTS_PER_FRAME or len(fitted) < len(rows):
+                        continue  # more are stored already
+                    # That was all: no second read to find nothing (one DB hop per round trip less);
+                    # a result stored since has set ``ev``.
                 # Bounded: a wake-up that comes before the stored rows are visible to this read (or a
                 # store path that never notifies) costs at most this long, never a stuck stream.
                 with contextlib.suppress(asyncio.TimeoutError):

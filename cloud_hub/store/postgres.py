@@ -139,6 +139,7 @@ class PostgresStore(SqliteStore):
         self._listening = threading.Event()
         self._stop_listen = threading.Event()
         self.stats = {"serialization_retries": 0}
+        self._owners: dict[str, str] = {}  # endpoint id -> its owner, as read (endpoint_owners_of)
 
     # ------------------------------------------------------------------ plumbing
     def _connect(self) -> Any:

@@ -111,6 +111,7 @@ class SqliteStore:
         self.admission: "AdmissionPolicy | None" = None
         #: Memoization settings (cloud_hub/store/memo.py); None: results are not remembered. The hub sets it.
         self.memo: "MemoSettings | None" = None
+        self._owners: dict[str, str] = {}  # endpoint id -> its owner, as read (endpoint_owners_of)
 
     # ------------------------------------------------------------------ plumbing
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -482,8 +483,7 @@ class SqliteStore:
         """Which of these endpoints and functions the user may use: one hop on the submit path."""
         eps, fns = list(set(endpoint_ids)), list(set(fids))
 
-        def q() -> tuple[set[str], set[str]]:
-            db = self._conn()
+        def q(db: Any) -> tuple[set[str], set[str]]:
             found_e: set[str] = set()
             found_f: set[str] = set()
             for chunk in _chunks(eps):
@@ -495,11 +495,14 @@ class SqliteStore:
                     f"SELECT function_id FROM function_owners WHERE user_id=? AND function_id IN ({','.join('?' * len(chunk))})", (user_id, *chunk)))
             return found_e, found_f
 
-        return await self._run(q)
+        return await self.read_parallel(q)
 
     async def endpoint_owners_of(self, endpoint_ids: Iterable[str]) -> dict[str, str]:
         """endpoint id -> the user who enrolled it (sandbox by default for anyone else's tasks, docs/environments.md)."""
-        eps = list(set(endpoint_ids))
+        # An endpoint's owner never changes (nothing updates endpoints.user_id), so known owners are
+        # answered from memory: this runs on every submit and every stream's first task per endpoint.
+        known = self._owners
+        eps = [e for e in set(endpoint_ids) if e not in known]
 
         def q() -> dict[str, str]:
             db = self._conn()
@@ -508,7 +511,11 @@ class SqliteStore:
                 out.update(db.execute(f"SELECT id, user_id FROM endpoints WHERE id IN ({','.join('?' * len(chunk))})", chunk).fetchall())
             return out
 
-        return await self._run(q)
+        if eps:
+            if len(known) > 100_000:  # bounded: a hub with more endpoints reads the rest each time
+                known.clear()
+            known.update(await self._run(q))
+        return {e: known[e] for e in endpoint_ids if e in known}
 
     # ------------------------------------------------------------------ tasks
     async def insert_tasks(self, rows: Sequence[dict[str, Any]], also: Callable[[sqlite3.Connection], None] | None = None,
@@ -536,7 +543,9 @@ class SqliteStore:
 
     async def submit_key(self, user_id: str, key: str) -> tuple[str, list[str], list[str | None]] | None:
         """What a submit with this idempotency key made: (request hash, task ids, endpoint ids)."""
-        row = await self._run(lambda: self._conn().execute(
+        # On the reader connection, as owned_refs and results_after: hot-path reads do not queue
+        # behind the writer's commits (WAL: it sees every committed key).
+        row = await self.read_parallel(lambda db: db.execute(
             "SELECT request_hash, task_ids, endpoint_ids FROM submit_keys WHERE user_id=? AND key=?", (user_id, key)).fetchone())
         return None if row is None else (str(row[0]), json.loads(row[1]), json.loads(row[2]))
 
@@ -854,14 +863,15 @@ class SqliteStore:
 
     async def results_after(self, user_id: str, seq: int, limit: int) -> list[dict[str, Any]]:
         """The user's results after their cursor ``seq`` (a per-user number, see number_results)."""
-        def q() -> list[dict[str, Any]]:
-            rows = self._conn().execute(
+        def q(db: Any) -> list[dict[str, Any]]:
+            rows = db.execute(
                 f"{_RESULT_SELECT} WHERE r.user_id=? AND r.user_seq > ? ORDER BY r.user_seq LIMIT ?",
                 (user_id, seq, limit),
             ).fetchall()
             return _result_rows(rows)
 
-        return await self._run(q)
+        # The reader connection: a stream's read of fresh results runs while the writer commits the next ones.
+        return await self.read_parallel(q)
 
     async def last_result_seq(self, user_id: str | None = None) -> int:
         """The newest result's cursor: a user's own (what a stream reader starts from, counted per
