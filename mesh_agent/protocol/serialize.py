@@ -265,8 +265,16 @@ def _distributions() -> Any:
 _dists: frozenset[str] | None = None
 
 
+#: This project's own top-level packages (one distribution, continuum-mesh): on every endpoint, so
+#: never the user's. _distributions() says the same, but its scan of every installed distribution
+#: takes about 100 ms, and a source checkout (editable install) reached it on the first result a
+#: worker serialized after a ref argument imported cloud_hub.client: that task's measured run time,
+#: which the scheduler learns from, grew by the scan (a data-locality test failed on it).
+_OURS = frozenset({"mesh_agent", "cloud_hub", "fl", "scheduler", "sim"})
+
+
 def _is_users_own(top: str) -> bool:
-    if top in ("__main__", "__mp_main__") or top in sys.builtin_module_names or top in getattr(sys, "stdlib_module_names", ()):
+    if top in ("__main__", "__mp_main__") or top in _OURS or top in sys.builtin_module_names or top in getattr(sys, "stdlib_module_names", ()):
         return False
     mod = sys.modules.get(top)
     path = getattr(mod, "__file__", None)

@@ -420,3 +420,20 @@ def test_a_closure_never_falls_back_to_source_text() -> None:
             serialize_function(make(s))
     finally:
         s.close()
+
+
+def test_this_projects_packages_are_classified_without_scanning_every_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cloud_hub, fl, ... are never the user's own (every endpoint has them). Deciding so must not
+    take the ~100 ms scan of installed distributions: in a source checkout a worker paid it inside
+    the first task after a ref argument imported cloud_hub.client, and the scheduler learned that
+    task's run time as ~100 ms too slow (a data-locality test then placed work away from its data)."""
+    import importlib
+
+    ser = importlib.import_module("mesh_agent.protocol.serialize")  # the module (the package exports a function of that name)
+
+    def no_scan() -> frozenset[str]:
+        raise AssertionError("scanned every installed distribution")
+
+    monkeypatch.setattr(ser, "_distributions", no_scan)
+    for top in ("cloud_hub", "mesh_agent", "fl", "scheduler", "sim"):
+        assert ser._is_users_own(top) is False
