@@ -23,13 +23,14 @@ idle blocked connection per worker to the shared store for the stager (one round
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 __all__ = ["LocalStore", "local_store", "endpoint_id", "LocalFull", "ensure_stager", "STAGE_LIST"]
 
@@ -50,6 +51,23 @@ def endpoint_id() -> str | None:
     return os.environ.get(ENV_ENDPOINT_ID) or None
 
 
+@contextlib.contextmanager
+def _init_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` between this endpoint's worker processes (flock; held only
+    while a worker sets up refs.sqlite3, once per worker). Without fcntl (not POSIX): no lock."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 class LocalStore:
     """refs.sqlite3 in the agent's data directory, shared by its workers, plus a per-process LRU."""
 
@@ -57,13 +75,17 @@ class LocalStore:
         self.path = Path(data_dir) / "refs.sqlite3"
         self._lock = threading.Lock()
         self._db = sqlite3.connect(str(self.path), timeout=30, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS refs (key TEXT PRIMARY KEY, blob BLOB NOT NULL, producer TEXT NOT NULL, "
-                         "expires REAL NOT NULL, size INTEGER NOT NULL, owner TEXT NOT NULL DEFAULT '')")
-        # the shared stores whose consumers may ask for these refs, until when: a restarted
-        # worker resumes their stagers (resume_stagers) before any task touches refs again
-        self._db.execute("CREATE TABLE IF NOT EXISTS logins (url TEXT PRIMARY KEY, until REAL NOT NULL)")
+        # Two workers opening the file at once (two tasks putting refs on fresh workers) raced on
+        # the switch to WAL, which SQLite answers with "database is locked" at once, past the busy
+        # timeout (seen 2 in 20 runs of test_data_tiers). One at a time, under a file lock.
+        with _init_lock(self.path.with_name("refs.sqlite3.init-lock")):
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("CREATE TABLE IF NOT EXISTS refs (key TEXT PRIMARY KEY, blob BLOB NOT NULL, producer TEXT NOT NULL, "
+                             "expires REAL NOT NULL, size INTEGER NOT NULL, owner TEXT NOT NULL DEFAULT '')")
+            # the shared stores whose consumers may ask for these refs, until when: a restarted
+            # worker resumes their stagers (resume_stagers) before any task touches refs again
+            self._db.execute("CREATE TABLE IF NOT EXISTS logins (url TEXT PRIMARY KEY, until REAL NOT NULL)")
         self._mem: OrderedDict[str, tuple[bytes, float, str]] = OrderedDict()
         self._mem_bytes = 0
         self.mem_max = int(os.environ.get("MESH_REF_MEMORY_BYTES", str(16 << 20)))
