@@ -33,24 +33,13 @@ def catches(pid: int, sig: int = signal.SIGHUP) -> bool | None:
 def reload_process(pid: int, timeout: float = 5.0) -> bool:
     """SIGHUP ``pid`` once it catches SIGHUP. False when there is no such process, or when it still
     has no handler after ``timeout`` seconds: a broker that slow to start reads its files when it
-    does, and a signal then would only kill it."""
+    does, and a signal then would only kill it. Where /proc cannot say (not Linux, or another
+    user's process behind hidepid), the signal goes at once, as it always did."""
     deadline = time.monotonic() + timeout
-    while True:
-        state = catches(pid)
-        if state is None and not Path("/proc/self/status").exists():
-            break  # no /proc here: send as before
-        if state:
-            break
-        if state is None:  # the process is gone (or cannot be read): nothing to reload
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                break
-        if time.monotonic() >= deadline:
-            return False
+    while (state := catches(pid)) is False and time.monotonic() < deadline:
         time.sleep(0.01)
+    if state is False:
+        return False
     try:
         os.kill(pid, signal.SIGHUP)
     except ProcessLookupError:
