@@ -286,16 +286,23 @@ class LinkStats:
     transfer time on size). Pings (``observe_rtt``) pin the latency directly. Until the sizes
     seen vary enough to fit a slope, bandwidth comes from ``(seconds - latency) / nbytes`` of
     the larger messages, else the prior.
+
+    Only a size term the timings really show is believed: the slope must stand out of the
+    scatter (t > 3 against its standard error). Why: on a fast link small messages carry no size
+    term worth measuring, and a slope fitted to their jitter can come out tiny, which read as
+    gigabytes per second; extrapolated to a 32 MiB input, that made moving it look free and sent
+    work away from its data (seen on loopback in the data-locality test). Where the timings
+    cannot tell, the bandwidth stays what it was: the prior, or the last estimate that could.
     """
 
-    __slots__ = ("half_life", "max_weight", "w", "sx", "sy", "sxx", "sxy", "n", "last",
+    __slots__ = ("half_life", "max_weight", "w", "sx", "sy", "sxx", "sxy", "syy", "n", "last",
                  "rtt", "latency", "bandwidth")
 
     def __init__(self, rtt: float = 0.1, bandwidth: float = 1e6, half_life: float = 3600.0,
                  max_weight: float = 64.0) -> None:
         self.half_life = half_life
         self.max_weight = max_weight
-        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.w = self.sx = self.sy = self.sxx = self.sxy = self.syy = 0.0
         self.n = 0
         self.last = 0.0
         self.rtt = DecayedMean(half_life, 16.0)
@@ -314,9 +321,11 @@ class LinkStats:
             self.sy = self.sy * f + seconds
             self.sxx = self.sxx * f + nbytes * nbytes
             self.sxy = self.sxy * f + nbytes * seconds
+            self.syy = self.syy * f + seconds * seconds
         else:
             self.w, self.sx, self.sy = 1.0, float(nbytes), float(seconds)
             self.sxx, self.sxy = float(nbytes) * nbytes, float(nbytes) * seconds
+            self.syy = float(seconds) * seconds
         if now > self.last:
             self.last = now
         self.n += 1
@@ -331,10 +340,15 @@ class LinkStats:
         w = self.w
         mx, my = self.sx / w, self.sy / w
         vx = self.sxx / w - mx * mx
+        vy = max(self.syy / w - my * my, 0.0)
         slope = None
         if self.n >= 3 and vx > 0.01 * mx * mx and vx > 1.0:
             slope = (self.sxy / w - mx * my) / vx
-            if slope <= 0.0:
+            # Residual scatter around the line, and the slope's standard error from it (w - 2
+            # degrees of freedom: decayed weights count as samples).
+            resid = max(vy - slope * slope * vx, 0.0)
+            se = math.sqrt(resid / (vx * (w - 2.0))) if w > 2.0 else math.inf
+            if slope <= 0.0 or slope <= 3.0 * se:
                 slope = None
         if slope is not None:
             self.bandwidth = min(1.0 / slope, 1e11)
@@ -345,7 +359,9 @@ class LinkStats:
                 # Sizes do not vary: split the mean time using the current bandwidth guess.
                 lat = max(my - mx / self.bandwidth, 0.0) if mx else my
             self.latency = lat
-            if mx > 1e4 and my > lat:
+            # The time above latency must stand out of the scatter too (t > 3), for the reason
+            # in the class docstring.
+            if mx > 1e4 and my - lat > 3.0 * math.sqrt(vy / w):
                 self.bandwidth = min(mx / (my - lat), 1e11)
 
     def transfer(self, nbytes: float) -> float:
@@ -361,7 +377,7 @@ class LinkStats:
         o = cls.__new__(cls)
         for k in cls.__slots__:
             if k != "rtt":
-                setattr(o, k, d[k])
+                setattr(o, k, d[k] if k != "syy" else d.get(k, 0.0))  # saved before syy existed
         o.rtt = DecayedMean.from_dict(d["rtt"])
         return o
 
