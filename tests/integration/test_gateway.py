@@ -177,68 +177,74 @@ def test_work_continues_through_uplink_outage_and_kills(mesh: LocalMesh, tmp_pat
 
 def test_tampering_gateway_runs_nothing(mesh: LocalMesh, tmp_path: Path) -> None:
     """A compromised gateway holds its own broker logins, never a device key. Here the test plays
-    it: it reads a device's tasks frame off the hub's broker with the gateway's login and feeds the
-    device altered copies through the site broker; nothing the hub did not sign for that device runs."""
+    it: it reads a device's tasks frame as the gateway relays it into the site broker and feeds the
+    device altered copies there; nothing the hub did not sign for that device runs.
+
+    The site broker is where the gateway's power lies (it writes that broker's logins). The test
+    does not borrow the gateway's login on the hub's broker: that broker takes the login as the
+    client id, so a second client with it takes the gateway's session over and the gateway, on
+    reconnecting, takes it back; a spy there was cut off before the frame came in 1 of 7 runs."""
     import aiomqtt
 
-    from mesh_agent.config import Credentials
+    from mesh_agent.gateway import _mosquitto_hash
     from mesh_agent.protocol import Envelope, Kind, encode
+    from mesh_agent.reload import reload_process
 
     gw, site_port = add_gateway(mesh, "gw", hold=0)  # hold 0: the hub sends only what the device fetches
     mesh.wait_online(gw)
     dev = add_device(mesh, "dev0", gw)
     mesh.wait_online(dev, timeout=40)
-    gw_creds = Credentials.model_validate_json(gw.cfg.credentials_file.read_text())
     c = mesh.client
     fid = c.register_function(count_runs)
     out = tmp_path / "runs.txt"
-    prefix = gw.cfg.mqtt.topic_prefix
-    down = f"{prefix}/ep/{dev.endpoint_id}/down"
+    down = f"{gw.cfg.mqtt.topic_prefix}/ep/{dev.endpoint_id}/down"
 
-    async def capture_and_tamper() -> list[str]:
-        # Listen on the device's down topic with the gateway's hub login (as the gateway may).
-        async with aiomqtt.Client("127.0.0.1", mesh.broker.port, username=gw_creds.mqtt_username, password=gw_creds.mqtt_password,
-                                  identifier="evil-gw-spy") as hub_side:
-            await hub_side.subscribe(down, qos=1)
+    # The compromised gateway process is modelled by a client with the site broker's admin
+    # rights: write that broker's files as the gateway would, adding an attacker login with every
+    # right (the gateway's own site login is in its memory only).
+    acl = gw.cfg.data_dir / "site-broker" / "acl_file"
+    pwf = gw.cfg.data_dir / "site-broker" / "password_file"
+    acl.write_text(acl.read_text() + "\nuser evil\ntopic readwrite #\n")
+    pwf.write_text(pwf.read_text() + f"evil:{_mosquitto_hash('evil-pw')}\n")
+    assert reload_process(int((gw.cfg.data_dir / "site-broker" / "mosquitto.pid").read_text()))
+
+    async def evil_login() -> aiomqtt.Client:
+        deadline = time.monotonic() + 10  # the broker reads its files again after the SIGHUP
+        while True:
+            site = aiomqtt.Client("127.0.0.1", site_port, username="evil", password="evil-pw", identifier="evil-gw")
+            try:
+                await site.__aenter__()
+                return site
+            except aiomqtt.MqttError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+
+    async def capture_and_tamper() -> str:
+        site = await evil_login()
+        try:
+            await site.subscribe(down, qos=1)
             genuine = c.submit(dev.endpoint_id, fid, str(out), "genuine")
             frame = None
             async with asyncio.timeout(30):
-                async for msg in hub_side.messages:
-                    if isinstance(msg.payload, bytes) and b'genuine' in msg.payload:
+                async for msg in site.messages:
+                    if isinstance(msg.payload, bytes) and b"genuine" in msg.payload:
                         frame = msg.payload
                         break
-        assert frame is not None
-        return [genuine, frame.hex()]
-
-    genuine, frame_hex = asyncio.run(capture_and_tamper())
-    frame = bytes.fromhex(frame_hex)
-    wait_for(lambda: runs(out).count("genuine") == 1, 60, "the genuine task ran", [gw, dev])
-    # The altered copies go to the device from inside the site, with the gateway's site login.
-    flipped = bytearray(frame)
-    i = bytes(frame).index(b"genuine")
-    flipped[i] ^= 0x01  # "genuine" -> "fenuine": args changed, MAC unchanged
-    # A substituted task: the same header and MAC, another body (a task of the attacker's choosing).
-    forged = encode(Envelope(Kind.TASKS, dev.endpoint_id, {"tasks": [{"id": "f" * 32, "fn": fid, "args": b"x", "timeout": None, "exp": None}],
-                                                           "functions": {}}), os.urandom(32))
-
-    async def inject(frames: list[bytes]) -> None:
-        # The site broker's own gateway login is in the gateway's memory only; the compromised
-        # gateway process is modelled by a client with that broker's admin rights: write the site
-        # broker's files as the gateway would, adding an attacker login with every right.
-        from mesh_agent.gateway import _mosquitto_hash
-
-        acl = gw.cfg.data_dir / "site-broker" / "acl_file"
-        pwf = gw.cfg.data_dir / "site-broker" / "password_file"
-        acl.write_text(acl.read_text() + "\nuser evil\ntopic readwrite #\n")
-        pwf.write_text(pwf.read_text() + f"evil:{_mosquitto_hash('evil-pw')}\n")
-        pid = int((gw.cfg.data_dir / "site-broker" / "mosquitto.pid").read_text())
-        os.kill(pid, signal.SIGHUP)
-        await asyncio.sleep(1.0)
-        async with aiomqtt.Client("127.0.0.1", site_port, username="evil", password="evil-pw", identifier="evil-gw") as site:
-            for f in frames:
+            assert frame is not None
+            flipped = bytearray(frame)
+            flipped[frame.index(b"genuine")] ^= 0x01  # "genuine" -> "fenuine": args changed, MAC unchanged
+            # A substituted task: the same header and MAC, another body (a task of the attacker's choosing).
+            forged = encode(Envelope(Kind.TASKS, dev.endpoint_id, {"tasks": [{"id": "f" * 32, "fn": fid, "args": b"x", "timeout": None,
+                                                                              "exp": None}], "functions": {}}), os.urandom(32))
+            await asyncio.to_thread(wait_for, lambda: runs(out).count("genuine") == 1, 60, "the genuine task ran", [gw, dev])
+            for f in (bytes(flipped), forged, frame, frame):  # flipped byte, forged task, replays of the genuine frame
                 await site.publish(down, f, qos=1)
+            return genuine
+        finally:
+            await site.__aexit__(None, None, None)
 
-    asyncio.run(inject([bytes(flipped), forged, frame, frame]))  # flipped byte, forged task, replays of the genuine frame
+    genuine = asyncio.run(capture_and_tamper())
     # The genuine task is stored, so the device sees the replays as known; a second genuine task
     # sent after the tampered frames proves the device processed them all (frames are in order).
     second = c.submit(dev.endpoint_id, fid, str(out), "second")
