@@ -437,3 +437,16 @@ def test_this_projects_packages_are_classified_without_scanning_every_distributi
     monkeypatch.setattr(ser, "_distributions", no_scan)
     for top in ("cloud_hub", "mesh_agent", "fl", "scheduler", "sim"):
         assert ser._is_users_own(top) is False
+
+
+def test_the_known_packages_are_the_ones_pyproject_ships() -> None:
+    """``_OURS`` repeats pyproject's package list (an installed wheel has no pyproject to read):
+    a package added there and not here would be scanned for again, or worse, shipped by value."""
+    import importlib
+    import tomllib
+    from pathlib import Path
+
+    ser = importlib.import_module("mesh_agent.protocol.serialize")
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    shipped = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    assert shipped == set(ser._OURS)
