@@ -72,14 +72,10 @@ import _common as c
 sys.path[:] = [p for p in sys.path if (Path(p).resolve() if p else Path.cwd()) != c.BENCH_DIR]
 sys.path.insert(0, str(c.REPO))
 
+from cloud_hub.broker import free_port  # noqa: E402 (after the path fix above)
+
 FLOWER_APP = c.BENCH_DIR / "flower_app"
 TRAINER = {"threads": 1, "lr": 0.05, "batch_size": 32}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _summary(round_s: list[float], train_s: list[float], accuracy: list[float], startup_s: float,
@@ -375,7 +371,7 @@ def run_flower(args: argparse.Namespace, workdir: Path, seed_keys: list[str], ro
     home, out = workdir / "flwr-home", workdir / "flwr-out"
     home.mkdir(parents=True)
     out.mkdir(parents=True)
-    port = _free_port()
+    port = free_port()
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
     env = dict(os.environ, FLWR_HOME=str(home), PYTHONPATH=str(c.REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -396,7 +392,7 @@ def run_flower(args: argparse.Namespace, workdir: Path, seed_keys: list[str], ro
             node_cfg = f"partition-id={k} num-partitions={args.clients} seed-key='{seed_keys[k]}'"
             link_port = links.add(f"flower{tag}/{k}", port) if links is not None else port
             procs.start([str(venv_bin / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{link_port}",
-                         "--node-config", node_cfg, "--port", str(_free_port())], workdir / f"supernode-{k}.log", env)
+                         "--node-config", node_cfg, "--port", str(free_port())], workdir / f"supernode-{k}.log", env)
         c.log(f"flower: SuperLink on :{port}, {args.clients} SuperNodes" + (f" over {links.kbps:g} kbps links" if links else "")
               + f"; flwr run, {n_rounds} rounds")
         run_cfg = (f"num-server-rounds={n_rounds} num-nodes={args.clients} local-epochs={args.local_epochs} "
@@ -526,7 +522,7 @@ def run_flower_app_flower(args: argparse.Namespace, workdir: Path, app: Path, cl
         raise RuntimeError("flwr CLI not found: pip install flwr (the 'flower' extra)")
     home = workdir / "flwr-app-home"
     home.mkdir(parents=True)
-    port = _free_port()
+    port = free_port()
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
     env = dict(os.environ, FLWR_HOME=str(home), PYTHONPATH=str(c.REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -545,7 +541,7 @@ def run_flower_app_flower(args: argparse.Namespace, workdir: Path, app: Path, cl
         proxy_port = links.add("supernodes", port)
         for k in range(args.clients):
             procs.start([str(venv_bin / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{proxy_port}",
-                         "--node-config", f"partition-id={k} num-partitions={args.clients}", "--port", str(_free_port())],
+                         "--node-config", f"partition-id={k} num-partitions={args.clients}", "--port", str(free_port())],
                         workdir / f"supernode-app-{k}.log", env)
         c.log(f"flower: SuperLink on :{port} (SuperNodes through a counting proxy :{proxy_port}), {args.clients} SuperNodes; "
               f"flwr run {app.name}")

@@ -12,11 +12,14 @@ enrollment rewrote those files.
 
 from __future__ import annotations
 
+import collections
 import os
 import pwd
+import random
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +33,46 @@ class BrokerError(RuntimeError):
     pass
 
 
-def free_port() -> int:
+_PORT_FLOOR = 10_000  # below: well-known services (PostgreSQL 5432, Redis 6379, NATS 4222, ...)
+_handed_out: collections.deque[int] = collections.deque(maxlen=4096)
+_handed_lock = threading.Lock()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the source ports of outgoing connections (and for ``bind(port 0)``)."""
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nobody holds now, for a server started next (tests, LocalMesh).
+
+    Why not just ``bind(port 0)``: the kernel hands those out from the ephemeral range, the range
+    every outgoing connection takes its source port from, so between our close and the server's
+    bind some client socket (another agent's, another test's) may take it, and the server fails
+    to start (seen once in a hunt under load). A port below that range is never taken that way:
+    one is drawn at random there, checked by binding it, and not handed out twice by this process.
+    Falls back to port 0 where the kernel leaves no room below its range."""
+    lo, _hi = _ephemeral_range()
+    if lo - _PORT_FLOOR >= 1000:
+        for _ in range(200):
+            port = random.randrange(_PORT_FLOOR, lo)
+            with _handed_lock:
+                if port in _handed_out:
+                    continue
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            with _handed_lock:
+                _handed_out.append(port)
+            return port
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import threading
 import time
 from typing import Any
@@ -125,9 +124,9 @@ class HubThread:
 
     def __init__(self, cfg: HubConfig) -> None:
         if cfg.port == 0:
-            with socket.socket() as s:
-                s.bind((cfg.host, 0))
-                cfg = cfg.model_copy(update={"port": s.getsockname()[1]})
+            from cloud_hub.broker import free_port
+
+            cfg = cfg.model_copy(update={"port": free_port(cfg.host)})
         self.cfg = cfg
         self.server = _server(cfg)
         self._thread = threading.Thread(target=self._run, name="hub", daemon=True)

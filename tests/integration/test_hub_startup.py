@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from cloud_hub.broker import free_port
+
 pytestmark = pytest.mark.integration
 
 
@@ -20,12 +22,6 @@ def _serve(db: Path, port: int) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("case, says", [
     ("parent-is-a-file", "is a file, not a folder"),
     ("db-is-a-folder", "that is a folder"),
@@ -33,7 +29,7 @@ def _free_port() -> int:
     ("port-taken", "is already in use by pid"),
 ])
 def test_start_up_failure_is_one_line_and_non_zero(tmp_path: Path, case: str, says: str) -> None:
-    port = _free_port()
+    port = free_port()
     db = tmp_path / "hub.sqlite3"
     holder = None
     if case == "parent-is-a-file":

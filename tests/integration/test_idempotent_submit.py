@@ -4,7 +4,6 @@ second task, even when the hub is SIGKILLed in the middle of a large POST."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from cloud_hub.broker import free_port
 from cloud_hub.client import Client, HubError
 from cloud_hub.config import HubConfig
 from cloud_hub.server import HubThread
@@ -86,12 +86,6 @@ def test_bad_keys_are_refused_and_store_nothing(hub: Any, tmp_path: Path, body: 
 
 
 # ---------------------------------------------------------------- SIGKILL during a large POST
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start_hub(db: Path, port: int, log: Path, zmq_port: int) -> subprocess.Popen[bytes]:
     code = ("from cloud_hub.config import HubConfig; from cloud_hub.server import serve; "
             f"serve(HubConfig(db_path={str(db)!r}, port={port}, mqtt_host=None, zmq_bind='tcp://127.0.0.1:{zmq_port}'))")
@@ -113,7 +107,7 @@ def _wait_up(url: str, token: str, proc: subprocess.Popen[bytes], timeout: float
 
 
 def test_hub_sigkilled_during_a_large_post_makes_one_task_per_key(tmp_path: Path) -> None:
-    db, port, zmq_port = tmp_path / "hub.sqlite3", _free_port(), _free_port()
+    db, port, zmq_port = tmp_path / "hub.sqlite3", free_port(), free_port()
     url, log = f"http://127.0.0.1:{port}", tmp_path / "hub.log"
 
     async def bootstrap() -> str:

@@ -25,6 +25,7 @@ import pytest
 import typer
 import yaml
 
+from cloud_hub.broker import free_port
 from cloud_hub.cli import app
 from cloud_hub.config import HubConfig
 from tests.unit.test_device_images import _DOCKER_INSTRUCTIONS, instructions
@@ -236,12 +237,6 @@ def test_operations_guide_prometheus_config_passes_promtool(tmp_path: Path) -> N
     assert r.returncode == 0 and "SUCCESS" in r.stdout + r.stderr, r.stdout + r.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_mosquitto_conf_starts_a_real_broker(tmp_path: Path) -> None:
     """The compose file's mosquitto.conf, its container paths pointed at files made here the way the
     deployment makes them (broker-config's writer, ``mesh-hub tls init``), its listeners on free
@@ -257,7 +252,7 @@ def test_mosquitto_conf_starts_a_real_broker(tmp_path: Path) -> None:
     auth.mkdir()
     write_broker_files(auth, "mesh-hub", "pw-" + "x" * 20, "mesh", [])
     init_dir(tmp_path / "tls", force=True)
-    plain, tls = _free_port(), _free_port()
+    plain, tls = free_port(), free_port()
     text = (HUB / "mosquitto.conf").read_text()
     text = (text.replace("/mosquitto/auth", str(auth)).replace("/mosquitto/tls", str(tmp_path / "tls"))
             .replace("listener 1883 0.0.0.0", f"listener {plain} 127.0.0.1").replace("listener 8883 0.0.0.0", f"listener {tls} 127.0.0.1"))

@@ -9,7 +9,6 @@ import gc
 import os
 import queue
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -22,12 +21,7 @@ import pytest
 redis = pytest.importorskip("redis")
 
 from cloud_hub.client import multiprocessing as mp  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from cloud_hub.broker import free_port  # noqa: E402
 
 
 class RedisServer:
@@ -38,7 +32,7 @@ class RedisServer:
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.fail("redis-server is required: run ./taskw setup (apt-get install redis-server)")
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                                       "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,0 +1,41 @@
+"""free_port: ports for the servers tests and LocalMesh start, outside the kernel's ephemeral range
+(where outgoing connections take their source ports and could take ours before the server binds)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from cloud_hub import broker
+from cloud_hub.broker import free_port
+
+
+def test_ports_lie_below_the_ephemeral_range_are_bindable_and_never_repeat() -> None:
+    lo, _hi = broker._ephemeral_range()
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    assert all(broker._PORT_FLOOR <= p < lo for p in ports)
+    for p in ports[:20]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+
+
+def test_a_port_someone_listens_on_is_never_handed_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        draws = [taken] * 3  # the first three draws hit the listener
+        real = broker.random.randrange
+        monkeypatch.setattr(broker.random, "randrange", lambda a, b: draws.pop() if draws else real(a, b))
+        monkeypatch.setattr(broker, "_ephemeral_range", lambda: (taken + 2000, 60999))
+        got = free_port()
+    assert draws == [] and got != taken
+
+
+def test_no_room_below_the_range_falls_back_to_the_kernels_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(broker, "_ephemeral_range", lambda: (10_500, 60999))
+    p = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", p))
