@@ -36,6 +36,7 @@ class BrokerError(RuntimeError):
 _PORT_FLOOR = 10_000  # below: well-known services (PostgreSQL 5432, Redis 6379, NATS 4222, ...)
 _handed_out: collections.deque[int] = collections.deque(maxlen=4096)
 _handed_lock = threading.Lock()
+_port_rng = random.SystemRandom()  # not the global generator: a process that seeds that one must not draw its neighbours' ports
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -59,7 +60,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     lo, _hi = _ephemeral_range()
     if lo - _PORT_FLOOR >= 1000:
         for _ in range(200):
-            port = random.randrange(_PORT_FLOOR, lo)
+            port = _port_rng.randrange(_PORT_FLOOR, lo)
             with _handed_lock:
                 if port in _handed_out:
                     continue

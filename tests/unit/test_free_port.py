@@ -27,11 +27,25 @@ def test_a_port_someone_listens_on_is_never_handed_out(monkeypatch: pytest.Monke
         held.listen()
         taken = held.getsockname()[1]
         draws = [taken] * 3  # the first three draws hit the listener
-        real = broker.random.randrange
-        monkeypatch.setattr(broker.random, "randrange", lambda a, b: draws.pop() if draws else real(a, b))
+        real = broker._port_rng.randrange
+        monkeypatch.setattr(broker._port_rng, "randrange", lambda a, b: draws.pop() if draws else real(a, b))
         monkeypatch.setattr(broker, "_ephemeral_range", lambda: (taken + 2000, 60999))
         got = free_port()
     assert draws == [] and got != taken
+
+
+def test_seeding_the_global_generator_does_not_fix_the_draw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes that seed ``random`` alike (simulations do) must not draw the same ports.
+    Each draw here starts with an empty memory of handed-out ports, as a fresh process would."""
+    import collections
+    import random
+
+    def draws() -> list[int]:
+        monkeypatch.setattr(broker, "_handed_out", collections.deque(maxlen=4096))
+        random.seed(1)
+        return [free_port() for _ in range(3)]
+
+    assert draws() != draws()
 
 
 def test_no_room_below_the_range_falls_back_to_the_kernels_choice(monkeypatch: pytest.MonkeyPatch) -> None:
