@@ -39,13 +39,13 @@ _handed_lock = threading.Lock()
 _port_rng = random.SystemRandom()  # not the global generator: a process that seeds that one must not draw its neighbours' ports
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """The kernel's range for the source ports of outgoing connections (and for ``bind(port 0)``)."""
+def _ephemeral_start() -> int:
+    """Where the kernel's range for the source ports of outgoing connections (and for
+    ``bind(port 0)``) begins."""
     try:
-        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -57,7 +57,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     to start (seen once in a hunt under load). A port below that range is never taken that way:
     one is drawn at random there, checked by binding it, and not handed out twice by this process.
     Falls back to port 0 where the kernel leaves no room below its range."""
-    lo, _hi = _ephemeral_range()
+    lo = _ephemeral_start()
     if lo - _PORT_FLOOR >= 1000:
         for _ in range(200):
             port = _port_rng.randrange(_PORT_FLOOR, lo)

@@ -12,7 +12,7 @@ from cloud_hub.broker import free_port
 
 
 def test_ports_lie_below_the_ephemeral_range_are_bindable_and_never_repeat() -> None:
-    lo, _hi = broker._ephemeral_range()
+    lo = broker._ephemeral_start()
     ports = [free_port() for _ in range(300)]
     assert len(set(ports)) == len(ports)
     assert all(broker._PORT_FLOOR <= p < lo for p in ports)
@@ -29,7 +29,7 @@ def test_a_port_someone_listens_on_is_never_handed_out(monkeypatch: pytest.Monke
         draws = [taken] * 3  # the first three draws hit the listener
         real = broker._port_rng.randrange
         monkeypatch.setattr(broker._port_rng, "randrange", lambda a, b: draws.pop() if draws else real(a, b))
-        monkeypatch.setattr(broker, "_ephemeral_range", lambda: (taken + 2000, 60999))
+        monkeypatch.setattr(broker, "_ephemeral_start", lambda: taken + 2000)
         got = free_port()
     assert draws == [] and got != taken
 
@@ -49,7 +49,7 @@ def test_seeding_the_global_generator_does_not_fix_the_draw(monkeypatch: pytest.
 
 
 def test_no_room_below_the_range_falls_back_to_the_kernels_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(broker, "_ephemeral_range", lambda: (10_500, 60999))
+    monkeypatch.setattr(broker, "_ephemeral_start", lambda: 10_500)
     p = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", p))
