@@ -6,13 +6,14 @@ here is paid again on each restart after a crash, a timeout or an idle reap. Onl
 library and the serializer facade are imported; the serializer pulls in dill lazily, only when a
 body needs it (``mesh_agent.protocol`` loads its envelope code lazily for the same reason).
 
-Wire format: pickled tuples framed as :class:`multiprocessing.connection.Connection` frames them,
-over a socketpair whose end this process inherits.
+Wire format: plain frames (``_channel.py``, never pickle: the agent must not unpickle what a
+worker running another user's code sends), framed as :class:`multiprocessing.connection.Connection`
+frames them, over a socketpair whose end this process inherits.
 
 * parent -> worker: a chunk, ``[(task_id, function_id, body or None, args_blob), ...]``;
   ``body`` is sent only the first time this worker sees ``function_id``.
-* worker -> parent: ``("ready", pid)`` once after start-up, then one
-  ``("r", task_id, ok, data, started, finished)`` per task, in task order.
+* worker -> parent: ready (with the pid) once after start-up, then one result
+  ``(task_id, ok, data, started, finished)`` per task, in task order.
 
 Why every result is written as soon as it exists, not held back for a batch: a task may end the
 process (``os._exit``, a segfault, the OOM killer) and anything still in this process's memory dies
@@ -35,6 +36,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+from mesh_agent.engine._channel import MAX_RESULT_BYTES, decode_chunk, encode_ready, encode_result
 from mesh_agent.protocol.serialize import SerializationError, deserialize, deserialize_function, serialize
 
 __all__ = ["SERIALIZATION_ERROR", "make_error", "type_name", "run_task", "main", "boot"]
@@ -171,6 +173,10 @@ def _success(task_id: str, value: Any, started: float) -> Result:
         err = SerializationError(f"cannot serialize the result ({type(value).__name__}): {exc}")
         err.__cause__ = exc
         return _failure(task_id, err, started)
+    if len(data) > MAX_RESULT_BYTES:
+        return _failure(task_id, SerializationError(
+            f"the result ({type(value).__name__}, {len(data)} bytes serialized) is over this endpoint's "
+            f"{MAX_RESULT_BYTES // 2**20} MiB limit for one result: return a ref to it instead (docs/data.md)"), started)
     return task_id, True, data, started, time.time()
 
 
@@ -255,12 +261,7 @@ def boot(args: dict[str, Any]) -> None:
     """Entry point of a worker started by ``LocalEngine``: ``args`` carries the inherited socket's
     fd, the memory limit and the agent's pid. A plain interpreter, not a multiprocessing child,
     so user code may start its own processes (no daemon flag) and no resource tracker runs.
-    ``nosock``: a sandboxed worker without network refuses new Unix sockets (seccomp), before any
-    user code runs; if the filter cannot be installed the worker exits rather than run unfiltered."""
-    if args.get("nosock"):
-        from mesh_agent.engine._seccomp import deny_unix_sockets
-
-        deny_unix_sockets()
+    A sandboxed worker was locked down before this interpreter started (``_lockdown.py``)."""
     main(FdConnection(int(args["fd"])), args.get("mem"), int(args["ppid"]))
 
 
@@ -293,16 +294,15 @@ def main(conn: Any, memory_limit_mb: int | None, parent_pid: int) -> None:
         _limit_memory(memory_limit_mb)
     send = conn.send_bytes
     recv = conn.recv_bytes
-    dumps = pickle.dumps
     cache: dict[str, Any] = {}
     _resume_ref_stagers()
     try:
-        send(dumps(("ready", os.getpid())))
+        send(encode_ready(os.getpid()))
         while True:
-            chunk = pickle.loads(recv())
+            chunk = decode_chunk(recv())
             if chunk is None:
                 return
             for task in chunk:
-                send(dumps(("r", *run_task(cache, task)), protocol=5))
+                send(encode_result(*run_task(cache, task)))
     except (EOFError, OSError):
         return  # the agent closed the pipe or died: exit, never linger as an orphan

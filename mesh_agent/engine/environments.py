@@ -45,8 +45,8 @@ from typing import Any, Iterable, Mapping, Sequence
 # hashlib, shutil, sysconfig and mesh_agent.environment are imported where used: the agent loads
 # this module at start, and those cost it about 1.3 MB of RSS on an endpoint that never builds one.
 
-__all__ = ["EnvError", "WorkerKind", "DEFAULT_KIND", "Environments", "bwrap_argv", "container_argv", "container_refusal",
-           "image_form", "channel_prefix", "abi_tag"]
+__all__ = ["EnvError", "WorkerKind", "DEFAULT_KIND", "Environments", "bwrap_argv", "lockdown_argv", "system_binds", "code_binds",
+           "container_argv", "container_refusal", "image_form", "channel_prefix", "abi_tag"]
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,6 @@ class WorkerKind:
     cwd: str | None = None
     venv: str | None = None  # the venv key this kind keeps in use (not evicted while workers live)
     clean_env: bool = False  # start from SANDBOX_ENV, not the agent's environment (sandboxed workers)
-    deny_sockets: bool = False  # the worker refuses new Unix sockets (mesh_agent/engine/_seccomp.py)
     #: The fd the worker's channel must sit at inside the wrapper: podman passes only fds 3..3+N-1
     #: (``--preserve-fds N``), so the channel is moved to 3 first and nothing else of the agent's goes in.
     channel_fd: int | None = None
@@ -119,25 +118,92 @@ def abi_tag() -> str:
     return f"{sys.implementation.cache_tag}-{sysconfig.get_platform()}"
 
 
-def bwrap_argv(hidden: Iterable[Path], ro_binds: Iterable[Path] = (), network: bool = False, bwrap: str = "bwrap",
-               code: Iterable[Path] = ()) -> list[str]:
-    """The bubblewrap prefix for a sandboxed worker (pure). Later mounts go on top of earlier
-    ones: ``code`` (the agent's own package and interpreter paths, when they live under /tmp) is
-    bound back read-only over the private /tmp *before* the data directory is hidden, so a data
-    directory inside such a path stays hidden; a venv under the hidden data directory is bound
-    back read-only after it."""
-    argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--chdir", "/tmp"]
+#: What of the host's /etc a Python program needs (dynamic linker, time zone, name service, TLS
+#: roots for a sandbox granted the network, MIME types); nothing else of /etc, no passwd or shadow.
+_ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "nsswitch.conf", "host.conf", "hosts",
+        "gai.conf", "mime.types", "alternatives", "ssl", "ca-certificates", "ca-certificates.conf", "os-release")
+_NET_ETC = ("resolv.conf",)
+#: System directories: bound read-only where they are directories, recreated as the same symlink
+#: where they are symlinks (Debian's merged /usr).
+_SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+#: Where a sandboxed worker finds its venv: a fixed path, so not even the name of the agent's data
+#: directory shows inside.
+SANDBOX_VENV = "/opt/mesh-venv"
+#: The sandbox's /tmp (its scratch space) is a tmpfs of at most this size unless configured: it is
+#: RAM, and a Pi Zero has 512 MB.
+SANDBOX_TMP_MB = 64
+#: Processes (and threads) a sandbox may hold at once: a fork bomb stops here.
+SANDBOX_NPROC = 256
+#: The host uid/gid a sandbox runs as when the agent runs as root (``nobody``).
+SANDBOX_UID = 65534
+
+
+def system_binds(root: Path = Path("/"), network: bool = False) -> list[tuple[str, str, str]]:
+    """``(op, source, dest)`` for the host's system directories and the few /etc files a Python
+    program reads: ``op`` is ``"ro"`` (bind read-only) or ``"symlink"`` (source is the link's text)."""
+    out: list[tuple[str, str, str]] = []
+    for d in _SYSTEM:
+        p = root / d.lstrip("/")
+        if p.is_symlink():
+            out.append(("symlink", os.readlink(p), d))
+        elif p.is_dir():
+            out.append(("ro", str(p), d))
+    for name in (*_ETC, *(_NET_ETC if network else ())):
+        p = root / "etc" / name
+        if p.exists():
+            out.append(("ro", str(p), f"/etc/{name}"))
+    cpu = root / "sys/devices/system/cpu"
+    if cpu.is_dir():  # os.cpu_count() and numeric libraries read the CPU list; nothing else of /sys
+        out.append(("ro", str(cpu), "/sys/devices/system/cpu"))
+    return out
+
+
+def bwrap_argv(binds: Iterable[tuple[str, str, str]], hidden: Iterable[Path] = (), network: bool = False, bwrap: str = "bwrap",
+               *, privileged: bool = False, tmp_mb: int = SANDBOX_TMP_MB) -> list[str]:
+    """The bubblewrap prefix for a sandboxed worker (pure): default-deny, so the sandbox's root is
+    an empty tmpfs holding only ``binds`` (``(op, source, dest)``, see :func:`system_binds`), a
+    private /tmp of ``tmp_mb``, a new /proc and a minimal /dev.
+
+    ``privileged`` (the agent runs as root): bubblewrap keeps only CAP_SETUID, CAP_SETGID and
+    CAP_SETPCAP for the lockdown, which drops them with the uid (``_lockdown.py``). Otherwise a
+    user namespace with every capability dropped and no further user namespaces. ``hidden``:
+    paths (the agent's data and key directories) covered by an empty tmpfs where they lie inside
+    a bound directory; elsewhere they simply do not exist in the sandbox."""
+    argv = [bwrap]
+    if privileged:
+        argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
+    else:
+        argv += ["--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
+    argv += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
     if not network:
         argv.append("--unshare-net")
-    for p in sorted({str(Path(c)) for c in code}):
-        argv += ["--ro-bind", p, p]
-    for p in sorted({str(Path(h)) for h in hidden}):
-        argv += ["--tmpfs", p]
-    for p in ro_binds:
-        argv += ["--ro-bind", str(p), str(p)]
-    argv.append("--")
+    # /tmp first: the agent's own code may live under /tmp (a checkout in a temp dir) and is bound on top.
+    argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(max(1, tmp_mb) << 20), "--tmpfs", "/tmp"]
+    binds = list(binds)
+    dests = [d for _op, _s, d in binds]
+    made: set[str] = {"/tmp"}
+    for op, src, dest in binds:
+        # Directories bubblewrap would create for a bind copy the mode of nothing: make each one
+        # 0755 first, so an unprivileged sandbox uid can walk to its binds (a Python under /root).
+        for parent in reversed(Path(dest).parents):
+            ps = str(parent)
+            if ps == "/" or ps in made or any(ps == d or Path(ps).is_relative_to(d) for d in dests):
+                continue
+            made.add(ps)
+            argv += ["--perms", "0755", "--dir", ps]
+        argv += ["--symlink", src, dest] if op == "symlink" else ["--ro-bind", src, dest]
+    for h in sorted({str(Path(h)) for h in hidden}):
+        if any(Path(h).is_relative_to(d) for d in dests if d != "/"):
+            argv += ["--tmpfs", h]
+    argv += ["--chdir", "/tmp", "--"]
     return argv
+
+
+def lockdown_argv(python: str, *, network: bool, uid: int = SANDBOX_UID, nproc: int = SANDBOX_NPROC) -> list[str]:
+    """What bubblewrap runs first (pure): ``_lockdown.py`` under ``python -S -I``, which drops every
+    privilege, installs the seccomp filter and then execs the argv that follows."""
+    opts = {"network": network, "uid": uid, "gid": uid, "nproc": nproc, "nofile": 1024}
+    return [python, "-S", "-I", str(Path(__file__).with_name("_lockdown.py")), json.dumps(opts, separators=(",", ":"))]
 
 
 #: Schemes of registry references the runtime pulls (anything else names a file or directory staged here).
@@ -317,8 +383,14 @@ class Environments:
         uv: str | None = None,
         bwrap: str | None = None,
         container_runtime: str | None = None,
+        sandbox_tmp_mb: int = SANDBOX_TMP_MB,
+        sandbox_uid: int = SANDBOX_UID,
+        sandbox_nproc: int = SANDBOX_NPROC,
     ) -> None:
         self.root = Path(root)
+        self.sandbox_tmp_mb = sandbox_tmp_mb
+        self.sandbox_uid = sandbox_uid
+        self.sandbox_nproc = sandbox_nproc
         self.hidden = [Path(h) for h in hidden]
         self.budget = max(1, disk_budget_mb) * 2**20
         self.index_url = index_url
@@ -433,24 +505,30 @@ class Environments:
         python = sys.executable
         venv_key: str | None = None
         venv_dir: Path | None = None
+        sandboxed = bool(spec.get("sandbox"))
         if spec.get("pip"):
-            venv_key = await self._venv(list(spec["pip"]), in_use)
+            # Another user's requirements are installed from wheels only: building a source
+            # distribution runs its build backend, as the agent, outside any sandbox (issue 25).
+            venv_key = await self._venv(list(spec["pip"]), in_use, wheels_only=sandboxed)
             venv_dir = self._venv_dir(venv_key)
             python = str(venv_dir / "bin" / "python")
             path = (str(self._site_packages(venv_dir)),)
-        if spec.get("sandbox"):
+        if sandboxed:
             bwrap = self._bwrap_path()
             network = bool(spec.get("network"))
-            wrap: tuple[str, ...] = tuple(bwrap_argv(self.hidden, [venv_dir] if venv_dir is not None else [], network, bwrap, code=_code_under_tmp()))
-            if not network:
-                self._check_socket_filter()
-            # Start the sandbox once (with the socket filter where it applies): a kernel that refuses
-            # namespaces or seccomp fails the spec here, in bubblewrap's own words, not in a respawn loop.
-            check = "print('ok')" if network else (
-                f"import sys;sys.path[:0]={_bootstrap_dirs()!r};"
-                "from mesh_agent.engine._seccomp import deny_unix_sockets;deny_unix_sockets();print('ok')")
-            await self._probe([*wrap, python, "-c", check], "sandbox (bubblewrap)", env=sandbox_environ(os.environ))
-            return WorkerKind(sid, python, path, env, wrap, "/tmp", venv_key, clean_env=True, deny_sockets=not network)
+            self._check_socket_filter()
+            binds = [*system_binds(network=network), *code_binds()]
+            if venv_dir is not None:  # at a fixed path: not even the data directory's name shows inside
+                binds.append(("ro", str(venv_dir), SANDBOX_VENV))
+                python = f"{SANDBOX_VENV}/bin/python"
+                path = (str(self._site_packages(Path(SANDBOX_VENV))),)
+            wrap = (*bwrap_argv(binds, self.hidden, network, bwrap, privileged=os.geteuid() == 0, tmp_mb=self.sandbox_tmp_mb),
+                    *lockdown_argv(sys.executable, network=network, uid=self.sandbox_uid, nproc=self.sandbox_nproc))
+            # Start the sandbox once, lockdown and filter included: a kernel that refuses namespaces or
+            # seccomp, or a unit that forbids them, fails the spec here in bubblewrap's own words, not in
+            # a respawn loop, and the task never runs unsandboxed.
+            await self._probe([*wrap, python, "-c", "print('ok')"], "sandbox (bubblewrap)", env=sandbox_environ(os.environ))
+            return WorkerKind(sid, python, path, env, wrap, "/tmp", venv_key, clean_env=True)
         return WorkerKind(sid, python, path, env, (), None, venv_key)
 
     async def _container_kind(self, sid: str, spec: Mapping[str, Any], image: str, env: tuple[tuple[str, str], ...]) -> WorkerKind:
@@ -499,14 +577,14 @@ class Environments:
 
     @staticmethod
     def _check_socket_filter() -> None:
-        """A sandbox without network also refuses Unix sockets: only where the filter exists."""
+        """Every sandbox runs under the seccomp filter: only where one exists for this CPU."""
         import platform
 
         from mesh_agent.engine._seccomp import SUPPORTED
 
         if platform.machine() not in SUPPORTED:
-            raise EnvError(f"sandbox requested but this endpoint's CPU ({platform.machine()}) has no socket filter "
-                           f"(supported: {', '.join(SUPPORTED)}); grant network to run it without one")
+            raise EnvError(f"sandbox requested but this endpoint's CPU ({platform.machine()}) has no seccomp filter "
+                           f"(supported: {', '.join(SUPPORTED)}); a sandbox never runs without one")
 
     def _bwrap_path(self) -> str:
         found = self._bwrap or _which("bwrap")
@@ -558,8 +636,9 @@ class Environments:
             args += ["--find-links", link]
         return args
 
-    async def _venv(self, reqs: list[str], in_use: set[str]) -> str:
-        rkey = _sha16(json.dumps([reqs, self._index_args(), abi_tag()]))
+    async def _venv(self, reqs: list[str], in_use: set[str], wheels_only: bool = False) -> str:
+        build_args = ["--only-binary", ":all:"] if wheels_only else []
+        rkey = _sha16(json.dumps([reqs, self._index_args() + build_args, abi_tag()]))
         vkey = self._requests.get(rkey)
         if vkey is not None and vkey in self._venvs and (self._venv_dir(vkey) / ".ok").exists():
             self._venvs[vkey].last_used = time.time()
@@ -568,7 +647,7 @@ class Environments:
         uv = self._uv_path()
         started = time.monotonic()
         cache0 = _tree_bytes(self.root / "uv-cache")  # a miss: what the resolve and build add is what was fetched
-        pins = await self._resolve(uv, reqs)
+        pins = await self._resolve(uv, reqs, build_args)
         vkey = _sha16(json.dumps([pins, abi_tag()]))
         self._requests[rkey] = vkey
         async with self._locks.setdefault(f"venv:{vkey}", asyncio.Lock()):  # two specs, one venv: one build
@@ -577,28 +656,28 @@ class Environments:
                 self.stats.hits += 1
                 self._save()
                 return vkey
-            await self._build(uv, vkey, pins, reqs)
+            await self._build(uv, vkey, pins, reqs, build_args)
             self._last_build = (time.monotonic() - started, max(0, _tree_bytes(self.root / "uv-cache") - cache0))
         if self._evict(in_use | {vkey}):
             await self._run([uv, "cache", "prune", "--quiet"], timeout=120)  # drop wheels no venv links to any more
         self._save()
         return vkey
 
-    async def _resolve(self, uv: str, reqs: list[str]) -> list[str]:
+    async def _resolve(self, uv: str, reqs: list[str], build_args: Sequence[str] = ()) -> list[str]:
         self.stats.resolves += 1
         req_file = self.root / f".req-{os.getpid()}-{time.monotonic_ns()}.in"
         self.root.mkdir(parents=True, exist_ok=True)
         req_file.write_text("\n".join(reqs) + "\n")
         try:
             code, out = await self._run([uv, "pip", "compile", str(req_file), "--python", sys.executable, "--no-header",
-                                         "--quiet", "--no-annotate", *self._index_args()])
+                                         "--quiet", "--no-annotate", *self._index_args(), *build_args])
         finally:
             req_file.unlink(missing_ok=True)
         if code != 0:
-            raise EnvError(self._explain(reqs, out, "resolved"))
+            raise EnvError(self._explain(reqs, out, "resolved", wheels_only=bool(build_args)))
         return sorted(line.strip() for line in out.splitlines() if line.strip() and not line.lstrip().startswith("#"))
 
-    async def _build(self, uv: str, vkey: str, pins: list[str], reqs: list[str]) -> None:
+    async def _build(self, uv: str, vkey: str, pins: list[str], reqs: list[str], build_args: Sequence[str] = ()) -> None:
         target = self._venv_dir(vkey)
         if target.exists():
             _rmtree(target)  # a build cut short (crash, power loss)
@@ -609,10 +688,10 @@ class Environments:
             pin_file = target / "requirements.txt"
             pin_file.write_text("\n".join(pins) + "\n")
             code, out = await self._run([uv, "pip", "install", "--quiet", "--python", str(target / "bin" / "python"),
-                                         "-r", str(pin_file), *self._index_args()])
+                                         "-r", str(pin_file), *self._index_args(), *build_args])
         if code != 0:
             _rmtree(target)
-            raise EnvError(self._explain(reqs, out, "installed"))
+            raise EnvError(self._explain(reqs, out, "installed", wheels_only=bool(build_args)))
         (target / ".ok").write_text(json.dumps({"pins": pins, "abi": abi_tag()}, sort_keys=True))
         took = time.monotonic() - started
         self._venvs[vkey] = _Venv(vkey, pins, _tree_bytes(target), time.time(), took)
@@ -645,7 +724,7 @@ class Environments:
             log.info("environment venv %s evicted (LRU, disk budget %d MB)", v.key, self.budget // 2**20)
         return evicted
 
-    def _explain(self, reqs: list[str], out: str, step: str) -> str:
+    def _explain(self, reqs: list[str], out: str, step: str, wheels_only: bool = False) -> str:
         """uv's error, led by the requirement(s) it names: what a user needs to fix their spec."""
         from mesh_agent.environment import requirement_name
 
@@ -653,6 +732,9 @@ class Environments:
         named = [r for r in reqs if requirement_name(r) in low.replace("_", "-")]
         lead = (f"pip requirement {', '.join(repr(r) for r in named)} cannot be installed on this endpoint"
                 if named else f"pip requirements {reqs!r} cannot be {step} on this endpoint")
+        if wheels_only and ("wheel" in low or "source distribution" in low or "only-binary" in low or "no-build" in low):
+            lead += (" (a shared endpoint installs another user's packages from wheels only, and this one has no wheel "
+                     "for this platform: ask the endpoint's owner to add a wheel to its index or find_links)")
         return f"{lead}: {_tail(out)}"
 
     async def _run(self, argv: list[str], timeout: float = _BUILD_TIMEOUT_S, env: Mapping[str, str] | None = None) -> tuple[int, str]:
@@ -756,19 +838,40 @@ def _probed_path(out: str) -> list[str]:
     raise EnvError(f"the container's python3 did not report its import path: {_tail(out)}")
 
 
-def _code_under_tmp() -> list[str]:
-    """The agent's package and interpreter paths that the sandbox's private /tmp would hide (an
-    agent installed or checked out under /tmp): bound back read-only so its workers can import."""
-    tmp = Path("/tmp")
-    found: set[str] = set()
-    for raw in [*_bootstrap_dirs(), sys.prefix, sys.exec_prefix, *sys.path]:
-        if not raw:
-            continue
-        p = Path(raw).resolve()
-        if p != tmp and p.is_relative_to(tmp) and p.exists():
-            found.add(str(p))
-    # Nested paths are covered by their parent's bind.
-    return sorted(p for p in found if not any(p != q and Path(p).is_relative_to(q) for q in found))
+#: This project's packages: a sandboxed worker imports the bootstrap, and functions may be pickled
+#: by reference to the SDK's or the FL library's helpers.
+_OUR_PACKAGES = ("mesh_agent", "cloud_hub", "scheduler", "fl", "sim")
+
+
+def code_binds() -> list[tuple[str, str, str]]:
+    """What a sandboxed worker needs of the agent's install, read-only: the base interpreter, the
+    agent's venv (its site-packages) and this project's package directories. For a source
+    checkout that is the package folders, not the checkout: a demo's hub database or an agent's
+    data directory beside them stays out of sight."""
+    import importlib.util
+
+    roots: list[str] = []
+    for raw in (sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix,
+                os.path.dirname(os.path.realpath(sys.executable))):
+        p = os.path.abspath(raw)
+        if p != "/" and os.path.isdir(p):
+            roots.append(p)
+    # package directories on the agent's import path (PYTHONPATH, a --target install): where the
+    # serializers (cloudpickle, dill) and the user's installed packages live; never a bare directory
+    # such as the working directory
+    roots += [os.path.abspath(p) for p in sys.path
+              if p and os.path.basename(p.rstrip("/")) in ("site-packages", "dist-packages") and os.path.isdir(p)]
+    for name in _OUR_PACKAGES:
+        spec = importlib.util.find_spec(name) if name not in sys.modules else sys.modules[name].__spec__
+        locs = list(spec.submodule_search_locations or []) if spec is not None else []
+        roots += [os.path.abspath(d) for d in locs if os.path.isdir(d)]
+    system = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+    keep: list[str] = []
+    for p in sorted(set(roots), key=lambda p: (len(Path(p).parts), p)):
+        if any(Path(p).is_relative_to(q) for q in (*keep, *system)):
+            continue  # inside a directory bound already
+        keep.append(p)
+    return [("ro", p, p) for p in keep]
 
 
 def _tail(out: str, lines: int = 6) -> str:

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from mesh_agent.engine.environments import DEFAULT_KIND, EnvError, Environments, WorkerKind, _bootstrap_dirs, channel_prefix, sandbox_environ
+from mesh_agent.engine._channel import MAX_FRAME, ChannelError, decode_worker_frame, encode_chunk
 from mesh_agent.protocol.serialize import serialize
 
 __all__ = [
@@ -83,6 +84,8 @@ _READ_SIZE = 1 << 18
 _START_TIMEOUT = 120.0  # a Raspberry Pi with a cold SD card can take a while to import
 _RESPAWN_DELAY = 1.0  # after a worker died before it was ready: avoid a hot crash loop
 _MAX_START_FAILURES = 3  # an environment's workers that die starting this often in a row: its tasks fail
+_OUTPUT_PER_TASK = 16 * 1024  # bytes of a task's stdout/stderr the agent's log keeps
+_OUTPUT_LINE = 1000  # characters of one output line in the log
 _HEADER = struct.Struct("!i")  # multiprocessing.Connection framing, which the worker reads
 _BIG = struct.Struct("!Q")
 
@@ -198,6 +201,11 @@ class _Worker:
     outbuf: bytearray = field(default_factory=bytearray)
     writing: bool = False
     kind: WorkerKind = DEFAULT_KIND
+    violation: str | None = None  # why the agent ended it: the frame it sent broke the channel's format
+    out_fd: int = -1  # its stdout+stderr pipe
+    out_task: str = ""  # the task its output is attributed to
+    out_logged: int = 0  # bytes of that task's output written to the agent's log
+    out_dropped: int = 0  # and bytes beyond the bound, dropped
 
 
 class LocalEngine:
@@ -260,6 +268,7 @@ class LocalEngine:
             "workers_reaped": 0,
             "workers_evicted": 0,
             "env_failures": 0,
+            "protocol_violations": 0,
         }
 
     # ------------------------------------------------------------------ public interface
@@ -458,13 +467,14 @@ class LocalEngine:
         # Wrapped (bwrap, a container): our pid is not the worker's parent; the wrapper dies with us instead.
         prefix, worker_fd = channel_prefix(kind, child_sock.fileno())
         args = {"fd": worker_fd, "mem": self._memory_limit_mb, "ppid": 0 if kind.wrap else os.getpid(), "path": path}
-        if kind.deny_sockets:
-            args["nosock"] = True
         argv = [*prefix, *kind.wrap, *([kind.python] if kind.python else []), "-c", _BOOT, json.dumps(args)]
         try:
             popen = subprocess.Popen(
                 argv,
                 pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL,
+                # Its own stdio: a pipe the agent reads, bounded and attributed to the task, never the
+                # agent's log file (which /proc/self/fd/1 would otherwise reopen; issue 25).
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 start_new_session=False,  # same process group: a kill of the agent's group ends workers too
                 env=sandbox_environ(os.environ, kind.env) if kind.clean_env else ({**os.environ, **dict(kind.env)} if kind.env else None),
                 cwd=kind.cwd if kind.cwd and not kind.wrap else None,
@@ -478,8 +488,12 @@ class LocalEngine:
         fd = parent_sock.fileno()
         os.set_blocking(fd, False)
         w = _Worker(proc, parent_sock, fd, proc.pid, self._loop.create_future(), self._watch_exit(proc), kind=kind)
+        assert popen.stdout is not None
+        w.out_fd = popen.stdout.fileno()
+        os.set_blocking(w.out_fd, False)
         self._workers.append(w)
         self._loop.add_reader(fd, self._on_readable, w)
+        self._loop.add_reader(w.out_fd, self._on_output, w)
         self.stats["workers_spawned"] += 1
         return w
 
@@ -621,11 +635,54 @@ class LocalEngine:
             loop.call_later(0.5, check)
         return fut
 
+    def _on_output(self, w: _Worker, final: bool = False) -> None:
+        """What a worker printed: into the agent's log, each line attributed to the task running
+        (the head of its in-flight queue), at most ``_OUTPUT_PER_TASK`` bytes per task, control
+        characters escaped so no line can forge another log record. The rest is counted and dropped."""
+        for _ in range(64 if final else 1):
+            try:
+                data = os.read(w.out_fd, _READ_SIZE)
+            except (BlockingIOError, OSError):
+                return
+            if not data:
+                self._close_output(w)
+                return
+            task = w.inflight[0].task_id if w.inflight else ""
+            if task != w.out_task:
+                self._note_dropped_output(w)
+                w.out_task, w.out_logged, w.out_dropped = task, 0, 0
+            room = max(0, _OUTPUT_PER_TASK - w.out_logged)
+            keep, w.out_dropped = data[:room], w.out_dropped + max(0, len(data) - room)
+            w.out_logged += len(keep)
+            for line in keep.decode(errors="replace").splitlines():
+                line = line.encode("unicode_escape").decode("ascii")[:_OUTPUT_LINE]
+                log.info("worker %d%s: %s", w.pid, f" task {task}" if task else "", line,
+                         extra={"task_id": task} if task else None)
+
+    def _note_dropped_output(self, w: _Worker) -> None:
+        if w.out_dropped:
+            log.info("worker %d task %s: %d more bytes of output dropped (the log keeps %d per task)",
+                     w.pid, w.out_task or "-", w.out_dropped, _OUTPUT_PER_TASK)
+            w.out_dropped = 0
+
+    def _close_output(self, w: _Worker) -> None:
+        if w.out_fd < 0:
+            return
+        assert self._loop is not None
+        self._loop.remove_reader(w.out_fd)
+        self._note_dropped_output(w)
+        with contextlib.suppress(OSError):
+            w.process.popen.stdout.close()  # type: ignore[union-attr]
+        w.out_fd = -1
+
     def _detach(self, w: _Worker) -> None:
         """Forget a worker: no more reads, writes or dispatches to it."""
         assert self._loop is not None
         if not w.alive:
             return
+        if w.out_fd >= 0:  # what it printed last (a traceback as it died) still reaches the log
+            self._on_output(w, final=True)
+            self._close_output(w)
         w.alive = False
         self._loop.remove_reader(w.fd)
         if w.writing:
@@ -664,7 +721,7 @@ class LocalEngine:
         if head is not None:
             started = time.time() - (time.monotonic() - w.head_started)
             # Reported once the exit code is known: it names the cause (exit code or signal).
-            w.exited.add_done_callback(functools.partial(self._report_death, w.pid, head, started))
+            w.exited.add_done_callback(functools.partial(self._report_death, w.pid, head, started, w.violation))
         self._replace(w)
         self._pump()
 
@@ -685,11 +742,15 @@ class LocalEngine:
         if queue:
             self._deliver([self._env_failure(t, message) for t in queue])
 
-    def _report_death(self, pid: int, task: EngineTask, started: float, exited: asyncio.Future[int | None]) -> None:
+    def _report_death(self, pid: int, task: EngineTask, started: float, violation: str | None,
+                      exited: asyncio.Future[int | None]) -> None:
         if self._stopping:
             return
         code = None if exited.cancelled() else exited.result()
         message = f"{_describe_exit(pid, code)} while running task {task.task_id}"
+        if violation is not None:
+            message = (f"worker {pid} was ended while running task {task.task_id}: it wrote a malformed frame to the "
+                       f"agent's channel ({violation})")
         exception = _pickled(WorkerDied(message))
         self._deliver([error_result(task.task_id, WORKER_DIED, message, exception=exception,
                                     started=started, worker_pid=pid)])
@@ -720,9 +781,17 @@ class LocalEngine:
                 (size,) = _BIG.unpack_from(buf, start)
                 start += 8
             stop = start + size
+            if size < 0 or size > MAX_FRAME:  # never buffer what a worker merely claims it will send
+                self._protocol_violation(w, f"frame of {size} bytes (limit {MAX_FRAME})", results)
+                return
             if stop > end:
                 break
-            self._handle(w, pickle.loads(buf[start:stop]), results)
+            try:
+                msg = decode_worker_frame(memoryview(buf)[start:stop])
+            except ChannelError as exc:
+                self._protocol_violation(w, str(exc), results)
+                return
+            self._handle(w, msg, results)
             pos = stop
         if pos:
             del buf[:pos]
@@ -733,12 +802,26 @@ class LocalEngine:
             if not w.inflight:
                 self._note_idle()
 
+    def _protocol_violation(self, w: _Worker, why: str, results: list[EngineResult]) -> None:
+        """A worker broke the channel's format (a bug, or a function writing to the channel fd):
+        the results it sent before still count, then it is ended like a crashed worker and its
+        current task fails with the reason. Nothing of the frame was decoded beyond its fields."""
+        self.stats["protocol_violations"] += 1
+        log.warning("engine worker %d sent a malformed frame (%s); ending it", w.pid, why)
+        w.violation = why
+        if results:
+            self._deliver(list(results))
+            results.clear()
+        self._on_worker_lost(w)
+
     def _handle(self, w: _Worker, msg: tuple, results: list[EngineResult]) -> None:
         kind = msg[0]
         if kind == "r":
             _, task_id, ok, data, started, finished = msg
+            if not w.inflight or w.inflight[0].task_id != task_id:
+                self._protocol_violation(w, f"result for task {task_id[:80]!r}, which is not the one it runs", results)
+                return
             task = w.inflight.popleft()
-            assert task.task_id == task_id, "worker results out of order"
             results.append(EngineResult(task_id, ok, data, started, finished, w.pid))
         elif kind == "ready":
             w.is_ready = True
@@ -830,7 +913,7 @@ class LocalEngine:
         self.stats["chunks_sent"] += 1
         if w.kind.venv is not None and self._envs is not None:
             self._envs.touch(w.kind.venv)  # LRU by use, not by when the kind was built
-        self._send(w, pickle.dumps(chunk, protocol=5))
+        self._send(w, encode_chunk(chunk))
 
     def _arm_timer(self) -> None:
         if self._timer is None and self._loop is not None and not self._stopping:

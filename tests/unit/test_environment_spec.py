@@ -72,23 +72,32 @@ def test_requirement_names_are_canonical() -> None:
     assert requirement_name("numpy; python_version>'3.8'") == "numpy"
 
 
-def test_bwrap_argv_hides_state_binds_venv_back_and_cuts_network() -> None:
-    argv = bwrap_argv([Path("/var/lib/mesh"), Path("/etc/mesh")], [Path("/var/lib/mesh/envs/venvs/abc")], network=False, bwrap="/usr/bin/bwrap")
-    assert argv[:5] == ["/usr/bin/bwrap", "--ro-bind", "/", "/", "--dev"] and argv[-1] == "--"
-    assert "--unshare-net" in argv and "--die-with-parent" in argv
+def test_bwrap_argv_is_default_deny_and_cuts_network() -> None:
+    binds = [("ro", "/usr", "/usr"), ("symlink", "usr/lib", "/lib"), ("ro", "/root/.pyenv/versions/3.11.7", "/root/.pyenv/versions/3.11.7"),
+             ("ro", "/var/lib/mesh/envs/venvs/abc", "/opt/mesh-venv")]
+    argv = bwrap_argv(binds, [Path("/var/lib/mesh"), Path("/etc/mesh")], network=False, bwrap="/usr/bin/bwrap")
     s = " ".join(argv)
-    assert "--tmpfs /tmp" in s and "--tmpfs /var/lib/mesh" in s and "--tmpfs /etc/mesh" in s
-    # the venv is bound back after (on top of) the tmpfs that hides the data directory
-    assert s.index("--ro-bind /var/lib/mesh/envs/venvs/abc") > s.index("--tmpfs /var/lib/mesh")
+    assert argv[0] == "/usr/bin/bwrap" and argv[-1] == "--"
+    # nothing of the host but what is named: no "--ro-bind / /", and hidden paths not even as mount points
+    assert "--ro-bind / /" not in s and "/var/lib/mesh " not in s + " " and "/etc/mesh" not in s
+    assert "--unshare-net" in argv and "--die-with-parent" in argv and "--new-session" in argv
+    assert "--unshare-user --disable-userns --cap-drop ALL" in s  # an unprivileged agent: a user namespace, no caps
+    assert "--ro-bind /var/lib/mesh/envs/venvs/abc /opt/mesh-venv" in s and "--symlink usr/lib /lib" in s
+    # the directories on the way to a bind are walkable by the sandbox uid
+    assert s.index("--perms 0755 --dir /root") < s.index("--ro-bind /root/.pyenv/versions/3.11.7")
+    assert "--perms 1777 --size" in s and "--tmpfs /tmp" in s
     assert "--unshare-net" not in bwrap_argv([], network=True)
+    root = " ".join(bwrap_argv([], privileged=True))
+    assert "--unshare-user" not in root and "--cap-drop ALL --cap-add CAP_SETUID --cap-add CAP_SETGID --cap-add CAP_SETPCAP" in root
 
 
-def test_bwrap_argv_binds_code_under_tmp_before_hiding_state() -> None:
-    # An agent checked out under /tmp (a CI clone): its code is bound back over the private /tmp,
-    # and a data directory inside it is hidden again on top.
-    argv = bwrap_argv([Path("/tmp/clone/run/agent")], [], code=[Path("/tmp/clone")])
+def test_bwrap_argv_hides_state_inside_a_bound_directory() -> None:
+    # An agent checked out under /tmp (a CI clone): its code is bound over the private /tmp, and a
+    # data directory inside it is hidden again on top.
+    argv = bwrap_argv([("ro", "/tmp/clone", "/tmp/clone")], [Path("/tmp/clone/run/agent"), Path("/srv/other")])
     s = " ".join(argv)
     assert s.index("--tmpfs /tmp ") < s.index("--ro-bind /tmp/clone /tmp/clone") < s.index("--tmpfs /tmp/clone/run/agent")
+    assert "/srv/other" not in s
 
 
 def test_container_argv_binds_the_bootstrap_read_only() -> None:
