@@ -652,12 +652,15 @@ class LocalEngine:
                 self._note_dropped_output(w)
                 w.out_task, w.out_logged, w.out_dropped = task, 0, 0
             room = max(0, _OUTPUT_PER_TASK - w.out_logged)
-            keep, w.out_dropped = data[:room], w.out_dropped + max(0, len(data) - room)
+            keep, over = data[:room], max(0, len(data) - room)
             w.out_logged += len(keep)
             for line in keep.decode(errors="replace").splitlines():
                 line = line.encode("unicode_escape").decode("ascii")[:_OUTPUT_LINE]
                 log.info("worker %d%s: %s", w.pid, f" task {task}" if task else "", line,
                          extra={"task_id": task} if task else None)
+            if over and not w.out_dropped:
+                log.info("worker %d task %s: output beyond %d bytes is dropped", w.pid, task or "-", _OUTPUT_PER_TASK)
+            w.out_dropped += over
 
     def _note_dropped_output(self, w: _Worker) -> None:
         if w.out_dropped:
