@@ -548,3 +548,51 @@ async def test_environment_whose_workers_cannot_start_fails_its_tasks_without_a_
     await sink.wait_for(5, timeout=30)
     assert error(sink.by_id()["b-again"])["type"] == ENVIRONMENT_ERROR and eng.stats["workers_spawned"] == spawned
     assert env_id(normalize(bad)) in envs.failed
+
+
+# ---------------------------------------------------------------- builds of another user's packages
+
+
+def _write_sdist(out: Path, name: str, marker: Path) -> Path:
+    """An sdist whose in-tree build backend (no build requirements, so it runs offline) writes
+    ``marker`` the moment a build frontend asks it anything: proof of code run at build time."""
+    import io
+    import tarfile
+
+    backend = (f"import pathlib\npathlib.Path({str(marker)!r}).write_text('built by the backend')\n"
+               "def get_requires_for_build_wheel(config_settings=None):\n    return []\n"
+               "def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):\n    raise RuntimeError('no')\n")
+    files = {
+        "pyproject.toml": f'[build-system]\nrequires = []\nbuild-backend = "backend"\nbackend-path = ["."]\n'
+                          f'[project]\nname = "{name}"\nversion = "1.0"\n',
+        "PKG-INFO": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+        "backend.py": backend,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}-1.0.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for rel, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"{name}-1.0/{rel}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+async def test_another_users_sdist_is_never_built_outside_the_sandbox(tmp_path: Path, wheels: Path,
+                                                                      started: list[LocalEngine]) -> None:
+    marker = tmp_path / "backend-ran"
+    _write_sdist(wheels, "sdistonly", marker)
+    sink = Collector()
+    eng = await start(started, sink, make_envs(tmp_path, wheels))
+    eng.submit([with_env(task("tenant", whoami), {"pip": ["sdistonly"], "sandbox": True, "tenant": "bob"}),
+                with_env(task("tenant-wheel", toy_version), {"pip": ["meshtoy"], "sandbox": True, "tenant": "bob"})])
+    res = {r.task_id: r for r in await sink.wait_for(2, timeout=180)}
+    e = error(res["tenant"])
+    assert e["type"] == ENVIRONMENT_ERROR and "sdistonly" in e["message"] and "wheels only" in e["message"], e
+    assert not marker.exists()  # the backend never ran: nothing of the tenant's executed as the agent
+    assert value(res["tenant-wheel"])[0] == "1.0"  # a package with a wheel installs as before
+    # The attack is real: the owner's own spec (no wheels-only rule) does run the backend, as the agent.
+    eng.submit([with_env(task("owner", whoami), {"pip": ["sdistonly"]})])
+    await sink.wait_for(3, timeout=180)
+    assert marker.exists()
