@@ -13,8 +13,8 @@ from rich.console import Console
 from cloud_hub.config import HubConfig
 from cloud_hub.fleet_cli import fleet_app
 
-app = typer.Typer(help="Continuum Mesh hub.", no_args_is_help=True)
-token_app = typer.Typer(help="API tokens (stored hashed; shown once).")
+app = typer.Typer(help="Continuum Mesh hub.", no_args_is_help=True, pretty_exceptions_show_locals=False)
+token_app = typer.Typer(help="API tokens (stored hashed; shown once).", pretty_exceptions_show_locals=False)
 app.add_typer(token_app, name="token")
 app.add_typer(fleet_app, name="fleet")
 # The SDK's configuration (cloud_hub/client/_login.py): `mesh-hub login`, then Client() needs no arguments.
@@ -388,7 +388,7 @@ def _tls_listeners(cert: Optional[Path], key: Optional[Path], ca: Optional[Path]
     return out
 
 
-tls_app = typer.Typer(help="Certificates for a self-hosted hub (private CA), and their fingerprints.")
+tls_app = typer.Typer(help="Certificates for a self-hosted hub (private CA), and their fingerprints.", pretty_exceptions_show_locals=False)
 app.add_typer(tls_app, name="tls")
 
 

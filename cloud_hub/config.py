@@ -12,6 +12,9 @@ __all__ = ["HubConfig"]
 
 
 class HubConfig(BaseModel):
+    """Secrets (broker password, metrics token, Globus client secret) are left out of repr()/str(),
+    and the password of ``database_url`` is masked there (docs/security.md)."""
+
     model_config = ConfigDict(extra="forbid")
 
     db_path: Path = Path("hub.sqlite3")
@@ -25,7 +28,7 @@ class HubConfig(BaseModel):
     mqtt_port: int = Field(1883, ge=1, le=65535)
     mqtt_prefix: str = "mesh"
     mqtt_username: str | None = None
-    mqtt_password: str | None = None
+    mqtt_password: str | None = Field(None, repr=False)
     mqtt_public_host: str | None = None
     # TLS (docs/security.md#tls): the broker URL agents are told at enrollment (mqtts://host:8883 or
     # wss://host:443/mqtt; default mqtt://mqtt_public_host:mqtt_port), the CA they are given (its
@@ -77,18 +80,34 @@ class HubConfig(BaseModel):
     bootstrap_user: str | None = Field(None, description="create this user at start-up if missing")
     # Prometheus (cloud_hub/metrics.py, docs/operations.md "Monitoring").
     metrics: bool = Field(True, description="serve Prometheus metrics at /metrics")
-    metrics_token: str | None = Field(None, description="if set, /metrics wants 'Authorization: Bearer <token>' (it names endpoints)")
+    metrics_token: str | None = Field(None, description="if set, /metrics wants 'Authorization: Bearer <token>' (it names endpoints)", repr=False)
     metrics_endpoint_detail: Literal["alerts", "full"] = Field("alerts", description="alerts: per-endpoint series only for what the shipped alerts need; full: also bytes and device counters per endpoint")
     metrics_max_functions: int = Field(100, ge=1, description="distinct function labels on task counters; the rest count as function='other'")
     scheduler_policy: str = Field("delta-outage-aware", description="placement policy for endpoint 'auto' / lists / tag selectors")
     scheduler_save_s: float = Field(30.0, gt=0, description="how often learned scheduler profiles are saved (and at shutdown)")
     # Globus Auth (cloud_hub/globus_auth.py): accept Globus access tokens issued for this client.
     globus_client_id: str | None = None
-    globus_client_secret: str | None = None
+    globus_client_secret: str | None = Field(None, repr=False)
     globus_scope: str | None = Field(None, description="a scope the token must carry (the hub's own scope)")
     globus_allowed_domains: list[str] = Field(default_factory=list, description="identity domains that get a hub user on first use")
     globus_users: dict[str, str] = Field(default_factory=dict, description="Globus username -> hub user name")
     globus_cache_s: float = Field(60.0, ge=0, description="how long an introspection answer is reused")
+
+    def __repr_args__(self) -> Any:
+        from mesh_agent.redact import redact_value
+
+        for name, value in super().__repr_args__():
+            yield name, redact_value(value)  # database_url: postgresql://user:***@host/db
+
+    def secrets(self) -> tuple[str | None, ...]:
+        """What no log line of the hub may show (registered with mesh_agent.redact when the hub starts)."""
+        from urllib.parse import urlsplit
+
+        try:
+            db_password = urlsplit(self.database_url).password if self.database_url else None
+        except ValueError:
+            db_password = None
+        return (self.mqtt_password, self.metrics_token, self.globus_client_secret, db_password)
 
     @field_validator("mqtt_host", "zmq_bind", "database_url", "kv_host", mode="before")
     @classmethod

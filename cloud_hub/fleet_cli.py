@@ -10,7 +10,8 @@ from rich.table import Table
 
 __all__ = ["fleet_app"]
 
-fleet_app = typer.Typer(help="balena fleets: device online state, per-device enrollment tokens.", no_args_is_help=True)
+fleet_app = typer.Typer(help="balena fleets: device online state, per-device enrollment tokens.", no_args_is_help=True,
+                        pretty_exceptions_show_locals=False)
 console = Console()
 
 BalenaToken = typer.Option("", "--balena-token", envvar="BALENA_API_TOKEN", help="balena API token (env BALENA_API_TOKEN)")

@@ -24,6 +24,9 @@ log = logging.getLogger("cloud_hub")
 
 
 def _server(cfg: HubConfig) -> uvicorn.Server:
+    from mesh_agent.redact import register_secret
+
+    register_secret(*cfg.secrets())  # masked in every log line of this process (mesh_agent/_logs.py)
     app = create_app(cfg)
     tls = {}
     if cfg.tls_cert_file or cfg.tls_key_file:  # HTTPS (mesh-hub serve --tls-cert/--tls-key); checked before binding
@@ -109,7 +112,9 @@ def serve(cfg: HubConfig) -> None:
         uv_log.removeFilter(quiet)
     if not server.started:
         err = hub.startup_error
-        raise HubStartError(_one_line(err) if err is not None else "the hub did not start (see the log above)")
+        from mesh_agent.redact import redact
+
+        raise HubStartError(redact(_one_line(err)) if err is not None else "the hub did not start (see the log above)")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -17,6 +17,10 @@ process itself (an agent's own endpoint id). The text format keeps its one-line 
 the same ids as ``key=value``. One module for the hub, the agent and the simulator, so that their
 lines look alike and a single parser reads all three.
 
+Secrets: both formatters pass the whole line, traceback included, through
+:func:`mesh_agent.redact.redact` (URL passwords, ``password=...``, tokens, and every secret value
+the process registered: the agent's key and broker password, the hub's). A secret reaches no log.
+
 Stdlib only: the agent stays light.
 """
 
@@ -32,6 +36,8 @@ import threading
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Mapping, TextIO
+
+from mesh_agent.redact import redact
 
 __all__ = ["RateLimitFilter", "setup_logging", "LOG_FORMAT", "LOG_FORMATS", "FORMAT_ENV", "ID_FIELDS", "JsonFormatter", "TextFormatter",
            "log_context", "resolve_format"]
@@ -81,7 +87,7 @@ class TextFormatter(logging.Formatter):
         super().__init__(LOG_FORMAT)
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+        line = redact(super().format(record))
         ids = _ids(record)
         if not ids:
             return line
@@ -98,15 +104,15 @@ class JsonFormatter(logging.Formatter):
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname,
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": redact(record.getMessage()),
             **_ids(record),
         }
         if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
+            out["exc"] = redact(self.formatException(record.exc_info))
         elif record.exc_text:
-            out["exc"] = record.exc_text
+            out["exc"] = redact(record.exc_text)
         if record.stack_info:
-            out["stack"] = self.formatStack(record.stack_info)
+            out["stack"] = redact(self.formatStack(record.stack_info))
         return json.dumps(out, ensure_ascii=False, default=str)
 
 

@@ -61,7 +61,7 @@ class EnvEnrollment(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     hub_url: str = Field(pattern=r"^https?://\S+$")
-    enroll_token: str = Field(min_length=1)
+    enroll_token: str = Field(min_length=1, repr=False)  # never in a repr, a log line or an error
     name: str = Field(min_length=1, max_length=128)
     transport: Literal["mqtt", "zmq"] = "mqtt"
     data_dir: Path | None = None

@@ -14,9 +14,40 @@ from rich.console import Console
 from rich.table import Table
 
 from mesh_agent.config import AgentConfig, ConfigError, Credentials, ZmqSettings, check_plaintext, load_config
+from mesh_agent.redact import redact, register_secret
 
-app = typer.Typer(help="Continuum Mesh agent: runs functions from the hub, durably.", no_args_is_help=True)
-queue_app = typer.Typer(help="Inspect the local durable queue.")
+
+class _AgentCli(typer.Typer):
+    """``typer.Typer`` whose unexpected failures (a bug, a disk gone) never print a secret.
+
+    typer's own error display shows every local variable of every frame: after the settings are
+    loaded, that is the MQTT password and the endpoint key. Here an unexpected exception prints
+    Python's traceback (no local variables) with secrets masked (:mod:`mesh_agent.redact`), then one
+    ``error:`` line, and exits 1. Expected errors keep their one line and exit codes."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as exc:  # SystemExit (click's exits, typer.Exit) passes through
+            import traceback
+
+            import click
+
+            first = (str(exc).strip().splitlines() or [""])[0]
+            tb = traceback.TracebackException.from_exception(exc)
+            internal = (os.path.dirname(typer.__file__), os.path.dirname(click.__file__))
+            tb.stack = traceback.StackSummary.from_list(  # our frames, not typer's and click's (as typer shows them)
+                [f for f in tb.stack if not f.filename.startswith(internal) and not (f.filename == __file__ and f.name == "__call__")])
+            sys.stdout.flush()
+            sys.stderr.write(redact("".join(tb.format())))
+            sys.stderr.write(f"error: unexpected failure: {type(exc).__name__}{': ' if first else ''}{redact(first)} "
+                             "(a bug, or a damaged installation or data directory; the traceback above has secrets masked)\n")
+            sys.stderr.flush()
+            raise SystemExit(1) from None
+
+
+app = _AgentCli(help="Continuum Mesh agent: runs functions from the hub, durably.", no_args_is_help=True, pretty_exceptions_show_locals=False)
+queue_app = typer.Typer(help="Inspect the local durable queue.", pretty_exceptions_show_locals=False)
 app.add_typer(queue_app, name="queue")
 console = Console(soft_wrap=True)  # error lines name files: never break them mid-path
 
@@ -58,6 +89,7 @@ def enroll(
     A ZeroMQ endpoint makes its CURVE keypair here and sends only the public key; the secret never
     leaves the device. The hub answers with its own CURVE public key (and, for MQTT, a broker login)."""
     _check_placement(tags, hardware)  # before the hub spends an enrollment token on us
+    register_secret(token)  # masked in every log line and error of this process from now on
     request: dict[str, object] = {"token": token, "name": name, "transport": transport}
     if gateway_id is not None:  # behind a site gateway (docs/sites.md): the hub answers with its broker
         request["gateway_id"] = gateway_id
@@ -80,6 +112,7 @@ def enroll(
     info = r.json()
     data_dir = (data_dir or config_path.parent / name).expanduser().resolve()
     mqtt = info.get("mqtt") or {}
+    register_secret(info.get("key"), mqtt.get("password"))
     ca_file = trust.save_ca(info.get("ca_pem"), data_dir)
     cfg = AgentConfig(
         endpoint_id=info["endpoint_id"],
@@ -143,11 +176,15 @@ def _check_placement(tags: list[str] | None, hardware: str | None) -> None:
 
 
 def _load(config: Path) -> tuple[AgentConfig, Credentials]:
+    from mesh_agent.settings import register_credentials
+
     try:
-        return load_config(config)
+        cfg, creds = load_config(config)
     except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {redact(str(exc))}")
         raise typer.Exit(2) from None
+    register_credentials(creds)  # from here on, no log line or error of this process shows them
+    return cfg, creds
 
 
 @app.command()
@@ -180,7 +217,7 @@ def init(
                      tags=tag, hardware=hardware, gpu=gpu, ca_hash=ca_hash, insecure_plaintext=insecure_plaintext,
                      gateway_id=gateway)
     except (ConfigError, httpx.HTTPError, ConnectionError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {redact(str(exc))}")
         raise typer.Exit(2) from None
     console.print(f"enrolled as [bold]{cfg.endpoint_id}[/bold]; config written to {config}")
 
@@ -215,7 +252,7 @@ def start(config: Path = ConfigOpt, log_level: str = typer.Option("INFO", "--log
     try:
         ensure_enrolled(config)
     except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {redact(str(exc))}")
         # 4: try again later (systemd/balena restart us); 2: a human must fix the settings.
         raise typer.Exit(4 if isinstance(exc, HubUnreachable) else 2) from None
     cfg, creds = _load(config)
@@ -229,7 +266,7 @@ def start(config: Path = ConfigOpt, log_level: str = typer.Option("INFO", "--log
     try:
         fd = hand_over(runner_payload(cfg, creds, worker_env=worker_env(cfg.endpoint_id, cfg.name, cfg.datasets, cfg.data_dir)))
     except ValueError as exc:  # ConfigError included
-        console.print(f"[red]error:[/red] {config}: {exc}")
+        console.print(f"[red]error:[/red] {config}: {redact(str(exc))}")
         raise typer.Exit(2) from None
     sys.stdout.flush()
     sys.stderr.flush()
@@ -253,7 +290,7 @@ def gateway(config: Path = ConfigOpt, log_level: str = typer.Option("INFO", "--l
     try:
         run_gateway(cfg, creds)
     except (ValueError, RuntimeError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {redact(str(exc))}")
         raise typer.Exit(2) from None
 
 
@@ -329,7 +366,7 @@ if __name__ == "__main__":
     app()
 
 
-envs_app = typer.Typer(help="Environments this endpoint built (docs/environments.md).")
+envs_app = typer.Typer(help="Environments this endpoint built (docs/environments.md).", pretty_exceptions_show_locals=False)
 app.add_typer(envs_app, name="envs")
 
 

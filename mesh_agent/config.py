@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraint
 from mesh_agent.datasets import DatasetDecl, DatasetName
 from mesh_agent.settings import PATH, ConfigError
 
-__all__ = ["AgentConfig", "Credentials", "ConfigError", "MqttTls", "check_plaintext", "GlobusStaging", "ParslSettings", "load_config",
+__all__ = ["AgentConfig", "Credentials", "ConfigError", "MqttTls", "check_plaintext", "plaintext_dials", "GlobusStaging", "ParslSettings", "load_config",
            "write_private", "shape_of", "runner_payload"]
 
 
@@ -163,7 +163,17 @@ class SiteSettings(BaseModel):
                                    "(hierarchical FL: models and updates, mesh_agent/site_store.py); default listen_port + 1, 0: off")
 
 
-class EnvironmentsSettings(BaseModel):
+class _MaskedRepr(BaseModel):
+    """repr()/str() with URL passwords and registered secrets masked (a mirror at https://user:pw@...)."""
+
+    def __repr_args__(self) -> Any:
+        from mesh_agent.redact import redact_value
+
+        for name, value in super().__repr_args__():
+            yield name, redact_value(value)
+
+
+class EnvironmentsSettings(_MaskedRepr):
     """``environments:`` how this endpoint builds the environments tasks ask for (docs/environments.md).
     The package index is the operator's choice, never a task's: point it at your own mirror."""
 
@@ -193,7 +203,7 @@ class EnvironmentsSettings(BaseModel):
         return out
 
 
-class AgentConfig(BaseModel):
+class AgentConfig(_MaskedRepr):
     model_config = ConfigDict(extra="forbid")
 
     endpoint_id: str
@@ -255,14 +265,16 @@ class AgentConfig(BaseModel):
 class Credentials(BaseModel):
     model_config = ConfigDict(extra="forbid")
     endpoint_id: str
-    key: str = Field(pattern=r"^[0-9a-f]{64}$", description="hex HMAC key shared with the hub")
+    # Secret fields are left out of repr()/str() (docs/security.md): a printed or logged
+    # Credentials object shows who, never the key or a password.
+    key: str = Field(pattern=r"^[0-9a-f]{64}$", description="hex HMAC key shared with the hub", repr=False)
     mqtt_username: str | None = None
-    mqtt_password: str | None = None
+    mqtt_password: str | None = Field(None, repr=False)
     globus_client_id: str | None = None  # data staging (GlobusStaging)
-    globus_client_secret: str | None = None
+    globus_client_secret: str | None = Field(None, repr=False)
     # ZeroMQ CURVE (z85): this agent's keypair, and the hub's public key learnt at enrollment.
     curve_public: str | None = Field(None, min_length=40, max_length=40)
-    curve_secret: str | None = Field(None, min_length=40, max_length=40)
+    curve_secret: str | None = Field(None, min_length=40, max_length=40, repr=False)
     hub_curve_key: str | None = Field(None, min_length=40, max_length=40)
 
     @property
@@ -317,22 +329,74 @@ def _errors(exc: ValidationError) -> str:
     return "; ".join(f"{'.'.join(map(str, e['loc'])) or '(file)'}: {e['msg']}" for e in exc.errors())
 
 
+def plaintext_dials(cfg: AgentConfig) -> list[tuple[str, str, str]]:
+    """Every address this agent may dial in clear with a secret on the wire, as (config key, address, what is sent).
+
+    - MQTT without ``mqtt.tls`` (tcp or ws): ``mqtt.host`` and each entry of ``mqtt.hosts`` (the
+      agent fails over between them; a site gateway's uplink dials ``mqtt.host``), carrying the
+      broker password in CONNECT. A device behind a site gateway dials the gateway here too.
+    - ``hub_url`` with ``http://``: enrollment sends the token and receives the key over it.
+    - ``environments.index_url`` / ``find_links`` with ``http://user:password@``: the password.
+    ZeroMQ is left out: its link is always CURVE-encrypted (the credentials must hold the keys)."""
+    from urllib.parse import urlsplit
+
+    from mesh_agent.transport.brokers import parse_hostport
+
+    out: list[tuple[str, str, str]] = []
+    if cfg.transport == "mqtt" and cfg.mqtt.tls is None:
+        scheme = "ws" if cfg.mqtt.transport == "websockets" else "mqtt"
+        out.append(("mqtt.host", f"{scheme}://{_hostport(cfg.mqtt.host, cfg.mqtt.port)}", "MQTT login"))
+        for i, entry in enumerate(cfg.mqtt.hosts):
+            host, port = parse_hostport(entry, cfg.mqtt.port)
+            out.append((f"mqtt.hosts[{i}]", f"{scheme}://{_hostport(host, port)}", "MQTT login"))
+    url = urlsplit(cfg.hub_url)
+    if url.scheme == "http":
+        out.append(("hub_url", cfg.hub_url, "enrollment token and endpoint key"))
+    envs = cfg.environments
+    for key, link in [("environments.index_url", envs.index_url)] + [(f"environments.find_links[{i}]", x) for i, x in enumerate(envs.find_links)]:
+        u = urlsplit(link or "")
+        if u.scheme == "http" and u.password:
+            out.append((key, link or "", "index password"))
+    return out
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _host_of(address: str) -> str:
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(address).hostname or ""
+    except ValueError:
+        return ""
+
+
 def check_plaintext(cfg: AgentConfig, path: Path | str = "config") -> None:
     """Refuse links that would cross the network in clear, unless ``insecure_plaintext: true``.
 
-    Loopback stays allowed (the demo, tests, a broker on the device itself): nothing leaves the machine."""
+    Every address the agent may dial is checked (:func:`plaintext_dials`), not only the first broker.
+    Loopback stays allowed (the demo, tests, a broker on the device itself): nothing leaves the machine.
+    The error is one line naming the key, the address (password masked) and the fix."""
     if cfg.insecure_plaintext:
         return
-    from urllib.parse import urlsplit
-
+    from mesh_agent.redact import mask_url
     from mesh_agent.tls import is_loopback
 
-    if cfg.transport == "mqtt" and cfg.mqtt.tls is None and not is_loopback(cfg.mqtt.host):
-        raise ConfigError(f"{path}: plaintext MQTT to {cfg.mqtt.host}:{cfg.mqtt.port} refused: that host is not this machine; "
-                          "configure mqtt.tls (mesh-agent init --ca-hash does) or set insecure_plaintext: true")
-    url = urlsplit(cfg.hub_url)
-    if url.scheme == "http" and not is_loopback(url.hostname or ""):
-        raise ConfigError(f"{path}: plaintext hub_url {cfg.hub_url} refused: use https:// or set insecure_plaintext: true")
+    for key, address, what in plaintext_dials(cfg):
+        if is_loopback(_host_of(address)):
+            continue
+        shown = mask_url(address)
+        if key.startswith("mqtt."):
+            hostport = shown.split("://", 1)[1]
+            raise ConfigError(f"{path}: {key}: plaintext MQTT to {hostport} refused: that host is not this machine and the {what} "
+                              "would cross the network in clear; configure mqtt.tls (mesh-agent init --ca-hash does) or set insecure_plaintext: true")
+        if key == "hub_url":
+            raise ConfigError(f"{path}: plaintext hub_url {shown} refused: the {what} would cross the network in clear; "
+                              "use https:// or set insecure_plaintext: true")
+        raise ConfigError(f"{path}: {key}: {shown} refused: the {what} would cross the network in clear; "
+                          "use https:// (or a path or file:// URL) or set insecure_plaintext: true")
 
 
 def load_config(path: Path) -> tuple[AgentConfig, Credentials]:

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from mesh_agent.config import ConfigError, MqttSettings, MqttTls, write_private
+from mesh_agent.redact import mask_url
 from mesh_agent.tls import TlsError, ca_hash_of_pem, client_context, describe_tls_error, is_loopback, parse_hash
 
 __all__ = ["HubTrust", "CA_FILE_NAME", "mqtt_from_url"]
@@ -54,9 +55,9 @@ class HubTrust:
     def establish(cls, hub_url: str, ca_hash: str | None, *, insecure_plaintext: bool = False) -> "HubTrust":
         u = urlsplit(hub_url)
         if u.scheme not in ("http", "https") or not u.hostname:
-            raise ConfigError(f"hub URL {hub_url!r} must be http(s)://host[:port]")
+            raise ConfigError(f"hub URL {mask_url(hub_url)!r} must be http(s)://host[:port]")
         if u.scheme == "http" and not is_loopback(u.hostname) and not insecure_plaintext:
-            raise ConfigError(f"plaintext hub URL {hub_url} refused: the enrollment token and keys would cross the network in clear; "
+            raise ConfigError(f"plaintext hub URL {mask_url(hub_url)} refused: the enrollment token and keys would cross the network in clear; "
                               "use https:// or pass --insecure-plaintext")
         pin = None
         if ca_hash:
@@ -69,7 +70,7 @@ class HubTrust:
         pem = cls._fetch_ca(hub_url)
         got = ca_hash_of_pem(pem)
         if got != pin:
-            raise ConfigError(f"CA fingerprint mismatch: the hub at {hub_url} sent a CA with {got}, but --ca-hash is {pin}; "
+            raise ConfigError(f"CA fingerprint mismatch: the hub at {mask_url(hub_url)} sent a CA with {got}, but --ca-hash is {pin}; "
                               "not enrolling (a wrong hash, or someone between this device and the hub)")
         return cls(hub_url, client_context(ca_data=pem), pem, pin)
 
@@ -79,20 +80,20 @@ class HubTrust:
         try:
             r = httpx.get(f"{hub_url.rstrip('/')}/v1/tls/ca", timeout=30, verify=False)
         except httpx.HTTPError as exc:
-            raise ConfigError(describe_tls_error(exc, hub_url) or f"cannot fetch the hub's CA from {hub_url}: {exc}") from None
+            raise ConfigError(describe_tls_error(exc, mask_url(hub_url)) or f"cannot fetch the hub's CA from {mask_url(hub_url)}: {mask_url(str(exc))}") from None
         if r.status_code != 200:
-            raise ConfigError(f"the hub at {hub_url} has no CA to pin ({r.status_code}); enroll without --ca-hash if it has a public certificate")
+            raise ConfigError(f"the hub at {mask_url(hub_url)} has no CA to pin ({r.status_code}); enroll without --ca-hash if it has a public certificate")
         try:
             return str(r.json()["ca_pem"])
         except (ValueError, KeyError, TypeError):
-            raise ConfigError(f"the hub at {hub_url} answered /v1/tls/ca with something that is not a CA") from None
+            raise ConfigError(f"the hub at {mask_url(hub_url)} answered /v1/tls/ca with something that is not a CA") from None
 
     def post(self, url: str, **kw: Any) -> httpx.Response:
         """A request verified against the pinned CA (or the system's); TLS failures become one line."""
         try:
             return httpx.post(url, timeout=30, verify=self.verify, **kw)
         except httpx.ConnectError as exc:
-            line = describe_tls_error(exc, self.hub_url)
+            line = describe_tls_error(exc, mask_url(self.hub_url))
             if line:
                 raise ConfigError(line) from None
             raise

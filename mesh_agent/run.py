@@ -22,7 +22,7 @@ import signal
 import sys
 from typing import Any
 
-from mesh_agent.settings import ConfigError, build
+from mesh_agent.settings import ConfigError, build, register_credentials
 
 __all__ = ["main", "hand_over", "read_settings", "HEAVY_MODULES"]
 
@@ -73,7 +73,9 @@ def _loaded_packages() -> list[str]:
 
 
 def _error(message: str) -> None:
-    print(f"error: {message}", flush=True)  # where `mesh-agent start` printed its errors (stdout)
+    from mesh_agent.redact import redact
+
+    print(f"error: {redact(message)}", flush=True)  # where `mesh-agent start` printed its errors (stdout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(level, stream=sys.stderr, fmt=fmt)
     payload = read_settings(int(opts["--settings-fd"]))
     cfg, creds = build(payload["config"], payload["credentials"], payload["shapes"])
+    register_credentials(creds)  # every log line of this process masks the key and passwords (mesh_agent/redact.py)
     setup_logging(level, stream=sys.stderr, fmt=fmt, fields={"endpoint_id": cfg.endpoint_id})  # every line names this endpoint
     from mesh_agent.agent import Agent
     from mesh_agent.store import StoreError
@@ -107,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # e.g. engine: parsl without Parsl installed
         _error(str(exc))
         return 2
+    except Exception:  # a bug or a broken machine: the traceback goes through the log, secrets masked
+        log.critical("agent stopped by an unexpected error", exc_info=True)
+        return 1
     finally:
         # For tests and operators: proof that the running agent stayed light (HEAVY_MODULES absent).
         log.debug("runner modules: %s", " ".join(_loaded_packages()))

@@ -17,7 +17,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["ConfigError", "Section", "ConfigView", "CredentialsView", "MqttView", "VIEWS", "plain", "build"]
+__all__ = ["ConfigError", "Section", "ConfigView", "CredentialsView", "MqttView", "VIEWS", "plain", "build", "SECRET_CREDENTIALS",
+           "register_credentials"]
+
+#: Fields of the credentials that no log line, error or repr may show (docs/security.md).
+SECRET_CREDENTIALS = ("key", "mqtt_password", "globus_client_secret", "curve_secret")
+
+
+def register_credentials(creds: Any) -> None:
+    """Have every log line of this process mask the secret values of ``creds`` (a view or the model)."""
+    from mesh_agent.redact import register_secret
+
+    register_secret(*(getattr(creds, name, None) for name in SECRET_CREDENTIALS))
 
 
 class ConfigError(ValueError):

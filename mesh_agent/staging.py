@@ -27,7 +27,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -72,7 +72,7 @@ class _Settings:
     timeout_s: float
     poll_s: float
     client_id: str
-    client_secret: str
+    client_secret: str = field(repr=False)
 
 
 def _settings() -> _Settings:

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(help="Continuum Mesh simulator.", no_args_is_help=True)
+app = typer.Typer(help="Continuum Mesh simulator.", no_args_is_help=True, pretty_exceptions_show_locals=False)
 console = Console()
 
 

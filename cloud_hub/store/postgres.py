@@ -132,7 +132,7 @@ class PostgresStore(SqliteStore):
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.path = url  # type: ignore[assignment]  # named in error messages, as the SQLite file is
+        self.path = _safe(url)  # type: ignore[assignment]  # named in error messages, as the SQLite file is: never with its password
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hub-pg")
         self._db: Any = None
         self._listener: threading.Thread | None = None

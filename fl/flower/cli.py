@@ -19,7 +19,7 @@ from typing import List, Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Run Flower Apps on Continuum Mesh endpoints.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Run Flower Apps on Continuum Mesh endpoints.", pretty_exceptions_show_locals=False)
 
 
 @app.callback()
