@@ -105,8 +105,12 @@ def fsync_latency_ms(directory: str | None = None, n: int = 20) -> dict[str, flo
         os.unlink(path)
 
 
-def write_result(name: str, obj: dict[str, Any]) -> Path:
-    """Print ``obj`` as one JSON object on stdout and write it to bench/results/<name>-<UTC>.json."""
+def write_result(name: str, obj: dict[str, Any]) -> Path | None:
+    """Print ``obj`` as one JSON object on stdout and write it to bench/results/<name>-<UTC>.json
+    (in a ``--smoke`` run only print it: returns None)."""
+    if SMOKE:
+        print(json.dumps(obj, indent=2, sort_keys=False), flush=True)
+        return None
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stamp = utc_now().strftime("%Y%m%dT%H%M%SZ")
     path = RESULTS_DIR / f"{name}-{stamp}.json"
@@ -356,9 +360,49 @@ def interleaved_rtt(systems: dict[str, Callable[[], Any]], *, samples: int, warm
     return {name: latency_stats(v, wanted=samples, truncated=len(v) < samples) for name, v in times.items()}
 
 
+# ---------------------------------------------------------------- smoke mode
+#: True in a ``--smoke`` run (set by :func:`smoke`): :func:`write_result` and :func:`finish` only
+#: print, so a smoke run never writes or overwrites anything under bench/results/.
+SMOKE = False
+SMOKE_HELP = ("a few seconds: tiny sizes through the same code path (and the same-run baselines where they are cheap); "
+              "prints the JSON (with \"smoke\": true), writes nothing under bench/results/, exits non-zero on any failure")
+
+
+def add_smoke_arg(parser: Any) -> None:
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+
+
+def smoke(args: Any) -> bool:
+    """Call right after ``parse_args``: True in a ``--smoke`` run, which then also counts as
+    ``--no-save`` (where the script has that option) and makes :func:`write_result` print only."""
+    global SMOKE
+    if getattr(args, "smoke", False):
+        SMOKE = True
+        if hasattr(args, "no_save"):
+            args.no_save = True
+        log("--smoke: tiny sizes, nothing written under bench/results/; the figures mean nothing")
+    return SMOKE
+
+
+def smoke_check(problems: list[str]) -> None:
+    """In a ``--smoke`` run, exit 1 when something went wrong that the full run only reports
+    (tasks failed or timed out, a leg that errored): call it after the JSON is printed."""
+    if SMOKE and problems:
+        for p in problems:
+            log(f"--smoke: FAILED: {p}")
+        raise SystemExit(1)
+
+
+def smoke_skipped(what: str, why: str) -> dict[str, Any]:
+    """What a smoke run reports in place of a part it leaves out (said on stderr too)."""
+    log(f"--smoke: {what} skipped: {why}")
+    return {"skipped_in_smoke": why}
+
+
 # ---------------------------------------------------------------- CLI
 def add_common_args(parser: Any) -> None:
-    parser.add_argument("--quick", action="store_true", help="small numbers, for a smoke run")
+    parser.add_argument("--quick", action="store_true", help="small numbers (about a tenth of a full run)")
+    add_smoke_arg(parser)
     parser.add_argument("--transports", default="mqtt,zmq", help="comma-separated: mqtt,zmq (default both)")
     parser.add_argument("--no-parsl", action="store_true", help="skip the Parsl HTEX comparison")
     parser.add_argument("--no-save", action="store_true", help="print the JSON but do not write bench/results/")
@@ -371,6 +415,7 @@ def header(name: str, args: Any) -> dict[str, Any]:
     now = utc_now()
     return {
         "benchmark": name,
+        "smoke": bool(getattr(args, "smoke", False)),
         "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": machine_info(),
         "params": {k: v for k, v in vars(args).items()},
@@ -382,8 +427,9 @@ def header(name: str, args: Any) -> dict[str, Any]:
 def finish(name: str, out: dict[str, Any], args: Any, started: float) -> None:
     out["loadavg_end"] = loadavg()
     out["runtime_s"] = round(time.monotonic() - started, 2)
-    if args.no_save:
+    if args.no_save or SMOKE:
         print(json.dumps(out, indent=2), flush=True)
     else:
         path = write_result(name, out)
-        log(f"wrote {path.relative_to(REPO)}")
+        if path is not None:
+            log(f"wrote {path.relative_to(REPO)}")

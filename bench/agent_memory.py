@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# Run as a script, bench/ comes first on sys.path, where bench/multiprocessing.py would shadow the
+# standard library's and bench/scheduler.py the `scheduler` package: the repository root instead.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if (Path(p).resolve() if p else Path.cwd()) != ROOT / "bench"]
 
 
 def hold(seconds: float) -> None:
@@ -63,7 +65,7 @@ def export_rev(rev: str, dest: Path) -> Path:
     return dest
 
 
-def measure(mesh: Any, agent: Any, tree: Path, settle_s: float) -> dict[str, Any]:
+def measure(mesh: Any, agent: Any, tree: Path, settle_s: float, busy_s: float = 3.0) -> dict[str, Any]:
     from cloud_hub.client import Executor
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(tree))
@@ -75,7 +77,7 @@ def measure(mesh: Any, agent: Any, tree: Path, settle_s: float) -> dict[str, Any
         time.sleep(settle_s)
         idle = tree_rss(proc.pid)
         with Executor(mesh.client, agent.endpoint_id) as ex:
-            fut = ex.submit(hold, 3.0)
+            fut = ex.submit(hold, busy_s)
             peak: dict[str, Any] = {"rss_mb": 0.0}
             deadline = time.monotonic() + 60
             while not fut.done() and time.monotonic() < deadline:
@@ -100,13 +102,18 @@ def main() -> None:
     p.add_argument("--rev", action="append", default=None,
                    help="git revision whose mesh_agent/ to measure, or '.' for the working tree (repeatable; default: HEAD and .)")
     p.add_argument("--settle-s", type=float, default=3.0, help="wait after online before sampling idle RSS (default 3)")
+    p.add_argument("--smoke", action="store_true",
+                   help="a few seconds: both versions, 0.2 s settle, a 0.5 s busy task; prints the JSON (it writes no file anyway)")
     args = p.parse_args()
     revs = args.rev or ["HEAD", "."]
+    busy_s = 3.0
+    if args.smoke:
+        args.settle_s, busy_s = min(args.settle_s, 0.2), 0.5
 
     from cloud_hub.localmesh import LocalMesh
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-agent-memory-"))
-    out: dict[str, Any] = {"bench": "agent_memory", "targets_mb": {"idle": 40.0, "busy": 60.0}, "runs": {}}
+    out: dict[str, Any] = {"bench": "agent_memory", "smoke": args.smoke, "targets_mb": {"idle": 40.0, "busy": 60.0}, "runs": {}}
     with LocalMesh(tmp / "mesh") as mesh:
         agent = mesh.add_agent("mem", "mqtt", workers=1, start=False, profile="metered")
         # Settings left at their defaults are left out, so an older tree (whose model may lack a
@@ -116,7 +123,7 @@ def main() -> None:
         agent.config_path.write_text(yaml.safe_dump(json.loads(agent.cfg.model_dump_json(exclude_defaults=True)), sort_keys=False))
         for rev in revs:
             tree = export_rev(rev, tmp / "trees" / rev.replace("/", "_"))
-            r = measure(mesh, agent, tree, args.settle_s)
+            r = measure(mesh, agent, tree, args.settle_s, busy_s)
             out["runs"][rev] = {"idle_rss_mb": r["idle"]["rss_mb"], "busy_rss_mb": r["busy_peak"]["rss_mb"],
                                 "idle": r["idle"]["processes"], "busy": r["busy_peak"]["processes"]}
             print(f"{rev}: idle {r['idle']['rss_mb']} MB, busy {r['busy_peak']['rss_mb']} MB", file=sys.stderr)

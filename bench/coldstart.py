@@ -15,7 +15,7 @@ submit -> result; the warm round trip on the same engine is printed next to it. 
 Also per kind: the worker's RSS, the disk the environment takes (what an SD card must write once)
 and what crosses the link (the spec in each task frame; the wheel bytes a new venv fetches).
 
-    .venv/bin/python bench/coldstart.py [--reps 5] [--quick] [--no-save]
+    .venv/bin/python bench/coldstart.py [--reps 5] [--quick] [--smoke] [--no-save]
 """
 
 from __future__ import annotations
@@ -161,10 +161,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=5, help="cold starts per kind (default 5)")
     parser.add_argument("--quick", action="store_true", help="2 reps per kind")
+    _common.add_smoke_arg(parser)
     parser.add_argument("--no-save", action="store_true", help="print the JSON but do not write bench/results/")
     parser.add_argument("--workdir", default=None, help="where the venvs go (default: /var/tmp)")
     args = parser.parse_args()
     reps = 2 if args.quick else max(1, min(args.reps, 50))
+    if _common.smoke(args):
+        reps = 1  # every kind once; nothing written under bench/results/
     started = time.monotonic()
     out = header("coldstart", args)
     work = Path(tempfile.mkdtemp(prefix="mesh-coldstart-", dir=args.workdir or "/var/tmp"))

@@ -15,7 +15,7 @@ on that file, in rounds that rotate through the operations:
 
 One JSON object on stdout and in bench/results/console-<UTC>.json; progress on stderr.
 
-    python bench/console.py [--tasks 100000] [--rounds 15] [--quick] [--workdir DIR]
+    python bench/console.py [--tasks 100000] [--rounds 15] [--quick] [--smoke] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -143,12 +143,15 @@ def main() -> None:
     p.add_argument("--tasks", type=int, default=100_000, help="finished tasks in the database (default 100,000)")
     p.add_argument("--rounds", type=int, default=15, help="timed rounds through all operations (default 15)")
     p.add_argument("--budget-s", type=float, default=90.0, help="time cap for the timed rounds (default 90)")
-    p.add_argument("--quick", action="store_true", help="small numbers, for a smoke run")
+    p.add_argument("--quick", action="store_true", help="10,000 tasks, 5 rounds")
+    c.add_smoke_arg(p)
     p.add_argument("--no-save", action="store_true", help="print the JSON but do not write bench/results/")
     p.add_argument("--workdir", default=None, help="directory for the SQLite file (default: system temp dir)")
     args = p.parse_args()
     if args.quick:
         args.tasks, args.rounds = min(args.tasks, 10_000), min(args.rounds, 5)
+    if c.smoke(args):
+        args.tasks, args.rounds = min(args.tasks, 1000), min(args.rounds, 2)
     started = time.monotonic()
     out = c.header("console", args)
     out["results"] = asyncio.run(run(args))

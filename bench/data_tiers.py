@@ -19,7 +19,7 @@ their input lies, and the bytes staged through the hub.
 One mesh on loopback (the hub as its own process, Mosquitto, one MQTT and two ZeroMQ agents, 2
 workers each) and a redis-server of its own. Writes bench/results/data_tiers.json.
 
-    .venv/bin/python bench/data_tiers.py [--repeats 3]
+    .venv/bin/python bench/data_tiers.py [--repeats 3] [--smoke]
 """
 
 from __future__ import annotations
@@ -154,9 +154,15 @@ def run_futures(m: LocalMesh, eps: list[str], store: refs.Store) -> tuple[dict[s
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true",
+                    help="every way once and the locality check with 256 KiB refs, 1 per agent; prints the JSON, writes nothing "
+                         "under bench/results/")
     opts = ap.parse_args()
+    ref_bytes, refs_per_agent = 8 << 20, 2
+    if opts.smoke:
+        opts.repeats, ref_bytes, refs_per_agent = 1, 256 << 10, 1
     expected = dict(Counter(w for s in range(MAPS) for w in _words(s)))
-    out: dict[str, Any] = {"bench": "data_tiers", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    out: dict[str, Any] = {"bench": "data_tiers", "smoke": opts.smoke, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                                        "loadavg_at_start": os.getloadavg()},
                            "setup": "loopback: hub process, Mosquitto, 1 MQTT + 2 ZeroMQ agents x 2 workers, own redis-server; "
@@ -191,7 +197,8 @@ def main() -> None:
 
             hub = redis_lib.Redis.from_url(hub_url)
             out["staged_copies_in_hub_store"] = len(hub.keys("mesh:ref:*:staged"))
-            out["locality_8MiB_inputs"] = locality(m, refs.Store(hub_url), 8 << 20, 2)
+            out["locality_8MiB_inputs" if not opts.smoke else "locality_smoke_256KiB_inputs"] = locality(
+                m, refs.Store(hub_url), ref_bytes, refs_per_agent)
             out["agent_local_store_bytes_on_disk"] = {
                 a.cfg.name: sum(p.stat().st_size for p in Path(a.cfg.data_dir).glob("refs.sqlite3*")) for a in m.agents}
         finally:
@@ -207,6 +214,8 @@ def main() -> None:
     out["loadavg_at_end"] = os.getloadavg()
     text = json.dumps(out, indent=2)
     print(text)
+    if opts.smoke:
+        return
     (_BENCH / "results").mkdir(exist_ok=True)
     (_BENCH / "results" / "data_tiers.json").write_text(text + "\n")
 

@@ -13,7 +13,7 @@ with ``--workers`` workers and ``--prefetch``), all on 127.0.0.1. Also reported:
 tasks finished before B's last one (from the hub's result sequence). Prints JSON, writes
 bench/results/fairness-<UTC>.json.
 
-    .venv/bin/python bench/fairness.py [--flood 50000] [--b-tasks 100] [--workers 2] [--prefetch 64]
+    .venv/bin/python bench/fairness.py [--flood 50000] [--b-tasks 100] [--workers 2] [--prefetch 64] [--smoke]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
 from _common import latency_stats, loadavg, log, machine_info, ratio, utc_now, write_result  # noqa: E402
 
 from cloud_hub.client import Client, Executor  # noqa: E402
@@ -160,7 +161,11 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--prefetch", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=400.0, help="longest wait for B's tasks per case")
+    _common.add_smoke_arg(ap)
     a = ap.parse_args()
+    lease_rounds = 200
+    if _common.smoke(a):
+        a.flood, a.b_tasks, a.timeout, lease_rounds = min(a.flood, 300), min(a.b_tasks, 5), min(a.timeout, 120.0), 5
     started = utc_now()
     load_before = loadavg()
     cases = [("idle", True, 0), ("fair", True, a.flood), ("fifo", False, a.flood)]
@@ -169,10 +174,10 @@ def main() -> None:
         rows.append(_case(name, fair, flood, a.b_tasks, a.b_task_s, a.workers, a.prefetch, a.timeout))
         log(f"{name}: B p50 {rows[-1].get('p50_ms')} ms, p99 {rows[-1].get('p99_ms')} ms")
     log("lease cost: fair against oldest-first on the same queue")
-    cost = _lease_cost(a.flood, a.workers + a.prefetch, 200)
+    cost = _lease_cost(a.flood, a.workers + a.prefetch, lease_rounds)
     by = {r["case"]: r for r in rows}
     write_result("fairness", {
-        "bench": "fairness", "date": started.isoformat(), "machine": machine_info(), "load_before": load_before, "load_after": loadavg(),
+        "bench": "fairness", "smoke": a.smoke, "date": started.isoformat(), "machine": machine_info(), "load_before": load_before, "load_after": loadavg(),
         "settings": {"flood": a.flood, "b_tasks": a.b_tasks, "b_task_s": a.b_task_s, "workers": a.workers, "prefetch": a.prefetch,
                      "transport": "zmq", "hub": "mesh-hub serve process, SQLite", "baseline": "fifo: the same flood, fair_dispatch false, same run"},
         "cases": rows,
@@ -181,6 +186,7 @@ def main() -> None:
         "fair_over_idle_p99": ratio(by["fair"].get("p99_ms"), by["idle"].get("p99_ms")),
         "lease_cost": cost,
     })
+    _common.smoke_check([f"{r['case']}: {r['n']} of {r['wanted']} of B's tasks done" for r in rows if r["truncated"]])
 
 
 if __name__ == "__main__":

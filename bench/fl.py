@@ -41,7 +41,7 @@ first global model at >= ``--tta-target`` test accuracy, and the bytes each link
 
 One JSON object on stdout and in bench/results/fl-<UTC>.json; progress on stderr.
 
-    python bench/fl.py [--rounds 5] [--clients 5] [--local-epochs 2] [--quick] [--no-flower]
+    python bench/fl.py [--rounds 5] [--clients 5] [--local-epochs 2] [--quick] [--smoke] [--no-flower]
                        [--compression LIST] [--link-kbps 256] [--tta-rounds 10] [--no-shaped-flower]
                        [--dp-epsilon 8] [--dp-clip 1.0]
 """
@@ -148,6 +148,7 @@ def _raw_float32_bytes() -> int:
 
 
 def _traffic(hist: Any) -> dict[str, Any]:
+    """Model bytes up and down per round of a mesh run, from its history's round records."""
     t = hist.traffic()
     per_round_up = [r["up"] for r in t["rounds"]]
     return {"model_bytes_up_per_update": round(t["up_per_update"], 1) if t["up_per_update"] else None,
@@ -447,8 +448,9 @@ def _round_app_s(rec: dict[str, Any]) -> float:
     return max((app.get("train") or {}).values(), default=0.0) + max((app.get("evaluate") or {}).values(), default=0.0)
 
 
-def _traffic(client: Any, ids: list[str]) -> int:
-    """Bytes on the wire both ways, all of ``ids``: the hub's per-endpoint frame counters."""
+def _endpoint_wire_bytes(client: Any, ids: list[str]) -> int:
+    """Bytes on the wire both ways, all of ``ids``: the hub's per-endpoint frame counters.
+    (Not :func:`_traffic`, which reads a history's model bytes per round.)"""
     total = 0
     for e in client.list_endpoints():
         if e["id"] in ids:
@@ -474,8 +476,10 @@ def run_flower_app_mesh(args: argparse.Namespace, workdir: Path, app: Path) -> d
         traffic0 = {e["id"]: dict((e.get("info") or {}).get("traffic") or {}) for e in mesh.client.list_endpoints()}
         snaps: list[int] = []
         t0 = time.time()
-        res = run_app(app, mesh.client, endpoints=ids, dataset="digits", workdir=workdir / "mesh-app-out",
-                      run_config={"num-server-rounds": args.rounds}, on_round=lambda rec: snaps.append(_traffic(mesh.client, ids)))
+        with contextlib.redirect_stdout(sys.stderr):  # the app's ServerApp prints; stdout carries only the JSON
+            res = run_app(app, mesh.client, endpoints=ids, dataset="digits", workdir=workdir / "mesh-app-out",
+                          run_config={"num-server-rounds": args.rounds},
+                          on_round=lambda rec: snaps.append(_endpoint_wire_bytes(mesh.client, ids)))
         total = time.time() - t0
         time.sleep(2.5)  # the last beats' counters
         traffic1 = {e["id"]: dict((e.get("info") or {}).get("traffic") or {}) for e in mesh.client.list_endpoints()}
@@ -486,7 +490,7 @@ def run_flower_app_mesh(args: argparse.Namespace, workdir: Path, app: Path) -> d
         # the hub updates an endpoint's counters in steps (not per frame): rounds shorter than that
         # show 0 or a lump, so per round = (after the run, counters settled) - (at round 1's record)
         # over the rounds in between; heartbeats of those seconds included
-        settled = _traffic(mesh.client, ids)
+        settled = _endpoint_wire_bytes(mesh.client, ids)
         wire = [b - a for a, b in zip(snaps, snaps[1:])]
         whole = sum(int(t.get("bytes_in", 0)) + int(t.get("bytes_out", 0)) for e, t in traffic1.items() if e in ids) - \
             sum(int(t.get("bytes_in", 0)) + int(t.get("bytes_out", 0)) for e, t in traffic0.items() if e in ids)
@@ -602,7 +606,9 @@ def flower_app_main(args: argparse.Namespace, out: dict[str, Any], workdir: Path
     c.log(f"mesh: {mesh['rounds']} rounds in {mesh['total_s']} s ({mesh['mean_s_per_round']} s/round, overhead "
           f"{mesh['mean_overhead_s_per_round']} s/round, {mesh['wire_bytes_per_round_both_ways']} B/round on the wire), "
           f"{mesh['final_federated_eval']}")
-    if not args.no_flower:
+    if c.SMOKE:
+        out["flower_app"]["flower"] = c.smoke_skipped("the Flower App on Flower's Deployment Engine", "15-20 s even at 1 round")
+    elif not args.no_flower:
         try:
             app_s = mesh.get("clients_app_s_per_round") or []
             la = c.loadavg()
@@ -627,7 +633,9 @@ def shaped_main(args: argparse.Namespace, out: dict[str, Any], workdir: Path) ->
         res["continuum_mesh_uncompressed"] = mesh.pop("none")
         res["continuum_mesh_compressed"] = mesh
         res["loadavg_after_mesh"] = c.loadavg()
-        if not args.no_shaped_flower:
+        if c.SMOKE:
+            res["flower"] = c.smoke_skipped("Flower over the shaped links", "15-20 s even at 1 round of 2 clients")
+        elif not args.no_shaped_flower:
             try:
                 fl = run_flower(args, workdir, ids, rounds=args.tta_rounds, links=links, tag="-shaped")
                 res["flower"] = fl
@@ -653,7 +661,8 @@ def main() -> None:
     p.add_argument("--alpha", type=float, default=0.5)
     p.add_argument("--flower-timeout", type=float, default=1800, help="give up on `flwr run` after this (s)")
     p.add_argument("--no-flower", action="store_true", help="only the mesh side")
-    p.add_argument("--quick", action="store_true", help="3 rounds, 3 clients (smoke run)")
+    p.add_argument("--quick", action="store_true", help="3 rounds, 3 clients")
+    c.add_smoke_arg(p)
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--workdir", default=None)
     p.add_argument("--compression", default="fp16,q8,topk:0.01,topk:0.1+q8,topk:0.25+q8,topk:0.25+q8|fp16",
@@ -674,6 +683,14 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.rounds, args.clients, args.tta_rounds = 3, 3, 3
+    if c.smoke(args):
+        # every leg once, at the smallest size: 2 rounds of 2 clients, one compression setting per
+        # sweep, the shaped legs over faster links; Flower's legs take 15-20 s each (SuperLink,
+        # SuperNodes, a ClientApp process per round), so the smoke run leaves them out
+        args.rounds, args.clients, args.local_epochs, args.tta_rounds = 2, 2, 1, 2
+        args.compression, args.tta_compression = "q8", "topk:0.25+q8|fp16"
+        args.link_kbps = 4096 if args.link_kbps > 0 else 0
+        args.no_flower = args.no_shaped_flower = True
     started = time.monotonic()
     out = c.header("fl", args)
     out["machine"]["versions"].update({m: c._version(m) for m in ("torch", "flwr", "numpy")})
@@ -692,7 +709,9 @@ def main() -> None:
         out["compression"] = sweep
         c.log(f"mesh: {mesh['mean_s_per_round']} s/round, overhead {mesh['mean_overhead_s_per_round']} s, "
               f"accuracy {mesh['final_accuracy']:.4f}")
-        if not args.no_flower:
+        if c.SMOKE:
+            out["flower"] = c.smoke_skipped("Flower (the same job on its Deployment Engine)", "15-20 s even at 1 round of 2 clients")
+        elif not args.no_flower:
             try:
                 la = c.loadavg()
                 fl = run_flower(args, workdir, ids)

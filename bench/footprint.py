@@ -31,7 +31,7 @@ Reported, each next to the issue's target (issue 10):
 
 One JSON object goes to stdout and to bench/results/footprint.json; progress to stderr.
 
-    python bench/footprint.py [--window-s 600] [--tasks 200] [--profile metered|lan|default]
+    python bench/footprint.py [--window-s 600] [--tasks 200] [--profile metered|lan|default] [--smoke]
 """
 
 from __future__ import annotations
@@ -236,8 +236,12 @@ def main() -> None:
     p.add_argument("--no-tls", action="store_true", help="skip bench/tls.py's comparison")
     p.add_argument("--no-save", action="store_true", help="print the JSON but do not write bench/results/")
     p.add_argument("--workdir", default=None, help="directory for the mesh's SQLite files (default: system temp dir, on disk)")
+    c.add_smoke_arg(p)
     args = p.parse_args()
     args.quick = False
+    busy_s = 2.0  # how long the task runs whose RSS is sampled
+    if c.smoke(args):
+        args.window_s, args.settle_s, args.tasks, busy_s = min(args.window_s, 2.0), min(args.settle_s, 0.5), min(args.tasks, 5), 0.5
     if args.window_s <= 0 or args.tasks < 1:
         p.error("--window-s must be > 0 and --tasks >= 1")
     started = time.monotonic()
@@ -248,7 +252,7 @@ def main() -> None:
     from cloud_hub.config import HubConfig
     from cloud_hub.localmesh import LocalMesh
     from mesh_agent.config import AgentConfig
-    from sim.emulate.constrain import ConstrainedAgent, Unavailable, build_fsync_shim, fsync_env, read_fsync_counter
+    from sim.emulate.constrain import ConstrainedAgent, Unavailable, build_fsync_shim, fsync_env
 
     if find_mosquitto() is None:
         raise SystemExit("mosquitto is not installed: run ./taskw setup (apt-get install mosquitto)")
@@ -329,7 +333,7 @@ def main() -> None:
                     c.log(f"  {mode}: {pt['wire_bytes_round_trip']} B on the wire, {pt['disk_write_bytes']} B to disk, {pt['fsyncs']} fsync per task")
 
                 # busy: one worker runs a task long enough to sample
-                fut = ex.submit(hold, 2.0)
+                fut = ex.submit(hold, busy_s)
                 peak: dict[str, Any] = {"rss_mb": 0.0}
                 deadline = time.monotonic() + 30
                 while not fut.done() and time.monotonic() < deadline:
@@ -338,7 +342,7 @@ def main() -> None:
                         peak = m
                     time.sleep(0.05)
                 fut.result(timeout=30)
-                res["rss_busy"] = {**peak, "how": "max over 50 ms samples while one worker runs hold(2.0): time.sleep(2)"}
+                res["rss_busy"] = {**peak, "how": f"max over 50 ms samples while one worker runs hold({busy_s:g}): time.sleep({busy_s:g})"}
             agent.stop(15)
     finally:
         if proxy is not None:
@@ -382,7 +386,9 @@ def main() -> None:
         out["targets"][k]["met_sequential"] = None if v is None else v <= TARGETS[k]
     out["targets"]["note"] = ("per-task targets are compared with the batched run (all --tasks submitted at once, as the "
                               "issue's baseline was measured); measured_sequential: one task at a time, each waited for")
-    if not args.no_tls:
+    if c.SMOKE:
+        out["tls"] = c.smoke_skipped("TLS vs plaintext", "bench/tls.py --smoke runs the same comparison on its own")
+    elif not args.no_tls:
         c.log("TLS vs plaintext (bench/tls.py)")
         try:
             out["tls"] = _tls_numbers()

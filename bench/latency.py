@@ -17,7 +17,7 @@ third time with ``Executor(early_results=True)`` (results before the hub's own c
 Target (issue 13): mesh warm p50 <= 2x Parsl HTEX's p50. One JSON object goes to stdout and to
 bench/results/latency-<UTC>.json; progress goes to stderr.
 
-    python bench/latency.py [--samples 300] [--warmup 30] [--rounds 10] [--quick]
+    python bench/latency.py [--samples 300] [--warmup 30] [--rounds 10] [--quick] [--smoke]
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def main() -> None:
         args.samples = args.tasks
     if args.quick:
         args.samples, args.warmup, args.rounds = min(args.samples, 30), min(args.warmup, 5), min(args.rounds, 3)
+    if c.smoke(args):
+        args.samples, args.warmup, args.rounds = min(args.samples, 5), min(args.warmup, 2), 1
     started = time.monotonic()
     out = c.header("latency", args)
     transports = [t for t in args.transports.split(",") if t]

@@ -11,7 +11,7 @@ hits a previous run's cache. The mesh: Mosquitto, the hub as its own ``mesh-hub 
 one ZeroMQ agent with ``--workers`` warm worker processes (default 32, so a 200 worker-second
 run takes seconds); everything on 127.0.0.1.
 
-    .venv/bin/python bench/memo.py [--tasks 2000] [--workers 32] [--task-s 0.1]
+    .venv/bin/python bench/memo.py [--tasks 2000] [--workers 32] [--task-s 0.1] [--smoke]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
 from _common import loadavg, log, machine_info, ratio, utc_now, write_result  # noqa: E402
 
 from cloud_hub.client import Client, Executor  # noqa: E402
@@ -74,7 +75,10 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=32)
     ap.add_argument("--task-s", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=16)
+    _common.add_smoke_arg(ap)
     a = ap.parse_args()
+    if _common.smoke(a):
+        a.tasks, a.workers, a.task_s = min(a.tasks, 20), min(a.workers, 2), min(a.task_s, 0.01)
     started = utc_now()
     load_before = loadavg()
     rows: list[dict[str, Any]] = []
@@ -106,7 +110,7 @@ def main() -> None:
                 log(f"{pct}% repeats: {off:.2f}s without, {on:.2f}s with memoization, {warm:.2f}s from a warm cache")
             client.close()
     write_result("memo", {
-        "bench": "memo", "date": started.isoformat(), "machine": machine_info(), "load_before": load_before, "load_after": loadavg(),
+        "bench": "memo", "smoke": a.smoke, "date": started.isoformat(), "machine": machine_info(), "load_before": load_before, "load_after": loadavg(),
         "settings": {"tasks": a.tasks, "task_s": a.task_s, "workers": a.workers, "prefetch": 512, "transport": "zmq",
                      "hub": "mesh-hub serve process, SQLite", "seed": a.seed,
                      "baseline": "the same workload, same mesh, same run, without cache=True"},

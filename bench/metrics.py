@@ -10,7 +10,8 @@ the same window minus the baseline rate. Heartbeat bytes come from the real enco
 device counters, for a lan beat (full body) and a metered beat (changed keys only).
 
     python bench/metrics.py                 # 1k and 10k endpoints
-    python bench/metrics.py --sizes 200     # smoke run
+    python bench/metrics.py --sizes 200     # a small fleet
+    python bench/metrics.py --smoke         # a few seconds: 20 endpoints, 2 scrapes; writes no file
 Prints one JSON object; writes bench/results/metrics-<UTC>.json.
 """
 
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _common  # noqa: F401  (puts the repository first on sys.path)
+import _common  # (puts the repository first on sys.path)
 from _common import finish, header, log
 
 import httpx
@@ -156,12 +157,18 @@ def main() -> None:
     p.add_argument("--connect-timeout", type=float, default=600.0)
     p.add_argument("--workdir", default=None)
     p.add_argument("--no-save", action="store_true")
+    _common.add_smoke_arg(p)
     args = p.parse_args()
+    if _common.smoke(args):
+        args.sizes, args.scrapes, args.idle, args.heartbeat = "20", min(args.scrapes, 2), min(args.idle, 1.0), min(args.heartbeat, 1.0)
+        args.connect_timeout = min(args.connect_timeout, 60.0)
     started = time.monotonic()
     out = header("metrics", args)
     out["heartbeat_bytes"] = heartbeat_bytes()
     out["fleets"] = [measure(int(s), args) for s in args.sizes.split(",") if s.strip()]
     finish("metrics", out, args, started)
+    _common.smoke_check([f"{f['endpoints']} endpoints: {f.get('warning') or 'not measured'}" for f in out["fleets"]
+                         if f.get("online") != f["endpoints"] or "scrape_bytes" not in f])
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ Measured, each beside the standard library's ``multiprocessing`` on this machine
 Next to the Lithops paper's figures (FGCS 2023): about 1 s fork-join at low parallelism, under
 1 ms Redis Pipe latency below 1 KB, about 90 MB/s Pipe throughput.
 
-    .venv/bin/python bench/multiprocessing.py [--sleep 0.5] [--rounds 100]
+    .venv/bin/python bench/multiprocessing.py [--sleep 0.5] [--rounds 100] [--smoke]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 _BENCH = Path(__file__).resolve().parent
 sys.path[:] = [str(_BENCH.parent)] + [p for p in sys.path if (Path(p).resolve() if p else Path.cwd()) != _BENCH]
@@ -140,13 +140,27 @@ def wordcount(m: LocalMesh, redis: RedisServer) -> dict[str, Any]:
     return res
 
 
+def _label(size: int, count: int) -> str:
+    """``1MiB x 64``, ``1KiB x 5000``: a payload size and a message count."""
+    unit = next(((n, u) for n, u in ((1 << 20, "MiB"), (1 << 10, "KiB")) if size >= n and size % n == 0), (1, "B"))
+    return f"{size // unit[0]}{unit[1]} x {count}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sleep", type=float, default=0.5)
     ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few seconds: every measurement once at small sizes, the standard library beside it; prints the JSON, "
+                         "writes nothing under bench/results/")
     opts = ap.parse_args()
-    out: dict[str, Any] = {"bench": "multiprocessing", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    workers, rtt_sizes = (1, 2, 4, 6), (64, 1024, 65536, 1 << 20)
+    pipe_big, queue_small, queue_big = (1 << 20, 64), (1024, 5000), (1 << 20, 64)  # (payload bytes, messages)
+    if opts.smoke:
+        opts.sleep, opts.rounds, opts.repeats = 0.05, 3, 1
+        workers, rtt_sizes, pipe_big, queue_small, queue_big = (1, 2), (64, 65536), (65536, 8), (1024, 50), (65536, 8)
+    out: dict[str, Any] = {"bench": "multiprocessing", "smoke": opts.smoke, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
                            "lithops_paper": LITHOPS, "setup": "loopback: hub process, Mosquitto, 1 MQTT + 1 ZeroMQ agent x 3 workers, own redis-server"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -159,24 +173,24 @@ def main() -> None:
             m.wait_online(timeout=90)
             mesh.config(client=Client(m.url, m.token), redis_url=redis.url)
             out["fork_join_overhead"] = {str(n): {"mesh": fork_join(mesh, n, opts.sleep, opts.repeats),
-                                                  "stdlib": fork_join(std, n, opts.sleep, opts.repeats)} for n in (1, 2, 4, 6)}
+                                                  "stdlib": fork_join(std, n, opts.sleep, opts.repeats)} for n in workers}
             out["pipe_rtt_p50_ms"] = {str(s): {"mesh": pipe_latency(mesh, s, opts.rounds), "stdlib": pipe_latency(std, s, opts.rounds)}
-                                      for s in (64, 1024, 65536, 1 << 20)}
-            out["pipe_throughput_MBps"] = {"1MiB x 64": {"mesh": pipe_throughput(mesh, 1 << 20, 64), "stdlib": pipe_throughput(std, 1 << 20, 64)}}
+                                      for s in rtt_sizes}
+            out["pipe_throughput_MBps"] = {_label(*pipe_big): {"mesh": pipe_throughput(mesh, *pipe_big), "stdlib": pipe_throughput(std, *pipe_big)}}
             out["wordcount_map_shuffle_reduce"] = wordcount(m, redis)
             out["queue_throughput_MBps"] = {
-                "1KiB x 5000": {"mesh": queue_throughput(mesh, 1024, 5000), "stdlib": queue_throughput(std, 1024, 5000)},
-                "1MiB x 64": {"mesh": queue_throughput(mesh, 1 << 20, 64), "stdlib": queue_throughput(std, 1 << 20, 64)},
+                _label(*queue_small): {"mesh": queue_throughput(mesh, *queue_small), "stdlib": queue_throughput(std, *queue_small)},
+                _label(*queue_big): {"mesh": queue_throughput(mesh, *queue_big), "stdlib": queue_throughput(std, *queue_big)},
             }
             # The same proxies with no Redis: state in the hub's embedded store (docs/data.md), same run.
             mesh.config(redis_url=str(Client(m.url, m.token).request("GET", "/v1/kv")["url"]))
             out["hub_store_vs_redis"] = {
                 "pipe_rtt_p50_ms": {str(s): {"hub_store": pipe_latency(mesh, s, opts.rounds), "redis": out["pipe_rtt_p50_ms"][str(s)]["mesh"]}
-                                    for s in (64, 1024, 65536, 1 << 20)},
-                "pipe_throughput_MBps 1MiB x 64": {"hub_store": pipe_throughput(mesh, 1 << 20, 64),
-                                                   "redis": out["pipe_throughput_MBps"]["1MiB x 64"]["mesh"]},
-                "queue_throughput_MBps 1KiB x 5000": {"hub_store": queue_throughput(mesh, 1024, 5000),
-                                                      "redis": out["queue_throughput_MBps"]["1KiB x 5000"]["mesh"]},
+                                    for s in rtt_sizes},
+                f"pipe_throughput_MBps {_label(*pipe_big)}": {"hub_store": pipe_throughput(mesh, *pipe_big),
+                                                             "redis": out["pipe_throughput_MBps"][_label(*pipe_big)]["mesh"]},
+                f"queue_throughput_MBps {_label(*queue_small)}": {"hub_store": queue_throughput(mesh, *queue_small),
+                                                                 "redis": out["queue_throughput_MBps"][_label(*queue_small)]["mesh"]},
             }
         finally:
             mesh._state.shutdown_executor()
@@ -184,6 +198,8 @@ def main() -> None:
             redis.stop()
     text = json.dumps(out, indent=2)
     print(text)
+    if opts.smoke:
+        return
     (_BENCH / "results").mkdir(exist_ok=True)
     (_BENCH / "results" / "multiprocessing.json").write_text(text + "\n")
 

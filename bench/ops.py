@@ -10,7 +10,7 @@
 
 Prints one JSON object and writes it to bench/results/ops-<UTC>.json.
 
-    python bench/ops.py [--quick] [--tasks 100000]
+    python bench/ops.py [--quick] [--smoke] [--tasks 100000]
 """
 
 from __future__ import annotations
@@ -124,13 +124,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", type=int, default=100_000)
     ap.add_argument("--quick", action="store_true", help="10,000 tasks, 2 s writer windows")
+    c.add_smoke_arg(ap)
     args = ap.parse_args()
     n = 10_000 if args.quick else max(1000, min(args.tasks, 2_000_000))
     window = 2.0 if args.quick else 5.0
+    # the full run keeps its files beside bench/ (on disk, as a hub's would be); a smoke run leaves bench/ alone
+    tmp_parent: str | None = str(c.RESULTS_DIR.parent)
+    if c.smoke(args):
+        n, window, tmp_parent = 1000, 0.5, None
     from cloud_hub.backup import backup_sqlite, restore_sqlite
 
-    out: dict[str, Any] = {"bench": "ops", "machine": c.machine_info(), "load_before": c.loadavg(), "tasks": n}
-    with tempfile.TemporaryDirectory(dir=str(c.RESULTS_DIR.parent)) as d:
+    out: dict[str, Any] = {"bench": "ops", "smoke": args.smoke, "machine": c.machine_info(), "load_before": c.loadavg(), "tasks": n}
+    with tempfile.TemporaryDirectory(dir=tmp_parent) as d:
         tmp = Path(d)
         db = tmp / "hub.sqlite3"
         c.log(f"filling a hub database with {n} finished tasks")

@@ -13,7 +13,7 @@ the function is profiled on each first, so the predictions are the steady-state 
 alternate between the two modes so that background load hits both alike. One JSON object goes
 to stdout and to bench/results/placement-<UTC>.json.
 
-    python bench/placement.py [--quick] [--fleets 10:0,200:0,200:4,1000:4] [--batch 5000] [--rounds 5]
+    python bench/placement.py [--quick] [--smoke] [--fleets 10:0,200:0,200:4,1000:4] [--batch 5000] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import base64
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -115,9 +114,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-save", action="store_true")
     ap.add_argument("--workdir", default=None)
+    c.add_smoke_arg(ap)
     args = ap.parse_args()
     if args.quick:
         args.batch, args.rounds = 500, 2
+    if c.smoke(args):
+        args.fleets, args.batch, args.rounds = "10:0,20:2", 50, 2
     started = time.monotonic()
     out = c.header("placement", args)
     fleets = []

@@ -7,7 +7,7 @@ wall-clock timestamps (one machine, one clock): the SDK's, the hub's task row (`
 ``dispatched``, ``acked``) and result row (``received``), the agent's result (``started``,
 ``finished``). The p50 of each step goes out as JSON (stdout and bench/results/rtt_trace-<UTC>.json).
 
-    python bench/rtt_trace.py [--samples 150] [--transports zmq,mqtt]
+    python bench/rtt_trace.py [--samples 150] [--transports zmq,mqtt] [--smoke]
 """
 
 from __future__ import annotations
@@ -74,8 +74,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     c.add_common_args(p)
     args = p.parse_args()
+    warmup = 20  # untimed round trips per path first
     if args.quick:
         args.samples, args.rounds = min(args.samples, 30), min(args.rounds, 2)
+    if c.smoke(args):
+        args.samples, args.rounds, warmup = min(args.samples, 3), 1, 2
     started = time.monotonic()
     out = c.header("rtt_trace", args)
     out["steps"] = {name: what for name, _, _, what in STEPS}
@@ -88,7 +91,7 @@ def main() -> None:
                     Executor(mesh.client, agent.endpoint_id, early_results=True) as early:
                 paths = (("stream", streamed), ("rest", rest), ("stream_early", early))
                 for _, ex in paths:
-                    for _ in range(20):
+                    for _ in range(warmup):
                         ex.submit(noop).result(timeout=30)
                 got: dict[str, list[dict[str, float]]] = {name: [] for name, _ in paths}
                 per = max(1, args.samples // args.rounds)
@@ -98,6 +101,8 @@ def main() -> None:
                 out[t] = {name: summarize(marks) for name, marks in got.items()}
                 out[t]["stream_connected"] = streamed._stream is not None and streamed._stream.connected
     c.finish("rtt_trace", out, args, started)
+    c.smoke_check([f"{t} {name}: {r['samples']} traced round trips" for t in args.transports.split(",") if t
+                   for name, r in out[t].items() if isinstance(r, dict) and not r["samples"]])
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ Prints one JSON document and writes it to ``bench/results/scheduler-<date>.json`
   not deployable, a yardstick) and the ratios the design targets refer to.
 * ``scale``: wall time of the delta policy on 1,000 endpoints x 1,000,000 tasks.
 
-Usage: ``python bench/scheduler.py [--quick] [--skip-scale] [--scale-only]``
-(``--quick`` runs each scenario with a tenth of its tasks and skips the scale run).
+Usage: ``python bench/scheduler.py [--quick] [--smoke] [--skip-scale] [--scale-only]``
+(``--quick`` runs each scenario with a tenth of its tasks and skips the scale run; ``--smoke``
+runs everything at a hundredth of its size and writes no file).
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 4) if b else None
 
 
-def policy_runs(quick: bool) -> dict:
+def policy_runs(quick: bool, smoke: bool = False) -> dict:
     out = {}
     for name in ("heterogeneous", "bursty", "rural-outages"):
         sc = load_scenario(SCENARIOS / f"des-{name}.yaml")
-        if quick:
+        if quick or smoke:
             d = sc.model_dump()
-            d["workload"]["tasks"] = max(d["workload"]["tasks"] // 10, 100)
+            d["workload"]["tasks"] = max(d["workload"]["tasks"] // (100 if smoke else 10), 100)
             sc = load_scenario(d)
         t0 = time.perf_counter()
         rep = run_scenario(sc)
@@ -73,8 +74,14 @@ def policy_runs(quick: bool) -> dict:
     return out
 
 
-def scale_run() -> dict:
+def scale_run(smoke: bool = False) -> dict:
     sc = load_scenario(SCENARIOS / "des-scale.yaml")
+    if smoke:  # the same run at a hundredth of the fleet and a five-hundredth of the tasks
+        d = sc.model_dump()
+        for e in d["endpoints"]:
+            e["count"] = max(1, e["count"] // 100)
+        d["workload"]["tasks"] = 2000
+        sc = load_scenario(d)
     t0 = time.perf_counter()
     c0 = time.process_time()
     sim = Simulation(sc, "delta")
@@ -105,6 +112,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a tenth of the tasks, no scale run")
     ap.add_argument("--skip-scale", action="store_true")
     ap.add_argument("--scale-only", action="store_true")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few seconds: each scenario with a hundredth of its tasks and the scale run at a hundredth of its "
+                         "fleet and 2,000 tasks; prints the JSON, writes nothing under bench/results/")
     args = ap.parse_args()
     report: dict = {
         "benchmark": "scheduler",
@@ -117,15 +127,18 @@ def main() -> None:
             "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
         },
         "quick": args.quick,
+        "smoke": args.smoke,
     }
     # The timed scale run goes first, on a machine not yet busy with the policy runs.
-    if not (args.quick or args.skip_scale):
-        report["scale"] = scale_run()
+    if args.smoke or not (args.quick or args.skip_scale):
+        report["scale"] = scale_run(args.smoke)
         report["machine"]["loadavg_after_scale"] = [round(x, 2) for x in os.getloadavg()]
     if not args.scale_only:
-        report["scenarios"] = policy_runs(args.quick)
+        report["scenarios"] = policy_runs(args.quick, args.smoke)
     text = json.dumps(report, indent=2)
     print(text)
+    if args.smoke:
+        return
     out = ROOT / "bench" / "results" / f"scheduler-{report['date']}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text + "\n")

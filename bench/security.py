@@ -194,8 +194,12 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=200, help="frames decoded per size (default 200)")
     c.add_common_args(p)
     args = p.parse_args()
+    warmup, rounds, connects = 50, 10, max(20, args.samples // 20)
     if args.quick:
         args.samples, args.repeat = 200, 30
+        connects = max(20, args.samples // 20)
+    if c.smoke(args):
+        args.samples, args.repeat, warmup, rounds, connects = 10, 5, 3, 2, 4
     started = time.monotonic()
     out = c.header("security", args)
     c.log("frame verification vs msgpack alone")
@@ -216,7 +220,7 @@ def main() -> None:
         c.log("connect cost: $7$ login vs anonymous")
         conn = c.interleaved_rtt({"connect_login": connect_once(secure.port, ("ep-conn", "pw-conn")),
                                   "connect_anonymous": connect_once(plain.port, None)},
-                                 samples=max(20, args.samples // 20), warmup=3, rounds=5, budget_s=60)
+                                 samples=connects, warmup=3, rounds=min(5, connects), budget_s=60)
         systems = {
             "zmq_curve": stack.enter_context(zmq_echo(True)),
             "zmq_plain": stack.enter_context(zmq_echo(False)),
@@ -224,7 +228,7 @@ def main() -> None:
             "mqtt_anonymous": stack.enter_context(mqtt_echo(plain.port, None)),
         }
         c.log(f"timing {args.samples} round trips each: {', '.join(systems)}")
-        rtt = c.interleaved_rtt(systems, samples=args.samples, warmup=50, rounds=10, budget_s=BUDGET_S)
+        rtt = c.interleaved_rtt(systems, samples=args.samples, warmup=warmup, rounds=rounds, budget_s=BUDGET_S)
     out["round_trips"] = rtt
     out["connect"] = conn
     out["overheads"] = {

@@ -280,10 +280,14 @@ def main() -> None:
     p.add_argument("--keep", action="store_true", help="keep the working directory (logs of every agent and the gateway)")
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--workdir", default=None)
+    c.add_smoke_arg(p)
     args = p.parse_args()
     if args.quick:
         args.devices, args.idle_s, args.settle_s, args.outage_s, args.tasks_per_device, args.drain_s = 3, 20.0, 5.0, 30.0, 10, 90.0
         args.fl_rounds = 3
+    if c.smoke(args):  # every setup once at the smallest size; FL without the compressed pass
+        args.devices, args.idle_s, args.settle_s, args.outage_s, args.lead_s = 2, 1.0, 0.0, 1.0, 0.3
+        args.tasks_per_device, args.task_s, args.drain_s, args.fl_rounds, args.fl_compression = 3, 0.2, 60.0, 2, ""
     started = time.monotonic()
     out = c.header("site", args)
     root = Path(tempfile.mkdtemp(prefix="bench-site-", dir=args.workdir))
@@ -323,8 +327,12 @@ def main() -> None:
                           "final_accuracy": out[k]["final_accuracy"],
                           "max_weight_difference_same_devices": out[k]["max_weight_difference_same_devices"]}
                       for k in list(out) if k.startswith("fl") and isinstance(out[k], dict) and "flat" in out[k]}
+    problems = [f"{k}: {v['outage']['results_after_drain']} of {v['outage']['tasks_queued']} results, {v['outage']['failed']} failed"
+                for k, v in (("no_gateway", base), ("gateway", site)) if v is not None
+                and (v["outage"]["failed"] or v["outage"]["results_after_drain"] < v["outage"]["tasks_queued"])]
     if base is None or site is None:
         c.finish("site", out, args, started)
+        c.smoke_check(problems)
         return
     out["summary"] |= {
         "idle_uplink_bytes_per_day": {"no_gateway": base["idle"]["uplink_bytes_per_day_incl_tcpip_tls"],
@@ -335,6 +343,7 @@ def main() -> None:
                                      "gateway": site["outage"]["tasks_done_during_outage"]},
     }
     c.finish("site", out, args, started)
+    c.smoke_check(problems)
 
 
 if __name__ == "__main__":

@@ -6,13 +6,14 @@ the dispatcher does; "2 replicas" runs the lease and result phases from two Post
 instances at once, as two hubs on one database would. Prints one JSON object and writes it to
 bench/results/store-<UTC>.json.
 
-    python bench/store.py [--quick] [--tasks 20000] [--pg-url postgresql://postgres@127.0.0.1:5432/test]
+    python bench/store.py [--quick] [--smoke] [--tasks 20000] [--pg-url postgresql://postgres@127.0.0.1:5432/test]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import tempfile
 import time
 import uuid
@@ -124,11 +125,15 @@ def main() -> None:
     p.add_argument("--pg-url", default="postgresql://postgres@127.0.0.1:5432/test")
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--workdir", default=None)
+    c.add_smoke_arg(p)
     args = p.parse_args()
     n = 2_000 if args.quick else args.tasks
+    if c.smoke(args):
+        n = 1_000  # two batches: both replicas get one
     started = time.monotonic()
     out = c.header("store", args)
     deadline = time.monotonic() + 540  # every phase stops by then, whatever the machine does
+    problems: list[str] = []
     c.log(f"sqlite, {n} tasks")
     out["sqlite"] = asyncio.run(_run_sqlite(n, deadline))
     for replicas in (1, 2):
@@ -137,12 +142,34 @@ def main() -> None:
             out[f"postgres_{replicas}"] = asyncio.run(_run_pg(args.pg_url, n, replicas, deadline))
         except Exception as exc:  # no server: the baseline still prints
             out[f"postgres_{replicas}"] = {"error": repr(exc)}
+            if c.SMOKE:
+                why = _pg_unreachable(args.pg_url)
+                if why is None or os.environ.get("CI"):  # a failure with the server up fails the smoke run, as in CI
+                    problems.append(f"postgres, {replicas} replica(s): {exc!r}")
+                else:
+                    out[f"postgres_{replicas}"] = c.smoke_skipped(f"postgres, {replicas} replica(s)", why)
     base = out["sqlite"]
     out["ratio_vs_sqlite"] = {
         k: {m: c.ratio(out[k].get(m), base.get(m)) for m in ("insert_per_s", "lease_ack_per_s", "results_per_s")}
-        for k in ("postgres_1", "postgres_2") if "error" not in out[k]
+        for k in ("postgres_1", "postgres_2") if "error" not in out[k] and "skipped_in_smoke" not in out[k]
     }
     c.finish("store", out, args, started)
+    for k in ("sqlite", "postgres_1", "postgres_2"):
+        r = out[k]
+        if "tasks" in r and not (r["leased_once"] and r["results_stored_once"]):
+            problems.append(f"{k}: leased once {r['leased_once']}, results stored once {r['results_stored_once']}")
+    c.smoke_check(problems)
+
+
+def _pg_unreachable(url: str) -> str | None:
+    """None when a PostgreSQL server answers at ``url``, else why not."""
+    try:
+        import psycopg
+
+        with psycopg.connect(url, connect_timeout=3):
+            return None
+    except Exception as exc:
+        return f"PostgreSQL not reachable at {url} ({type(exc).__name__}); ./taskw setup starts it"
 
 
 if __name__ == "__main__":

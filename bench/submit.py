@@ -9,7 +9,7 @@ with 2 workers), loopback only. Measured in the same run:
 - a steady stream of submits through a hub SIGKILL and restart: refused submits, duplicated
   tasks, results delivered.
 
-    .venv/bin/python bench/submit.py [--n 2000] [--stream 300]
+    .venv/bin/python bench/submit.py [--n 2000] [--stream 300] [--smoke]
 """
 
 from __future__ import annotations
@@ -100,25 +100,33 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--stream", type=int, default=300)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "submit.json")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few seconds: 20 submits each way, 30 through the hub restart; prints the JSON, writes no file")
     a = ap.parse_args()
+    warm = 200
+    if a.smoke:
+        a.n, a.stream, warm = min(a.n, 20), min(a.stream, 30), 20
     with tempfile.TemporaryDirectory() as d, LocalMesh(Path(d), hub_process=True) as m:
         agent = m.add_agent("bench", "zmq", workers=2)
         m.wait_online(timeout=120)
         with Executor(Client(m.url, m.token), endpoint_id=agent.endpoint_id) as ex:
-            _run(ex, 200, False)  # warm: workers, connections, the distributions scan
-            _run(ex, 200, True)
+            _run(ex, warm, False)  # warm: workers, connections, the distributions scan
+            _run(ex, warm, True)
             named = _run(ex, a.n, False)
             lam = _run(ex, a.n, True)
         restart = _restart_stream(m, agent.endpoint_id, a.stream)
     out = {
-        "bench": "submit", "n": a.n, "machine": f"{platform.machine()} {platform.system()}, python {platform.python_version()}",
+        "bench": "submit", "smoke": a.smoke, "n": a.n, "machine": f"{platform.machine()} {platform.system()}, python {platform.python_version()}",
         "named_function": named, "fresh_lambda": lam,
         "lambda_to_named_rate_ratio": round(lam["submits_per_s"] / named["submits_per_s"], 3),
         "through_hub_restart": restart,
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(out, indent=2) + "\n")
+    if not a.smoke:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))
+    if a.smoke and (restart["failed_futures"] or restart["duplicated"] > 0):
+        sys.exit(f"--smoke: FAILED through the hub restart: {restart}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ The mesh runs through the SDK's stream (the default) and then, on the same mesh,
 Target (issue 13): mesh tasks/s >= 10x Parsl HTEX tasks/s, one agent. One JSON object goes to stdout and to
 bench/results/throughput-<UTC>.json; progress goes to stderr.
 
-    python bench/throughput.py [--tasks 10000] [--quick]
+    python bench/throughput.py [--tasks 10000] [--quick] [--smoke]
 """
 
 from __future__ import annotations
@@ -104,6 +104,8 @@ def main() -> None:
         args.tasks = args.samples
     if args.quick:
         args.tasks, args.warmup = min(args.tasks, 500), min(args.warmup, 50)
+    if c.smoke(args):
+        args.tasks, args.warmup = min(args.tasks, 50), min(args.warmup, 10)
     started = time.monotonic()
     out = c.header("throughput", args)
     mesh = {t: mesh_throughput(t, args.tasks, args.warmup, args.workdir) for t in args.transports.split(",") if t}
@@ -124,6 +126,11 @@ def main() -> None:
         }
     out["targets"] = targets
     c.finish("throughput", out, args, started)
+    batches = {f"mesh {t}": r for t, r in mesh.items()} | {f"mesh {t} rest": r["rest"] for t, r in mesh.items()}
+    if parsl is not None:
+        batches["parsl"] = parsl
+    c.smoke_check([f"{k}: {b['completed']} of {b['tasks']} done, {b['failed']} failed" for k, b in batches.items()
+                   if b["timed_out"] or b["failed"]])
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ pinned at enrollment) and ``wss`` (HTTPS + MQTT over secure WebSockets). Measure
 ``tls_vs_plain(...) -> dict`` is the API (bench/footprint.py imports it); ``python bench/tls.py``
 prints the JSON and writes bench/results/tls.json (and a dated copy).
 
-    python bench/tls.py [--samples 200] [--tasks 2000] [--quick]
+    python bench/tls.py [--samples 200] [--tasks 2000] [--quick] [--smoke]
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def _throughput(ex: Any, n: int, budget_s: float) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- the API
 def tls_vs_plain(*, samples: int = 200, warmup: int = 20, rounds: int = 5, tasks: int = 2000, echo_messages: int = 200,
-                 workdir: str | None = None, modes: tuple[str, ...] = MODES) -> dict[str, Any]:
+                 workdir: str | None = None, modes: tuple[str, ...] = MODES, echo_warmup: int = 20) -> dict[str, Any]:
     """Measure plaintext, mqtts and wss side by side in this process; returns a JSON-able dict.
 
     ``round_trip``: mesh warm RTT per mode (SDK -> hub -> agent -> hub -> SDK) and the raw broker
@@ -230,7 +230,7 @@ def tls_vs_plain(*, samples: int = 200, warmup: int = 20, rounds: int = 5, tasks
         for m in modes:
             once, relay = stack.enter_context(_echo(m, port(m), ca[m]))
             echoes[m] = once
-            for _ in range(20):
+            for _ in range(echo_warmup):
                 once()
             before = relay.total()
             for _ in range(echo_messages):
@@ -277,10 +277,16 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.samples, args.warmup, args.rounds, args.tasks = min(args.samples, 30), min(args.warmup, 5), min(args.rounds, 3), min(args.tasks, 300)
+    echo = {}
+    if c.smoke(args):
+        args.samples, args.warmup, args.rounds, args.tasks = min(args.samples, 5), min(args.warmup, 2), 1, min(args.tasks, 20)
+        echo = {"echo_messages": 5, "echo_warmup": 2}
     started = time.monotonic()
     out = c.header("tls", args)
-    out.update(tls_vs_plain(samples=args.samples, warmup=args.warmup, rounds=args.rounds, tasks=args.tasks, workdir=args.workdir))
+    out.update(tls_vs_plain(samples=args.samples, warmup=args.warmup, rounds=args.rounds, tasks=args.tasks, workdir=args.workdir, **echo))
     c.finish("tls", out, args, started)
+    c.smoke_check([f"throughput over {m}: {r['done']} of {r['tasks']} done, {r['failed']} failed"
+                   for m, r in out["throughput"].items() if r["failed"] or r["done"] < r["tasks"]])
     if not args.no_save:
         (c.RESULTS_DIR / "tls.json").write_text(json.dumps(out, indent=2) + "\n")
 
