@@ -177,6 +177,15 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     out["baseline"] = "bare worker (the agent's own Python), same run"
     finish("coldstart", out, args, started)
+    # A full run reports an environment that cannot start here; a smoke run fails when one that
+    # should start does not (bubblewrap installed, yet the sandbox did not run), so CI notices.
+    broken = [k for k in ("bare worker", "cached venv", "new venv") if not out.get("rows", {}).get(k, {}).get("available")]
+    if shutil.which("bwrap"):
+        broken += [k for k in ("bubblewrap", "bubblewrap + cached venv") if not out.get("rows", {}).get(k, {}).get("available")]
+    if _common.smoke(args) and broken:
+        print(f"coldstart --smoke: {', '.join(broken)} did not run", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
