@@ -50,6 +50,23 @@ if ! id "$user" >/dev/null 2>&1; then
   useradd --system --home-dir "$state" --no-create-home --shell /usr/sbin/nologin "$user"
 fi
 
+# The sandbox for tasks of users this endpoint is shared with: bubblewrap >= 0.8 (bookworm), started
+# by the agent's user from an unprivileged user namespace. Without it those tasks fail with a clear
+# error (never unsandboxed); the agent itself runs either way. docs/operations.md, "Sandbox under
+# systemd, balena and Apptainer".
+if ! command -v bwrap >/dev/null && command -v apt-get >/dev/null; then
+  apt-get install -y --no-install-recommends bubblewrap >/dev/null || true
+fi
+if ! command -v bwrap >/dev/null; then
+  echo "install.sh: warning: bubblewrap is not installed (apt-get install bubblewrap): tasks of users you share this endpoint with will fail" >&2
+elif ! why="$(setpriv --reuid="$(id -u "$user")" --regid="$(id -g "$user")" --clear-groups -- bwrap --unshare-user --disable-userns \
+    --unshare-pid --unshare-net --ro-bind / / --proc /proc --dev /dev true 2>&1)"; then
+  echo "install.sh: warning: user $user cannot start a bubblewrap sandbox on this machine: $why" >&2
+  echo "  needs bubblewrap >= 0.8 and unprivileged user namespaces: sysctl user.max_user_namespaces > 0," >&2
+  echo "  kernel.unprivileged_userns_clone=1 (Debian kernels), and on Ubuntu >= 23.10 an AppArmor profile" >&2
+  echo "  for bwrap or kernel.apparmor_restrict_unprivileged_userns=0" >&2
+fi
+
 [ -x "$prefix/venv/bin/python" ] || python3 -m venv "$prefix/venv"
 "$prefix/venv/bin/pip" install --quiet --upgrade pip
 "$prefix/venv/bin/pip" install --quiet --upgrade "${source:-$here/../..}"
