@@ -403,6 +403,10 @@ class Environments:
         self._requests: dict[str, str] = {}  # request key -> venv key
         self._venvs: dict[str, _Venv] = {}
         self.failed: dict[str, str] = {}  # spec id -> why it could not be built
+        #: spec ids whose failure is the deployment's, not the spec's (a sandbox that cannot start under
+        #: this unit or kernel): remembered for this process only, so a fixed deployment is tried again
+        #: at the next start without ``mesh-agent envs forget``
+        self._not_saved: set[str] = set()
         self.specs: dict[str, str | None] = {}  # spec id -> its venv key, for held_specs()
         #: spec id -> (seconds, bytes added to uv's cache) of its last build here, newest last (at most 8):
         #: what the hub's scheduler learns an environment's cold start from (heartbeat ``eb``)
@@ -476,6 +480,8 @@ class Environments:
                 return kind
             except EnvError as exc:
                 self.failed[sid] = str(exc)
+                if getattr(exc, "deployment", False):
+                    self._not_saved.add(sid)
                 while len(self.failed) > _MAX_REMEMBERED:  # bounded: the oldest failure is tried again some day
                     self.failed.pop(next(iter(self.failed)))
                 self.stats.failures += 1
@@ -589,7 +595,10 @@ class Environments:
     def _bwrap_path(self) -> str:
         found = self._bwrap or _which("bwrap")
         if not found:
-            raise EnvError("sandbox requested but bubblewrap (bwrap) is not installed on this endpoint (apt install bubblewrap)")
+            err = EnvError("sandbox requested but bubblewrap (bwrap) is not installed on this endpoint (apt install bubblewrap, "
+                           "0.8 or newer)")
+            err.deployment = True  # type: ignore[attr-defined]
+            raise err
         return found
 
     def _container_runtime(self) -> str:
@@ -613,7 +622,9 @@ class Environments:
             return done
         code, out = await self._run(list(argv), timeout=300, env=env)
         if code != 0 or "ok" not in out:
-            raise EnvError(f"{what} cannot start on this endpoint: {_tail(out)}")
+            err = EnvError(f"{what} cannot start on this endpoint: {_tail(out)}")
+            err.deployment = True  # type: ignore[attr-defined]  # the runtime's or the unit's doing: not saved across restarts
+            raise err
         self._probed[tuple(argv)] = out
         return out
 
@@ -784,7 +795,8 @@ class Environments:
     def _save(self) -> None:
         """One small file, written on builds, evictions and failures only (not per task: SD cards)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        data = {"requests": self._requests, "failed": self.failed, "specs": self.specs,
+        failed = {k: v for k, v in self.failed.items() if k not in self._not_saved}
+        data = {"requests": self._requests, "failed": failed, "specs": self.specs,
                 "images": {k: [p, t] for k, (p, t) in self.images.items()},
                 "venvs": {k: {"pins": v.pins, "bytes": v.bytes, "last_used": v.last_used, "build_s": v.build_s}
                           for k, v in self._venvs.items()}}

@@ -596,3 +596,28 @@ async def test_another_users_sdist_is_never_built_outside_the_sandbox(tmp_path: 
     eng.submit([with_env(task("owner", whoami), {"pip": ["sdistonly"]})])
     await sink.wait_for(3, timeout=180)
     assert marker.exists()
+
+
+async def test_a_sandbox_that_cannot_start_fails_its_tasks_and_is_tried_again_after_a_restart(
+        tmp_path: Path, wheels: Path, started: list[LocalEngine]) -> None:
+    """A deployment that forbids the sandbox (here: a bwrap that always fails) fails the tenant's
+    tasks with bubblewrap's words and never runs them unsandboxed; once fixed, a restarted agent
+    tries again without `mesh-agent envs forget`."""
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    sink = Collector()
+    envs = make_envs(tmp_path, wheels, bwrap=str(fake))
+    eng = await start(started, sink, envs)
+    spec = {"sandbox": True, "tenant": "bob"}
+    eng.submit([with_env(task("t", whoami), spec)])
+    e = error((await sink.wait_for(1, timeout=60))[0])
+    assert e["type"] == ENVIRONMENT_ERROR and "No permissions to create new namespace" in e["message"]
+    if shutil.which("bwrap") is None:
+        return
+    again = make_envs(tmp_path, wheels)  # the same data dir, a working bubblewrap: an agent restarted after the fix
+    assert env_id(normalize(spec)) not in again.failed
+    eng2 = await start(started, sink, again)
+    eng2.submit([with_env(task("t2", whoami), spec)])
+    await sink.wait_for(2, timeout=60)
+    assert sink.by_id()["t2"].ok
