@@ -186,6 +186,10 @@ class EnvironmentsSettings(_MaskedRepr):
     keep_warm_s: float = Field(300.0, ge=0, description="an environment's workers stay warm this long after their last task")
     prewarm: list[dict[str, Any]] = Field(default_factory=list, max_length=8, description="environment specs built at start, "
                                           "each with one worker kept warm, e.g. [{pip: [numpy]}, {sandbox: true}]")
+    sandbox_tmp_mb: int = Field(64, ge=1, le=65536, description="size of a sandbox's private /tmp (a tmpfs: RAM)")
+    sandbox_nproc: int = Field(256, ge=8, le=65536, description="processes and threads one sandbox may hold (a fork bomb stops here)")
+    sandbox_uid: int = Field(65534, ge=1, le=2**31 - 2, description="host uid/gid a sandbox runs as when the agent runs as root "
+                             "(never 0)")
 
     @field_validator("prewarm")
     @classmethod
