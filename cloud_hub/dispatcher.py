@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,11 +34,13 @@ from cloud_hub.store.sqlite import check_results
 from mesh_agent.protocol import (
     UP_KINDS,
     BadFrame,
+    BadSignature,
     Envelope,
     Kind,
     ProtocolError,
     Replayed,
     ReplayGuard,
+    Stale,
     check_freshness,
     encode,
     open_frame,
@@ -55,6 +57,41 @@ log = logging.getLogger("cloud_hub.dispatcher")
 #: gateway re-sends at least mesh_agent.gateway.RESEND_UP_S apart.
 _REACK_EVERY_S = 5.0
 _REACK_REMEMBER = 20_000
+
+#: Why a frame from an endpoint's channel was refused, as ``mesh_frames_rejected_total`` labels it
+#: (cloud_hub/metrics.py, docs/security.md): forged or damaged (``bad_mac``), too old or from the
+#: future (``stale``), seen before (``replay``), not a frame or a body of the wrong shape
+#: (``malformed``), past the size limit (``oversize``), a hub kind sent back at the hub
+#: (``wrong_direction``), another endpoint's frame on this channel (``wrong_channel``), a channel no
+#: enrolled endpoint has (``unknown_endpoint``).
+REJECT_REASONS = ("bad_mac", "stale", "replay", "malformed", "oversize", "wrong_direction", "wrong_channel", "unknown_endpoint")
+#: Endpoint label values of the rejected-frame counter: past this many, "other" (a label per
+#: endpoint is affordable for the few that misbehave, not for a fleet of 10,000 all at once).
+#: A channel no enrolled endpoint has is always "unknown", so no sender can mint labels.
+REJECT_LABELS_MAX = 500
+
+
+def reject_reason(exc: BaseException) -> str:
+    """The counter's reason for a refused frame (one of :data:`REJECT_REASONS`)."""
+    marked = getattr(exc, "counter_reason", None)
+    if marked in REJECT_REASONS:
+        return str(marked)
+    if isinstance(exc, Replayed):
+        return "replay"
+    if isinstance(exc, Stale):
+        return "stale"
+    if isinstance(exc, BadSignature):
+        return "bad_mac"
+    text = str(exc)
+    if "exceeds" in text or "inflates past" in text:  # mesh_agent/protocol/envelope.py's size checks
+        return "oversize"
+    return "malformed"
+
+
+def _refused(exc: ProtocolError, reason: str) -> ProtocolError:
+    exc.counter_reason = reason  # type: ignore[attr-defined]
+    return exc
+
 
 _LEASE_BATCH = 2000
 _LEASE_BYTES = 8 * 2**20
@@ -155,6 +192,8 @@ class Dispatcher:
         self._replay = ReplayGuard()
         self._allow: dict[str, frozenset[str]] = {}  # endpoints with a function allow-list
         self._watchdog: asyncio.Task[None] | None = None
+        #: (endpoint label, reason) -> frames refused (reject_reason, REJECT_LABELS_MAX): /metrics
+        self.rejected: Counter[tuple[str, str]] = Counter()
         self.stats = {"rejected_frames": 0, "tasks_sent": 0, "results_stored": 0, "duplicate_results": 0, "wills": 0, "goodbyes": 0,
                       "results_reacked": 0}
         #: When a replayed results frame was last answered with a result_ack (see _reack), bounded.
@@ -490,6 +529,18 @@ class Dispatcher:
             s.pumping = False
 
     # ------------------------------------------------------------------ incoming
+    def _count_rejected(self, claimed: str, exc: BaseException) -> None:
+        """Count a refused frame by endpoint and reason (``mesh_frames_rejected_total``). The label
+        is the channel's endpoint only when it is enrolled (a forger cannot mint label values), and
+        "other" past REJECT_LABELS_MAX distinct endpoints."""
+        self.stats["rejected_frames"] += 1
+        label = claimed if claimed in self._keys else "unknown"
+        if label != "unknown" and (label, reject_reason(exc)) not in self.rejected:
+            seen = {e for e, _ in self.rejected}
+            if label not in seen and len(seen - {"unknown", "other"}) >= REJECT_LABELS_MAX:
+                label = "other"
+        self.rejected[(label, reject_reason(exc))] += 1
+
     async def enqueue_frame(self, claimed: str, frame: bytes, link: HubLink) -> None:
         """What the links call: queue the frame in its channel's lane (handled after that
         endpoint's earlier frames, alongside other endpoints' frames) and return."""
@@ -500,17 +551,17 @@ class Dispatcher:
         try:
             endpoint_id = peek_endpoint(frame)
             if endpoint_id != claimed:
-                raise ProtocolError(f"frame for {endpoint_id} arrived on {claimed}'s channel")
+                raise _refused(ProtocolError(f"frame for {endpoint_id} arrived on {claimed}'s channel"), "wrong_channel")
             key = self._keys.get(endpoint_id)
             if key is None and self.replicated:  # enrolled through another replica
                 key = await self.store.endpoint_key(endpoint_id)
                 if key is not None:
                     self._keys[endpoint_id] = key
             if key is None:
-                raise ProtocolError(f"unknown endpoint {endpoint_id}")
+                raise _refused(ProtocolError(f"unknown endpoint {endpoint_id}"), "unknown_endpoint")
             sealed = open_frame(frame, key)
             if sealed.kind not in UP_KINDS:
-                raise BadFrame(f"a {sealed.kind.value} frame cannot come from an agent (reflected?)")
+                raise _refused(BadFrame(f"a {sealed.kind.value} frame cannot come from an agent (reflected?)"), "wrong_direction")
             # A hello is answered with a nonce-bound welcome that tells the agent our clock, so it
             # may come from a device whose clock is off (a Pi after a power cut has no RTC). A gone
             # frame is the agent's MQTT will, signed when it connected and published by the broker
@@ -520,14 +571,17 @@ class Dispatcher:
             self._replay.check(sealed)
             env = sealed.open()  # the body is parsed only after MAC, freshness and replay passed
         except Replayed as exc:
-            self.stats["rejected_frames"] += 1
             if sealed.kind is Kind.RESULTS and (not self.replicated or await self._holds(endpoint_id)):
+                # A results frame sent again verbatim (a site gateway re-sends until acked): benign,
+                # answered, so not in the per-endpoint counter the alert watches.
+                self.stats["rejected_frames"] += 1
                 await self._reack(endpoint_id, sealed, link)
             else:
+                self._count_rejected(claimed, exc)
                 log.warning("rejected frame on %s channel %s: %s: %s", link.name, claimed, exc.reason, exc, extra={"endpoint_id": claimed})
             return
         except ProtocolError as exc:
-            self.stats["rejected_frames"] += 1
+            self._count_rejected(claimed, exc)
             log.warning("rejected frame on %s channel %s: %s: %s", link.name, claimed, exc.reason, exc, extra={"endpoint_id": claimed})
             return
         if self.replicated and not await self._holds(endpoint_id):
@@ -769,7 +823,7 @@ class Dispatcher:
         try:
             check_results(results)
         except ValueError as exc:  # authentic but malformed (a broken agent): nothing of it is stored or acked
-            self.stats["rejected_frames"] += 1
+            self._count_rejected(s.endpoint_id, exc)
             log.warning("rejected results frame from %s: %s", s.endpoint_id, exc, extra={"endpoint_id": s.endpoint_id})
             return
         if self.bus._early:

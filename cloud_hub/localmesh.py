@@ -250,12 +250,18 @@ class LocalMesh:
 
     def add_agent(self, name: str, transport: str = "mqtt", *, workers: int | None = 2, prefetch: int = 256,
                   task_timeout: float | None = None, start: bool = True, tags: list[str] | None = None,
-                  hardware: str | None = None, data_dir: Path | None = None, **settings: Any) -> AgentProcess:
-        """Enroll and (by default) start an agent; ``settings`` are further AgentConfig fields."""
+                  hardware: str | None = None, data_dir: Path | None = None, trusted: bool = True, **settings: Any) -> AgentProcess:
+        """Enroll and (by default) start an agent; ``settings`` are further AgentConfig fields.
+
+        ``trusted``: the agent runs on this machine, as the user, so its owner (the mesh's user)
+        marks it trusted at enrollment and gets its results unpickled; ``False`` leaves it as a
+        newly enrolled field device is, data only (docs/security.md)."""
         token = self.client.create_enrollment_token()
         config_path = self.workdir / "agents" / f"{name}.yaml"
         cfg = enroll(self.url, token, name, config_path, transport=transport, workers=workers, prefetch=prefetch, task_timeout=task_timeout,
                      tags=tags, hardware=hardware, data_dir=data_dir, ca_hash=getattr(token, "ca_hash", None))
+        if trusted:
+            self.client.set_endpoint_trusted(cfg.endpoint_id, True)
         if settings:
             cfg = AgentConfig.model_validate({**cfg.model_dump(), **settings})
             cfg.save(config_path)
@@ -289,6 +295,7 @@ class LocalMesh:
         site = gateway.cfg.site
         cfg = enroll(self.url, token, name, path, workers=workers, prefetch=prefetch, gateway_id=gateway.endpoint_id,
                      mqtt_host=site.listen_host, mqtt_port=site.listen_port, ca_hash=getattr(token, "ca_hash", None))
+        self.client.set_endpoint_trusted(cfg.endpoint_id, True)  # on this machine, as the user (see add_agent)
         if settings:
             cfg = AgentConfig.model_validate({**cfg.model_dump(), **settings})
             cfg.save(path)

@@ -382,6 +382,19 @@ class _Collector:
             yield e_in
             yield e_out
 
+        # --------------------------------------------------------- refused frames
+        # Per endpoint and reason (cloud_hub/dispatcher.py reject_reason): a device whose frames
+        # fail their MAC, come stale or replayed is misconfigured, tampered with, or in someone
+        # else's hands. Bounded: only enrolled endpoints get their own label, at most
+        # REJECT_LABELS_MAX of them ("other" past that), unknown channels are "unknown".
+        rejected = CounterMetricFamily("mesh_frames_rejected", "Frames the hub refused, by endpoint (its channel; 'unknown' for a channel "
+                                       "no enrolled endpoint has, 'other' past the label cap) and reason "
+                                       "(bad_mac, stale, replay, malformed, oversize, wrong_direction, wrong_channel, unknown_endpoint)",
+                                       labels=["endpoint", "reason"])
+        for (eid, reason), n in sorted(getattr(disp, "rejected", {}).items()):
+            rejected.add_metric([eid, reason], n)
+        yield rejected
+
         # --------------------------------------------------------- FL
         runs = GaugeMetricFamily("mesh_fl_runs", "FL runs by status", labels=["status"])
         for st in ("running", "finished", "failed", "aborted"):

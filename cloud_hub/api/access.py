@@ -1,7 +1,7 @@
 """Who may use an endpoint: sharing, function allow-lists, revocation (``/v1/endpoints/{id}/...``).
 
 Rules (docs/security.md): a user sees and uses only their own endpoints and those an owner shared
-with them. Only the owner shares, sets the allow-list, or revokes. An endpoint the caller cannot see
+with them. Only the owner shares, sets the allow-list, marks it trusted, or revokes. An endpoint the caller cannot see
 is a 404, exactly like one that does not exist (no probing for ids); one the caller may use but
 not manage is a 403 that says so.
 """
@@ -45,6 +45,17 @@ class AllowOut(BaseModel):
     endpoint_id: str
     function_ids: list[str] | None
     failed_tasks: int = Field(0, description="tasks still queued for functions now off the list, failed with cloud_hub.FunctionNotAllowed")
+
+
+class TrustIn(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    trusted: bool = Field(description="true: your SDK unpickles this endpoint's results (they may run code on your machine); "
+                          "false: data only (JSON, plain containers, numpy arrays), the default for a new endpoint")
+
+
+class TrustOut(BaseModel):
+    endpoint_id: str
+    trusted: bool
 
 
 class RevokeOut(BaseModel):
@@ -116,6 +127,18 @@ async def set_allow_list(endpoint_id: EndpointId, body: AllowIn, h: HubDep, user
         h.placement.tasks_ended([t for t, _ in failed], time.time())
     allowed = h.dispatcher.allow_list(endpoint_id)
     return AllowOut(endpoint_id=endpoint_id, function_ids=None if allowed is None else sorted(allowed), failed_tasks=len(failed))
+
+
+@router.put("/{endpoint_id}/trusted", response_model=TrustOut)
+async def set_trusted(endpoint_id: EndpointId, body: TrustIn, h: HubDep, user: UserDep) -> TrustOut:
+    """Mark the endpoint trusted, or not (owner only). Its owner's SDK unpickles results only from
+    endpoints marked trusted; from any other it decodes data only, so a stolen device cannot send
+    a result that runs code on its owner's machine (docs/security.md). Users it is shared with are
+    not affected: they trust it only with ``Client(..., trusted_endpoints=[...])``."""
+    await _require(h, user, endpoint_id, owner=True, action="mark it trusted")
+    trusted = await h.access.set_trusted(endpoint_id, body.trusted)
+    log.info("endpoint %s marked %s by its owner", endpoint_id, "trusted" if trusted else "untrusted", extra={"endpoint_id": endpoint_id})
+    return TrustOut(endpoint_id=endpoint_id, trusted=trusted)
 
 
 class GatewayIn(BaseModel):

@@ -365,4 +365,4 @@ def _valid_curve_key(key: str | None) -> bool:
 
 def _result_out(r: dict[str, Any]) -> ResultOut:
     return ResultOut(task_id=r["task_id"], ok=r["ok"], data=base64.b64encode(r["data"] or b"").decode(), started=r["started"], finished=r["finished"],
-                     endpoint_id=r.get("endpoint_id"), own_endpoint=r.get("own_endpoint", False))
+                     endpoint_id=r.get("endpoint_id"), own_endpoint=r.get("own_endpoint", False), trusted=r.get("trusted", False))

@@ -241,5 +241,5 @@ def endpoint_out(h: Hub, e: dict[str, Any]) -> EndpointOut:
         info["bytes_per_day"] = {"up": round(traffic["in"]), "down": round(traffic["out"]), "since": traffic["since"]}
     return EndpointOut(
         id=e["id"], name=e["name"], transport=e["transport"], online=online, last_seen=(live or {}).get("last_seen", e["last_seen"]),
-        created=e["created"], queued=e["queued"], in_flight=e["in_flight"], info=info,
+        created=e["created"], queued=e["queued"], in_flight=e["in_flight"], info=info, trusted=bool(e.get("trusted", False)),
     )

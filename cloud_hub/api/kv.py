@@ -37,9 +37,14 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             rows = await hub.store.results(user, [task_id])  # the user's own tasks only
             if not rows:
                 return None
-            if not rows[0].get("own_endpoint", True):  # a pickle from someone else's device is not handed to yours
-                raise KVError(f"ERR task {task_id} ran on an endpoint shared with you, not your own: its result is not passed "
-                              "to another endpoint (fetch it with future.result() and pass the value)")
+            # A pickle from a device you did not mark trusted (someone else's, or one of yours that
+            # could have been stolen) is not handed to your other endpoints, which unpickle it.
+            if not rows[0].get("trusted", False):
+                ep = rows[0].get("endpoint_id")
+                whose = "an endpoint shared with you" if not rows[0].get("own_endpoint") else \
+                    f"your endpoint {ep}, which you have not marked trusted (client.set_endpoint_trusted({ep!r}, True))"
+                raise KVError(f"ERR task {task_id} ran on {whose}: its result is not passed to another endpoint "
+                              "(fetch it with future.result() and pass the value)")
             return bool(rows[0]["ok"]), bytes(rows[0]["data"] or b"")
 
         # Kept in the hub's database: a restarted hub (on a fixed kv_port) accepts the URLs it gave

@@ -140,8 +140,10 @@ class ResultOut(BaseModel):
     started: float | None
     finished: float | None
     endpoint_id: str | None = Field(None, description="where it ran (none: the hub made it, e.g. the task expired)")
-    own_endpoint: bool = Field(False, description="it ran on the caller's own endpoint (or the hub made it): the SDK "
-                               "unpickles only such results, unless the caller trusts the endpoint")
+    own_endpoint: bool = Field(False, description="it ran on the caller's own endpoint (or the hub made it)")
+    trusted: bool = Field(False, description="the caller may unpickle it: it ran on the caller's own endpoint and its owner "
+                          "marked that endpoint trusted (or the hub made it). The SDK decodes every other result as data only, "
+                          "unless the caller lists the endpoint in trusted_endpoints")
 
 
 class WaitIn(BaseModel):
@@ -165,6 +167,8 @@ class EndpointOut(BaseModel):
     queued: int
     in_flight: int
     info: dict[str, Any]
+    trusted: bool = Field(False, description="its owner marked it trusted: the owner's SDK unpickles its results "
+                          "(PUT /v1/endpoints/{id}/trusted); otherwise they are decoded as data only")
 
 
 class EnrollTokenIn(BaseModel):
@@ -174,7 +178,7 @@ class EnrollTokenIn(BaseModel):
 
 
 class EnrollTokenOut(BaseModel):
-    token: str
+    token: str = Field(repr=False)  # secrets stay out of repr() and so out of logs (docs/security.md)
     expires_in_s: float
     uses: int
     ca_hash: str | None = Field(None, description="sha256:<hex> of the hub's CA; give it to `mesh-agent init --ca-hash`")
@@ -188,7 +192,7 @@ class CaOut(BaseModel):
 
 class EnrollIn(BaseModel):
     model_config = _strict
-    token: str = Field(min_length=8)
+    token: str = Field(min_length=8, repr=False)
     name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.\-]+$")
     transport: Literal["mqtt", "zmq"] = "mqtt"
     curve_public: str | None = Field(None, min_length=40, max_length=40, description="the agent's ZeroMQ CURVE public key (z85); required for zmq")
@@ -201,13 +205,13 @@ class MqttInfo(BaseModel):
     port: int
     topic_prefix: str
     username: str | None = None
-    password: str | None = None
+    password: str | None = Field(None, repr=False)
     url: str | None = Field(None, description="mqtt://, mqtts:// (TLS) or wss://host:port/path (MQTT over secure WebSockets)")
 
 
 class EnrollOut(BaseModel):
     endpoint_id: str
-    key: str = Field(description="hex HMAC key for signing; shown once")
+    key: str = Field(description="hex HMAC key for signing; shown once", repr=False)
     transport: str
     heartbeat_s: float
     mqtt: MqttInfo | None
@@ -231,7 +235,7 @@ class EnrollBatchIn(BaseModel):
     """Many endpoints under one multi-use enrollment token (a fleet, a load harness), all or none."""
 
     model_config = _strict
-    token: str = Field(min_length=8)
+    token: str = Field(min_length=8, repr=False)
     transport: Literal["mqtt", "zmq"] = "mqtt"
     endpoints: list[EnrollBatchItem] = Field(min_length=1, max_length=MAX_ENROLL_BATCH)
 

@@ -22,6 +22,7 @@ import base64
 import contextlib
 import json
 import logging
+import time
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, WebSocket, WebSocketDisconnect
@@ -50,6 +51,10 @@ CLOSE_BAD_FRAME = 4400
 _IDLE_REQUERY_S = 2.0
 CLOSE_TRY_LATER = 1013  # RFC 6455 "try again later": Globus Auth unreachable, hub stopping
 _RESULTS_PER_FRAME = 2000
+#: How long an early-results stream goes on using what it read about an endpoint (owned by this user,
+#: marked trusted) before reading it again: an owner who unmarks an endpoint is obeyed on every
+#: open stream within this long (stored results read the flag at every fetch).
+_TRUST_RECHECK_S = 5.0
 _MAX_PLACED = 100_000  # tasks remembered per early-results stream (about 150 B each, 15 MB at most); past it, stored copies only
 
 
@@ -123,9 +128,12 @@ class _Conn:
         self.hub, self.ws, self.user, self._token = hub, ws, user, token
         self._send_lock = asyncio.Lock()
         # Early results (see _early): where each task accepted here was placed, whether the user
-        # owns each such endpoint, and the tasks whose result went out before it was stored.
+        # owns each such endpoint and whether it is trusted for them (read again after
+        # _TRUST_RECHECK_S), and the tasks whose result went out before it was stored.
         self._placed: dict[str, str] = {}
-        self._own: dict[str, bool] = {}
+        self._own: dict[str, tuple[bool, bool]] = {}
+        self._own_read = 0.0  # monotonic time _own was last read
+        self._refreshing: asyncio.Task[None] | None = None
         self._early_done: set[str] = set()  # written to the socket; the stored copy is then not sent again
         self._sending: set[asyncio.Task[None]] = set()
         self._early_on = False
@@ -158,7 +166,7 @@ class _Conn:
         finally:
             self.hub.bus.unlisten_early(self._early)
             pusher.cancel()
-            for t in [pusher, *self._sending]:
+            for t in [pusher, *self._sending, *([self._refreshing] if self._refreshing else [])]:
                 t.cancel()
                 with contextlib.suppress(BaseException):
                     await t
@@ -221,11 +229,29 @@ class _Conn:
             return
         if len(self._placed) < _MAX_PLACED:
             self._placed.update((t, e) for t, e in zip(ids, eps) if e)
-        new = {e for e in eps if e and e not in self._own}
-        owners_of = getattr(self.hub.store, "endpoint_owners_of", None)
-        if new and owners_of is not None:
-            owners = await owners_of(new)
-            self._own.update((e, owners.get(e) == self.user) for e in new)
+        stale = time.monotonic() - self._own_read > _TRUST_RECHECK_S
+        new = {e for e in eps if e and (stale or e not in self._own)}
+        if new:
+            await self._read_trust(new)
+
+    async def _read_trust(self, eps: set[str]) -> None:
+        """Read (again) whether this user owns these endpoints and marked them trusted; when what
+        was read before is stale, every endpoint known so far is read again with them."""
+        trusted_for = getattr(self.hub.store, "trusted_for", None)
+        if trusted_for is None:
+            return
+        now = time.monotonic()
+        if now - self._own_read > _TRUST_RECHECK_S:
+            eps = eps | set(self._own)
+            self._own.clear()  # unknown until read again: their results wait for the stored copy
+        self._own.update(await trusted_for(self.user, eps))
+        self._own_read = now
+
+    def _refresh_trust(self) -> None:
+        """From ``_early`` (not a coroutine): read the flags again in the background, once."""
+        if self._refreshing is None or self._refreshing.done():
+            t = self._refreshing = asyncio.get_running_loop().create_task(self._read_trust(set(self._own)))
+            t.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failed read: tried again next time
 
     def _early(self, endpoint_id: str, results: list[dict[str, Any]]) -> None:
         """Results an agent just sent (frame verified), before the hub stores them: those of tasks
@@ -235,9 +261,13 @@ class _Conn:
         result until the hub acknowledges it after the commit, sends it again; the SDK drops the
         repeat. A task re-placed elsewhere since, or an endpoint whose owner is not known yet,
         waits for the stored copy."""
-        own = self._own.get(endpoint_id)
-        if own is None:
+        known = self._own.get(endpoint_id)
+        if known is None:
             return
+        if time.monotonic() - self._own_read > _TRUST_RECHECK_S:
+            self._refresh_trust()  # these go out once stored; later ones early again
+            return
+        own, trusted = known
         rows = []
         for r in results:
             tid, data = r.get("id"), r.get("data")
@@ -245,7 +275,7 @@ class _Conn:
                 continue
             del self._placed[tid]  # type: ignore[arg-type]
             rows.append({"task_id": tid, "ok": bool(r.get("ok")), "data": base64.b64encode(data).decode(), "started": r.get("started"),
-                         "finished": r.get("finished"), "endpoint_id": endpoint_id, "own_endpoint": own})
+                         "finished": r.get("finished"), "endpoint_id": endpoint_id, "own_endpoint": own, "trusted": trusted})
         if rows:
             self.hub.dispatcher.stats["stream_results_early"] = self.hub.dispatcher.stats.get("stream_results_early", 0) + len(rows)
             t = asyncio.get_running_loop().create_task(self._send_early(rows))
@@ -306,7 +336,8 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
     """A result row as REST's ``ResultOut`` has it, built directly (a model per row costs more than
     the rest of the frame on a busy stream)."""
     return {"task_id": r["task_id"], "ok": bool(r["ok"]), "data": base64.b64encode(r["data"] or b"").decode(), "started": r["started"],
-            "finished": r["finished"], "endpoint_id": r.get("endpoint_id"), "own_endpoint": bool(r.get("own_endpoint", False))}
+            "finished": r["finished"], "endpoint_id": r.get("endpoint_id"), "own_endpoint": bool(r.get("own_endpoint", False)),
+            "trusted": bool(r.get("trusted", False))}
 
 
 def _fit(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -128,9 +128,11 @@ class Client(FLRunsMixin):
                  verify: "str | Path | bool | ssl.SSLContext | None" = None, trusted_endpoints: Iterable[str] = ()) -> None:
         """``verify``: for an https:// hub with a private CA, the CA file (``mesh-hub tls init``'s ca.pem).
 
-        ``trusted_endpoints``: endpoints of other users (shared with you) whose results may be
-        unpickled. Results from your own endpoints always are; from any other endpoint only plain
-        data (JSON, or a pickle of built-in types) is accepted, since unpickling runs its code here."""
+        ``trusted_endpoints``: endpoints whose results may be unpickled here (another user's
+        endpoint shared with you, or one of yours). Results from your own endpoints are unpickled
+        when you marked them trusted (:meth:`set_endpoint_trusted`); from any other endpoint only
+        data is decoded (JSON; pickles of plain containers, numbers, strings, complex and numpy
+        arrays), since unpickling anything else runs the sender's code here."""
         from cloud_hub.client._config import resolve
 
         self.trusted_endpoints: set[str] = set(trusted_endpoints)
@@ -273,6 +275,13 @@ class Client(FLRunsMixin):
         """Restrict the endpoint to these function ids (None: no list). Owner only."""
         ids = None if function_ids is None else list(function_ids)
         return dict(self.request("PUT", f"/v1/endpoints/{endpoint_id}/allowed-functions", json={"function_ids": ids}))
+
+    def set_endpoint_trusted(self, endpoint_id: str, trusted: bool = True) -> bool:
+        """Mark your endpoint trusted (owner only): your SDK then unpickles its results, as it does
+        for any Python object. Unmarked (the default for a new endpoint), its results are decoded
+        as data only, so a stolen device cannot send one that runs code here (docs/security.md).
+        Returns the flag as the hub stored it."""
+        return bool(self.request("PUT", f"/v1/endpoints/{endpoint_id}/trusted", json={"trusted": bool(trusted)})["trusted"])
 
     def revoke_endpoint(self, endpoint_id: str) -> dict[str, Any]:
         """Lock a lost or retired device out for good (owner only); its unfinished tasks fail."""

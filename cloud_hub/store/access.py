@@ -77,6 +77,18 @@ class AccessStore:
         row = await self.store.read(lambda db: db.execute("SELECT name FROM users WHERE id=?", (user_id,)).fetchone())
         return row[0] if row else None
 
+    # ------------------------------------------------------------------ trust
+    async def set_trusted(self, endpoint_id: str, trusted: bool) -> bool:
+        """Mark the endpoint trusted (its owner's SDK unpickles its results) or not (data only, the
+        default for a new endpoint; docs/security.md). Returns the flag as stored."""
+
+        def q(db: sqlite3.Connection) -> bool:
+            db.execute("UPDATE endpoints SET trusted=? WHERE id=? AND revoked IS NULL", (1 if trusted else 0, endpoint_id))
+            row = db.execute("SELECT trusted FROM endpoints WHERE id=?", (endpoint_id,)).fetchone()
+            return bool(row and row[0])
+
+        return await self.store.tx(q)
+
     # ------------------------------------------------------------------ allow-lists
     async def allow_lists(self) -> dict[str, frozenset[str]]:
         """Every endpoint that has an allow-list (the others accept any function their users own)."""
@@ -114,9 +126,9 @@ class AccessStore:
 
         def q(db: sqlite3.Connection) -> list[tuple[str, str]]:
             now = time.time()
-            db.execute(
-                "UPDATE endpoints SET revoked=?, online=0, key=X'', mqtt_hash=NULL, curve_key=NULL WHERE id=? AND revoked IS NULL",
-                (now, endpoint_id),
+            db.execute(  # the empty key as a parameter: X'' is a bit string to PostgreSQL, not bytes
+                "UPDATE endpoints SET revoked=?, online=0, key=?, mqtt_hash=NULL, curve_key=NULL WHERE id=? AND revoked IS NULL",
+                (now, b"", endpoint_id),
             )
             db.execute("DELETE FROM endpoint_shares WHERE endpoint_id=?", (endpoint_id,))
             rows = db.execute("SELECT id, user_id FROM tasks WHERE endpoint_id=? AND state != 'done'", (endpoint_id,)).fetchall()

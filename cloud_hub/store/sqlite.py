@@ -386,7 +386,7 @@ class SqliteStore:
             sql = (
                 "SELECT e.id, e.user_id, e.name, e.transport, e.created, e.last_seen, e.online, e.info, "
                 "(SELECT COUNT(*) FROM tasks t WHERE t.endpoint_id=e.id AND t.state='queued'), "
-                "(SELECT COUNT(*) FROM tasks t WHERE t.endpoint_id=e.id AND t.state IN ('leased','acked')) "
+                "(SELECT COUNT(*) FROM tasks t WHERE t.endpoint_id=e.id AND t.state IN ('leased','acked')), e.trusted "
                 "FROM endpoints e WHERE e.revoked IS NULL"
             )
             args: list[Any] = []
@@ -397,10 +397,11 @@ class SqliteStore:
                 sql += " AND e.id=?"
                 args.append(endpoint_id)
             rows = self._conn().execute(sql + " ORDER BY e.created", args).fetchall()
-            cols = ["id", "user_id", "name", "transport", "created", "last_seen", "online", "info", "queued", "in_flight"]
+            cols = ["id", "user_id", "name", "transport", "created", "last_seen", "online", "info", "queued", "in_flight", "trusted"]
             out = [dict(zip(cols, r)) for r in rows]
             for e in out:
                 e["online"] = bool(e["online"])
+                e["trusted"] = bool(e["trusted"])
                 e["info"] = json.loads(e["info"] or "{}")
             return out
 
@@ -516,6 +517,22 @@ class SqliteStore:
                 known.clear()
             known.update(await self._run(q))
         return {e: known[e] for e in endpoint_ids if e in known}
+
+    async def trusted_for(self, user_id: str, endpoint_ids: Iterable[str]) -> dict[str, tuple[bool, bool]]:
+        """endpoint id -> (the user owns it, trusted for the user: owned and marked trusted), read
+        fresh (the flag changes; the result stream asks again every few seconds)."""
+        eps = list(set(endpoint_ids))
+
+        def q() -> dict[str, tuple[bool, bool]]:
+            db = self._conn()
+            out: dict[str, tuple[bool, bool]] = {}
+            for chunk in _chunks(eps):
+                for eid, owner, trusted in db.execute(
+                        f"SELECT id, user_id, trusted FROM endpoints WHERE id IN ({','.join('?' * len(chunk))})", chunk).fetchall():
+                    out[eid] = (owner == user_id, owner == user_id and bool(trusted))
+            return out
+
+        return await self._run(q) if eps else {}
 
     # ------------------------------------------------------------------ tasks
     async def insert_tasks(self, rows: Sequence[dict[str, Any]], also: Callable[[sqlite3.Connection], None] | None = None,
@@ -957,11 +974,13 @@ def fail_tasks(db: Any, rows: Sequence[tuple[str, str, bytes]], now: float) -> N
     number_results(db)
 
 
-#: A result with the endpoint that produced it and whether that endpoint is the user's own: the SDK
-#: unpickles only results from the user's own (or explicitly trusted) endpoints. No endpoint (a task
-#: that expired before any ran it) means the hub made the result itself.
+#: A result with the endpoint that produced it, whether that endpoint is the user's own, and
+#: whether it is trusted *for this user*: the user owns it and marked it trusted (migration 15). The
+#: SDK unpickles only trusted results (or those of endpoints the caller lists in trusted_endpoints),
+#: read at every fetch, so marking or unmarking an endpoint applies to results already stored. No
+#: endpoint (a task that expired before any ran it) means the hub made the result itself.
 _RESULT_SELECT = (
-    "SELECT r.user_seq, r.task_id, r.ok, r.data, r.started, r.finished, t.endpoint_id, e.user_id = r.user_id "
+    "SELECT r.user_seq, r.task_id, r.ok, r.data, r.started, r.finished, t.endpoint_id, e.user_id = r.user_id, e.trusted "
     "FROM results r LEFT JOIN tasks t ON t.id = r.task_id LEFT JOIN endpoints e ON e.id = t.endpoint_id"
 )
 
@@ -969,7 +988,7 @@ _RESULT_SELECT = (
 def _result_rows(rows: Iterable[tuple[Any, ...]]) -> list[dict[str, Any]]:
     return [
         {"seq": r[0], "task_id": r[1], "ok": bool(r[2]), "data": r[3], "started": r[4], "finished": r[5],
-         "endpoint_id": r[6], "own_endpoint": r[6] is None or bool(r[7])}
+         "endpoint_id": r[6], "own_endpoint": r[6] is None or bool(r[7]), "trusted": r[6] is None or (bool(r[7]) and bool(r[8]))}
         for r in rows
     ]
 

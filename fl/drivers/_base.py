@@ -454,7 +454,7 @@ class RoundDriver:
         out = []
         for row in rows:
             try:
-                ok, value = decode_row(row, self.client.trusted_endpoints)  # others' endpoints: plain data only
+                ok, value = decode_row(row, self.client.trusted_endpoints)  # untrusted endpoints: data only (numpy arrays included)
             except Exception as exc:  # a result that does not deserialize here
                 ok, value = False, exc
             arr = Arrival(ok=ok, started=row.get("started"), finished=row.get("finished"))

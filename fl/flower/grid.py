@@ -278,7 +278,7 @@ class MeshGrid(Grid):
         for row in rows:
             tid = row["task_id"]
             try:
-                ok, value = decode_row(row, self.client.trusted_endpoints)  # others' endpoints: plain data only
+                ok, value = decode_row(row, self.client.trusted_endpoints)  # untrusted endpoints: data only (numpy arrays included)
             except Exception as exc:
                 ok, value = False, exc
             if tid in self._answered_early:  # a late reply: kept, never used (Flower's semantics)

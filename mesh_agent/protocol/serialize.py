@@ -24,7 +24,7 @@ import pickle
 import re
 import sys
 import types
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 __all__ = [
     "SerializationError",
@@ -133,28 +133,313 @@ def missing_code_hint(exc: BaseException) -> str | None:
 
 
 class _DataOnly(pickle.Unpickler):
-    """Unpickles plain data only (str, bytes, numbers, lists, dicts, tuples, sets, None): any class
-    or function the stream names is refused, so nothing of the sender's choosing runs here."""
+    """Unpickles plain data with the C unpickler: str, bytes, numbers, lists, dicts, tuples, sets,
+    bytearray, None; the stream names no class or function. The first name it does ask for is
+    either refused (:func:`_refuse`) or, when it is on the data allow-list (complex, numpy
+    arrays...), the blob is read again by :class:`_SafeData`."""
 
     def find_class(self, module: str, name: str) -> Any:
-        raise SerializationError(f"it holds {module}.{name}, which only a trusted sender may send (unpickling runs code)")
+        if (module, name) in _ALLOWED:
+            raise _NeedsAllowList
+        raise _refuse(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise SerializationError("it holds a persistent id, which only a trusted sender may send")
+
+
+class _NeedsAllowList(Exception):
+    """The C fast path met an allowed name: read the blob with _SafeData instead."""
+
+
+def _refuse(module: str, name: str) -> SerializationError:
+    if module.partition(".")[0] in ("cloudpickle", "dill"):  # a class or function of the sender's, by value
+        return SerializationError(f"it holds code sent by value ({module}.{name}: a class or function), which only a trusted "
+                                  "sender may send (unpickling it runs code)")
+    return SerializationError(f"it holds {module}.{name}, which only a trusted sender may send (unpickling it runs code)")
+
+
+#: What a data-only pickle may name, besides the opcodes of plain containers. Every entry maps to a
+#: function of ours that checks its arguments, never to the library's own callable: numpy's own
+#: unpickling trusts the stream (a dtype's state sets its flags, so a crafted stream can make
+#: float64 claim to hold object pointers, or hide an object field in a struct), and only arrays of
+#: numbers, booleans, strings and dates are data. Names from numpy 1 (``numpy.core``) and 2
+#: (``numpy._core``) pickles, and Python 2-protocol spellings (``__builtin__``, ``_codecs.encode``).
+_ALLOWED: dict[tuple[str, str], str] = {
+    ("builtins", "complex"): "complex", ("__builtin__", "complex"): "complex",
+    ("builtins", "set"): "set", ("__builtin__", "set"): "set",
+    ("builtins", "frozenset"): "frozenset", ("__builtin__", "frozenset"): "frozenset",
+    ("builtins", "bytearray"): "bytearray", ("__builtin__", "bytearray"): "bytearray",
+    ("builtins", "bytes"): "bytes", ("__builtin__", "bytes"): "bytes", ("_codecs", "encode"): "latin1",
+    ("collections", "OrderedDict"): "OrderedDict",
+    ("numpy", "dtype"): "dtype",
+    ("numpy", "ndarray"): "ndarray",
+    ("numpy._core.multiarray", "_reconstruct"): "reconstruct", ("numpy.core.multiarray", "_reconstruct"): "reconstruct",
+    ("numpy._core.numeric", "_frombuffer"): "frombuffer", ("numpy.core.numeric", "_frombuffer"): "frombuffer",
+    ("numpy._core.multiarray", "scalar"): "scalar", ("numpy.core.multiarray", "scalar"): "scalar",
+}
+#: numpy dtype kinds that are data: bool, signed/unsigned int, float, complex, str, bytes, dates.
+_NUMPY_KINDS = frozenset("biufcUSMm")
+_DTYPE_SPEC = re.compile(r"^([biufcUSMm])(\d{1,9})$")
+
+
+class _NdarrayMark:
+    """What ``numpy.ndarray`` resolves to: accepted only as ``_reconstruct``'s first argument."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise SerializationError("it calls numpy.ndarray directly, which numpy's pickles never do")
+
+
+_NDARRAY = _NdarrayMark()
+
+
+class _SafeData(pickle._Unpickler):  # type: ignore[name-defined,misc]
+    """The allow-list unpickler (pure Python, so that BUILD, which numpy's dtypes and arrays go
+    through, can be checked): plain containers, complex, OrderedDict, and numpy arrays and scalars
+    of the kinds in :data:`_NUMPY_KINDS` rebuilt by our checked constructors. Object arrays,
+    structured dtypes, subclasses and everything else are refused naming what they hold."""
+
+    dispatch: ClassVar[dict[int, Callable[..., Any]]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self._pending: dict[int, Any] = {}  # id -> dtype or array made by us, waiting for its one BUILD
+        self._made: dict[int, Any] = {}  # id -> every dtype made by us (and kept alive, so ids stay unique)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise SerializationError("it holds a persistent id, which only a trusted sender may send")
+
+    def find_class(self, module: str, name: str) -> Any:
+        what = _ALLOWED.get((module, name))
+        if what is None:
+            raise _refuse(module, name)
+        if what == "complex":
+            return _complex
+        if what in ("set", "frozenset"):
+            return _container(set if what == "set" else frozenset)
+        if what == "bytearray":
+            return _bytearray
+        if what == "latin1":
+            return _latin1
+        if what == "bytes":
+            return _bytes
+        if what == "OrderedDict":
+            import collections
+
+            return _container(collections.OrderedDict)
+        if what == "ndarray":
+            return _NDARRAY
+        _numpy()
+        return {"dtype": self._dtype, "reconstruct": self._reconstruct, "frombuffer": self._frombuffer, "scalar": self._scalar}[what]
+
+    # ---------------------------------------------------------------- numpy, checked
+    def _track(self, obj: Any) -> Any:
+        self._pending[id(obj)] = obj
+        return obj
+
+    def _dtype(self, spec: Any, align: Any = False, copy: Any = True) -> Any:
+        np = _numpy()
+        m = _DTYPE_SPEC.match(spec) if isinstance(spec, str) else None
+        if m is None:
+            what = "object" if isinstance(spec, str) and spec[:1] == "O" else "structured or unknown"
+            raise SerializationError(f"it holds a numpy {what} dtype ({spec!r}), which only a trusted sender may send "
+                                     "(only arrays of numbers, booleans, strings and dates are data)")
+        if align not in (0, 1) or copy not in (0, 1) or type(align) not in (bool, int) or type(copy) not in (bool, int):
+            raise SerializationError("it holds a malformed numpy dtype")
+        # copy=True always: without it numpy hands out its shared built-in dtype, and the BUILD
+        # that follows would change float64 for this whole process.
+        dt = np.dtype(spec, False, True)
+        self._made[id(dt)] = dt
+        return self._track(dt)
+
+    def _checked_dtype(self, dt: Any) -> Any:
+        np = _numpy()
+        if not isinstance(dt, np.dtype) or self._made.get(id(dt)) is not dt:
+            raise SerializationError("it holds a numpy array whose dtype is not a numpy dtype")
+        if dt.hasobject or dt.kind not in _NUMPY_KINDS or dt.fields is not None or dt.subdtype is not None:
+            raise SerializationError(f"it holds a numpy array of dtype {dt!r}, which only a trusted sender may send "
+                                     "(only arrays of numbers, booleans, strings and dates are data)")
+        self._pending.pop(id(dt), None)  # used: a later BUILD may no longer change it
+        return dt
+
+    def _build_dtype(self, dt: Any, state: Any) -> None:
+        """Apply ``state`` only when it is exactly the state numpy writes for such a dtype: the
+        flags in a dtype's state decide whether numpy treats its bytes as object pointers."""
+        np = _numpy()
+        spec = dt.str[1:]
+        kind = dt.kind
+        try:
+            if not isinstance(state, tuple) or len(state) not in (8, 9) or state[1] not in ("<", ">", "|", "="):
+                raise ValueError
+            if kind in "US":
+                elsize = state[5]
+                if type(elsize) is not int or elsize < 0 or (kind == "U" and elsize % 4):
+                    raise ValueError
+                want = np.dtype(f"{kind}{elsize // 4 if kind == 'U' else elsize}")
+            elif kind in "Mm":
+                unit, num = state[8][1][0], state[8][1][1]
+                if type(unit) is not bytes or not unit.isalpha() or len(unit) > 7 or type(num) is not int or not 0 < num < 2**31:
+                    raise ValueError
+                want = np.dtype(f"{kind}8" if unit == b"generic" else f"{kind}8[{num}{unit.decode()}]")
+            else:
+                want = np.dtype(spec)
+            if state[1] in "<>" and want.byteorder != "|":
+                want = want.newbyteorder(state[1])
+            if want.__reduce__()[1][0] != dt.__reduce__()[1][0] or want.__reduce__()[2] != state:
+                raise ValueError
+        except (ValueError, TypeError, IndexError, AttributeError):
+            raise SerializationError(f"it holds a numpy dtype {spec!r} with a state numpy never writes, which only a trusted "
+                                     "sender may send (a dtype's state can make numpy read bytes as object pointers)") from None
+        dt.__setstate__(state)
+
+    def _reconstruct(self, subtype: Any, shape: Any, typecode: Any) -> Any:
+        np = _numpy()
+        if subtype is not _NDARRAY:
+            raise SerializationError(f"it holds an ndarray subclass ({subtype!r}), which only a trusted sender may send")
+        if shape != (0,) or typecode != b"b":  # what numpy always writes; the contents come with BUILD
+            raise SerializationError("it holds a malformed numpy array")
+        return self._track(np.ndarray((0,), np.uint8))
+
+    def _build_array(self, arr: Any, state: Any) -> None:
+        if not isinstance(state, tuple) or len(state) not in (4, 5):
+            raise SerializationError("it holds a malformed numpy array")
+        if len(state) == 5:
+            if state[0] != 1:
+                raise SerializationError("it holds a malformed numpy array")
+            state = state[1:]
+        shape, dt, fortran, raw = state
+        dt = self._checked_dtype(dt)
+        if (not isinstance(shape, tuple) or not all(type(n) is int and n >= 0 for n in shape) or type(fortran) is not bool
+                or not isinstance(raw, (bytes, bytearray))):
+            raise SerializationError("it holds a malformed numpy array")
+        n = dt.itemsize
+        for d in shape:
+            n *= d
+        if n != len(raw):
+            raise SerializationError(f"it holds a numpy array whose data is {len(raw)} bytes, not the {n} its shape needs")
+        arr.__setstate__((1, shape, dt, fortran, raw))
+
+    def _frombuffer(self, buf: Any, dt: Any, shape: Any, order: Any) -> Any:
+        np = _numpy()
+        dt = self._checked_dtype(dt)
+        if (not isinstance(buf, (bytes, bytearray)) or not isinstance(shape, tuple)
+                or not all(type(n) is int and n >= 0 for n in shape) or order not in ("C", "F")):
+            raise SerializationError("it holds a malformed numpy array")
+        return np.frombuffer(buf, dtype=dt).reshape(shape, order=order)
+
+    def _scalar(self, dt: Any, data: Any = None) -> Any:
+        dt = self._checked_dtype(dt)
+        if type(data) is not bytes or len(data) != dt.itemsize:
+            raise SerializationError("it holds a malformed numpy scalar")
+        return _numpy_scalar()(dt, data)
+
+    def _load_build(self) -> None:
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        if self._pending.get(id(inst)) is not inst:
+            raise SerializationError(f"it sets the state of a {type(inst).__name__}, which only a trusted sender may send")
+        del self._pending[id(inst)]
+        np = _numpy()
+        if isinstance(inst, np.dtype):
+            self._build_dtype(inst, state)
+        else:
+            self._build_array(inst, state)
+
+    dispatch[pickle.BUILD[0]] = _load_build
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        raise SerializationError("it holds numpy arrays, and numpy is not installed here") from None
+    return numpy
+
+
+def _numpy_scalar() -> Any:
+    try:
+        from numpy._core.multiarray import scalar  # numpy 2
+    except ImportError:  # numpy 1
+        from numpy.core.multiarray import scalar  # type: ignore[no-redef]
+    return scalar
+
+
+def _complex(*args: Any) -> complex:
+    if len(args) > 2 or not all(type(a) in (int, float, str) for a in args):
+        raise SerializationError("it holds a malformed complex number")
+    return complex(*args)
+
+
+def _container(kind: Any) -> Callable[..., Any]:
+    def make(*args: Any) -> Any:
+        if len(args) > 1 or (args and type(args[0]) not in (list, tuple, dict)):
+            raise SerializationError(f"it holds a malformed {kind.__name__}")
+        return kind(*args)
+
+    return make
+
+
+def _bytearray(*args: Any) -> bytearray:
+    if not args:
+        return bytearray()
+    if isinstance(args[0], (bytes, bytearray)) and len(args) == 1:
+        return bytearray(args[0])
+    if isinstance(args[0], str) and len(args) == 2 and args[1] in ("latin1", "latin-1"):
+        return bytearray(args[0], "latin1")
+    raise SerializationError("it holds a malformed bytearray")
+
+
+def _bytes(*args: Any) -> bytes:
+    if not args:
+        return b""
+    if len(args) == 1 and type(args[0]) in (bytes, bytearray):
+        return bytes(args[0])
+    raise SerializationError("it holds a malformed bytes object")
+
+
+def _latin1(text: Any, encoding: Any = "latin1") -> bytes:
+    """``_codecs.encode``, as protocol 2 spells bytes: only its latin-1 form."""
+    if type(text) is not str or encoding not in ("latin1", "latin-1"):
+        raise SerializationError("it holds _codecs.encode with arguments that are not bytes in latin-1")
+    return text.encode("latin1")
+
+
+def load_data(body: bytes) -> Any:
+    """Unpickle ``body`` as data only (see :func:`deserialize` with ``trusted=False``): the C
+    unpickler when the stream names nothing, the checked allow-list unpickler when it names only
+    allowed things; any other name is refused with :class:`SerializationError`."""
+    import io
+
+    try:
+        try:
+            return _DataOnly(io.BytesIO(body)).load()
+        except _NeedsAllowList:
+            return _SafeData(io.BytesIO(body)).load()
+    except SerializationError:
+        raise
+    except RecursionError:
+        raise SerializationError("cannot read pickle payload: nested too deeply") from None
+    except Exception as exc:  # truncated or corrupt streams, wrong argument types for allowed names
+        raise SerializationError(f"cannot read pickle payload: {type(exc).__name__}: {exc}") from None
 
 
 def deserialize(blob: bytes, *, trusted: bool = True) -> Any:
     """Read back what :func:`serialize` or :func:`serialize_function` wrote.
 
-    ``trusted=False`` (a result from an endpoint the caller does not own): JSON and plain-data
-    pickles only; code and arbitrary objects are refused, because unpickling them runs the
-    sender's code on the caller's machine."""
+    ``trusted=False`` (a result from an endpoint the caller has not marked trusted): JSON and
+    data-only pickles (:func:`load_data`: plain containers, complex, numpy arrays of numbers,
+    booleans, strings and dates); code and other objects are refused, because unpickling them
+    runs the sender's code on the caller's machine."""
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise SerializationError(f"expected bytes, got {type(blob).__name__}")
     blob = bytes(blob)
     if not trusted and not blob.startswith(_JSON):
-        if not blob.startswith(_PICKLE):
-            raise SerializationError(f"it is a {method_of(blob)} payload, which only a trusted sender may send (it runs code)")
-        import io
-
-        return _DataOnly(io.BytesIO(blob[len(_PICKLE) :])).load()
+        # cloudpickle and dill write pickle streams too, and a value goes to cloudpickle whenever its
+        # pickle merely mentions __main__ (an error dict holding a pickled __main__ exception):
+        # what decides is what the stream names, which load_data checks, not the header.
+        method = method_of(blob)
+        if method not in ("pickle", "cloudpickle", "dill"):
+            raise SerializationError(f"it is a {method} payload, which only a trusted sender may send (it runs code)")
+        return load_data(blob[len(method) + 1 :])
     try:
         if blob.startswith(_JSON):
             return json.loads(blob[len(_JSON) :])
