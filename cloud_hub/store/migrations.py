@@ -238,11 +238,11 @@ MIGRATIONS: list[tuple[int, str]] = [
         -- A stolen device is not a way into the user machine (docs/security.md, "What a stolen
         -- device key can and cannot do"). The SDK unpickles a result only from an endpoint whose
         -- owner marked it trusted (PUT /v1/endpoints/{id}/trusted, Client.set_endpoint_trusted), and
-        -- only for that owner. From every other endpoint it decodes data only. Endpoints enrolled
-        -- from now on start untrusted. Those enrolled before keep what they had, since the SDK of their
-        -- owner unpickled their results until now: set the flag false to tighten one.
+        -- only for that owner. From every other endpoint it decodes data only. Every endpoint starts
+        -- untrusted, those enrolled before this migration too: a field device already deployed is the
+        -- one a thief carries off. An owner marks the ones that stay in their hands (a laptop, an HPC
+        -- login node). A custom object from an unmarked one fails with a message naming the setting.
         ALTER TABLE endpoints ADD COLUMN trusted INTEGER NOT NULL DEFAULT 0;
-        UPDATE endpoints SET trusted = 1 WHERE revoked IS NULL;
         """,
     ),
 ]

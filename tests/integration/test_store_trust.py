@@ -1,7 +1,7 @@
 """The per-endpoint trust flag in the store (migration 15; docs/security.md, "What a stolen device
 key can and cannot do"), on both backends: new endpoints start untrusted, only result rows of the
 owner's own trusted endpoints say ``trusted``, the flag is read at every fetch, and a database
-from before the migration keeps its endpoints trusted.
+from before the migration starts with none trusted.
 """
 
 from __future__ import annotations
@@ -78,8 +78,9 @@ async def test_trust_flag_decides_the_trusted_bit_of_each_result_row(store: Sqli
     assert await access.set_trusted(ep, True) is False
 
 
-def test_endpoints_enrolled_before_the_migration_stay_trusted(tmp_path: Path) -> None:
-    """Their owner's SDK unpickled their results until now; a revoked one is not marked."""
+def test_endpoints_enrolled_before_the_migration_start_untrusted(tmp_path: Path) -> None:
+    """A field device deployed before the upgrade is the one a thief carries off: no endpoint is
+    trusted until its owner marks it."""
     from cloud_hub.store.migrations import MIGRATIONS
     from cloud_hub.store.sqlite import _statements
 
@@ -99,10 +100,10 @@ def test_endpoints_enrolled_before_the_migration_stay_trusted(tmp_path: Path) ->
     async def go() -> None:
         store = await SqliteStore(path).open()
         try:
-            assert [(e["id"], e["trusted"]) for e in await store.list_endpoints(user_id="ua")] == [("ep-old", True)]
+            assert [(e["id"], e["trusted"]) for e in await store.list_endpoints(user_id="ua")] == [("ep-old", False)]
             tok = await store.create_enroll_token("ua", 60, 1)
             new = (await store.enroll_endpoint(tok, "pi3", "mqtt", b"k" * 32))["id"]  # type: ignore[index]
-            assert {e["id"]: e["trusted"] for e in await store.list_endpoints(user_id="ua")} == {"ep-old": True, new: False}
+            assert {e["id"]: e["trusted"] for e in await store.list_endpoints(user_id="ua")} == {"ep-old": False, new: False}
         finally:
             await store.close()
 
