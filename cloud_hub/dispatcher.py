@@ -56,6 +56,10 @@ log = logging.getLogger("cloud_hub.dispatcher")
 #: A replayed results frame is acknowledged again at most this often (Dispatcher._reack); the
 #: gateway re-sends at least mesh_agent.gateway.RESEND_UP_S apart.
 _REACK_EVERY_S = 5.0
+#: Hub frames that carry an echo stamp (``"t"``): the ones an agent answers soon with a frame of
+#: its own (results after tasks, the next results or beat after a result_ack), so the echo rides
+#: on a frame that is sent anyway.
+_ECHOED = frozenset({Kind.TASKS, Kind.RESULT_ACK})
 _REACK_REMEMBER = 20_000
 
 #: Why a frame from an endpoint's channel was refused, as ``mesh_frames_rejected_total`` labels it
@@ -163,6 +167,10 @@ class _Session:
     # those frames, or the broker is delivering them now (its session is persistent), and its
     # confirmations re-claim them (docs/sites.md); what it does not confirm goes out again after.
     site_wait_until: float = 0.0
+    # Echoed timestamps (docs/protocol.md, "Link timing"): the number of our last stamped frame
+    # and when each recent one left (hub clock), to match the agent's echo against.
+    echo_seq: int = 0
+    echo_sent: dict[int, float] = field(default_factory=dict)
 
 
 def per_day(t: list[float], now: float | None = None) -> dict[str, float]:
@@ -348,10 +356,37 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ outgoing
     async def _send(self, s: _Session, kind: Kind, body: dict[str, Any], msg_id: str | None = None) -> None:
+        seq = 0
+        if kind in _ECHOED:  # a few bytes: the agent echoes it in its next frame (link timing)
+            seq = s.echo_seq = s.echo_seq % 0xFFFF + 1
+            body = {**body, "t": seq}
         env = Envelope(kind, s.endpoint_id, body) if msg_id is None else Envelope(kind, s.endpoint_id, body, id=msg_id)
         frame = encode(env, self._keys[s.endpoint_id], ttl=self.cfg.frame_ttl_s, compress=s.compress)
+        if seq:
+            sent = s.echo_sent
+            sent[seq] = time.time()  # as late as we can: only the transport's own queueing follows
+            if len(sent) > 16:
+                del sent[next(iter(sent))]
         await s.link.send(s.endpoint_id, frame)
         self._count(s.endpoint_id, len(frame), out=True)
+
+    def _echo(self, s: _Session, echo: Any, agent_ts: float, received: float) -> None:
+        """The agent echoed ``[seq, hold_us]``: our stamp ``seq`` reached it, and it held it
+        ``hold_us`` microseconds (read to send) before this frame. The round trip is the time
+        from our send to our read of this frame minus that hold: neither side's queueing after
+        the read counts, so a busy hub does not read as a slow link. NTP offset of the exchange:
+        ``((T2 - T1) + (T3 - T4)) / 2`` with T3 = the frame's stamp and T2 = T3 - hold."""
+        if not (type(echo) is list and len(echo) == 2 and type(echo[0]) is int and type(echo[1]) is int and echo[1] >= 0):
+            return
+        t1 = s.echo_sent.pop(echo[0], None)
+        if t1 is None:
+            return
+        hold = echo[1] / 1e6
+        rtt = received - t1 - hold
+        if rtt < 0.0:  # clocks do not run backwards: a hold the agent misreported
+            return
+        offset = ((agent_ts - hold - t1) + (agent_ts - received)) / 2.0
+        self._observe("link_echo", s.endpoint_id, rtt, offset, received, time.time() - received)
 
     # ------------------------------------------------------------------ sites (docs/sites.md)
     async def add_site_device(self, device_id: str, gateway_id: str) -> None:
@@ -489,8 +524,8 @@ class Dispatcher:
             if self.served_by_site(endpoint_id):
                 return
         s = self._sessions.get(endpoint_id)
-        if s is None or s.credit <= 0:
-            return
+        if s is None:
+            return  # with no credit the pump still sends tasks that must start now (outside the credit)
         if s.pumping:
             s.again = True
             return
@@ -521,12 +556,30 @@ class Dispatcher:
                         s.retry_at = time.time() + 2.0
                         s.credit = 0
                         break
+                await self._send_now(s)
                 if not s.again:
                     break
         except Exception:
             log.exception("dispatch to %s failed", s.endpoint_id)
         finally:
             s.pumping = False
+
+    async def _send_now(self, s: _Session) -> None:
+        """Tasks that must start at once (``start: "now"``, a multiprocessing Process) go to the
+        agent outside its fetch credit: credit counts its pool's slots and prefetch, and such a
+        task must never wait behind them. The agent starts each on a free worker or on one more
+        (up to its cap) and otherwise fails it at once, saying why (docs/multiprocessing.md)."""
+        while self._sessions.get(s.endpoint_id) is s and not self.served_by_site(s.endpoint_id):
+            tasks, bodies = await self.store.lease(s.endpoint_id, _LEASE_BATCH, self.cfg.lease_s, _LEASE_BYTES, only_now=True)
+            if not tasks:
+                return
+            try:
+                await self._send(s, Kind.TASKS, {"tasks": tasks, "functions": bodies, "allow": self._allow_field(s.endpoint_id)})
+                self.stats["tasks_sent"] += len(tasks)
+            except LinkError as exc:
+                n = await self.store.unlease(s.endpoint_id, [t["id"] for t in tasks])
+                log.warning("sending to %s failed (%s); %d tasks re-queued", s.endpoint_id, exc, n, extra={"endpoint_id": s.endpoint_id})
+                return
 
     # ------------------------------------------------------------------ incoming
     def _count_rejected(self, claimed: str, exc: BaseException) -> None:
@@ -544,10 +597,12 @@ class Dispatcher:
     async def enqueue_frame(self, claimed: str, frame: bytes, link: HubLink) -> None:
         """What the links call: queue the frame in its channel's lane (handled after that
         endpoint's earlier frames, alongside other endpoints' frames) and return."""
-        await self.lanes.submit(claimed, lambda: self.on_frame(claimed, frame, link))
+        received = time.time()  # read from the link now; the lane may hold it a while (hub lag, not link)
+        await self.lanes.submit(claimed, lambda: self.on_frame(claimed, frame, link, received))
 
-    async def on_frame(self, claimed: str, frame: bytes, link: HubLink) -> None:
-        """Verify and handle one frame, to the end (the store's commit included)."""
+    async def on_frame(self, claimed: str, frame: bytes, link: HubLink, received: float | None = None) -> None:
+        """Verify and handle one frame, to the end (the store's commit included). ``received``:
+        when the link read it (link timing counts from there, not from the end of the queue)."""
         try:
             endpoint_id = peek_endpoint(frame)
             if endpoint_id != claimed:
@@ -588,7 +643,7 @@ class Dispatcher:
             return  # another replica answers this endpoint
         self._count(endpoint_id, len(frame), out=False)
         if env.kind is Kind.HELLO:
-            await self._on_hello(env, link)
+            await self._on_hello(env, link, received)
             return
         if env.kind is Kind.GONE:
             await self._on_gone(endpoint_id, env.body)
@@ -609,7 +664,10 @@ class Dispatcher:
             return
         s.last_seen = time.time()
         s.link = link
-        self._observe("frame_received", endpoint_id, env.kind.value, len(frame), env.ts, s.last_seen)
+        if "e" in env.body:
+            self._echo(s, env.body["e"], env.ts, received if received is not None else s.last_seen)
+        self._observe("frame_received", endpoint_id, env.kind.value, len(frame), env.ts,
+                      received if received is not None else s.last_seen)
         handler = _HANDLERS.get(env.kind)
         if handler is not None:
             await handler(self, s, env.body)
@@ -697,7 +755,7 @@ class Dispatcher:
         except Exception:
             log.exception("taking over endpoint %s failed", endpoint_id)
 
-    async def _on_hello(self, env: Envelope, link: HubLink) -> None:
+    async def _on_hello(self, env: Envelope, link: HubLink, received: float | None = None) -> None:
         b = env.body
         now = time.time()
         s = _Session(env.endpoint, link, now, capacity=int(b.get("capacity", 1)))
@@ -749,7 +807,11 @@ class Dispatcher:
             log.warning("%s no longer holds %d acked tasks; re-queued", env.endpoint, lost, extra={"endpoint_id": env.endpoint})
         self._observe("endpoint_online", env.endpoint, now, {**s.info, "capacity": s.capacity})
         # The welcome's message id is the hello's nonce: the agent matches it before parsing the body.
-        welcome = {"reply_to": b["nonce"], "hub_time": time.time(), "heartbeat_s": self.cfg.heartbeat_s, "allow": self._allow_field(env.endpoint),
+        # "hold": how long the hello waited here (its database work): the agent takes it out of the
+        # round trip, NTP-style, instead of reading it as half link, half clock offset.
+        t_now = time.time()
+        welcome = {"reply_to": b["nonce"], "hub_time": t_now, "hold": round(max(0.0, t_now - (received if received is not None else now)), 6),
+                   "heartbeat_s": self.cfg.heartbeat_s, "allow": self._allow_field(env.endpoint),
                    # liveness: how long an agent that beats on change may stay silent, and (MQTT) the
                    # keepalive under which the broker's will arrives within our bound
                    "beat_max_s": self.cfg.beat_max_s if adaptive else self.cfg.heartbeat_s, "z": 1,

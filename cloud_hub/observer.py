@@ -29,7 +29,12 @@ class DispatchObserver:
 
     def frame_received(self, endpoint_id: str, kind: str, nbytes: int, sent_at: float, now: float) -> None:
         """A verified frame of ``nbytes`` arrived; the agent stamped it ``sent_at`` (hub clock,
-        as corrected by the agent from the hub's welcome), so ``now - sent_at`` is its one-way time."""
+        as corrected by the agent from the hub's welcome) and the link read it at ``now``."""
+
+    def link_echo(self, endpoint_id: str, rtt_s: float, offset_s: float, now: float, hub_lag_s: float) -> None:
+        """The agent echoed one of our stamps: the link's round trip ``rtt_s`` (its hold and our
+        queueing taken out), the exchange's clock offset ``offset_s`` (the agent's stamps minus our
+        clock) and how long the frame waited in the hub before it was handled (``hub_lag_s``)."""
 
     def results_stored(self, endpoint_id: str, now: float, results: Sequence[dict[str, Any]], fresh: set[str]) -> None:
         """A results frame was stored; ``fresh`` are the task ids stored for the first time

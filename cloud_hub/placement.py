@@ -28,9 +28,9 @@ moves bytes; this module is the glue between them and the database.
   their agents say hello again).
 
 The agent does not report cold starts separately: a worker's first call of a function pays
-its deserialization (and the function's own imports) inside the measured run time. The hub
-therefore uses a small cold-start prior (:data:`COLD_START_PRIOR_S`) for endpoints where a
-function is not warm yet.
+its deserialization (and the function's own imports) inside the measured run time. Results name
+the worker (its pid), so the scheduler splits each worker's first call of a function into a
+cold-start and a run-time sample; :data:`COLD_START_PRIOR_S` is the prior until then.
 """
 
 from __future__ import annotations
@@ -186,6 +186,7 @@ class PlacementService(DispatchObserver):
         self.stats = {"placed": 0, "moved": 0, "refused": 0, "saves": 0}
         self.env_costs = EnvCosts()  # environment id -> build seconds and bytes, learned from agents' heartbeats
         self._builds_seen: dict[tuple[str, str], Any] = {}  # (endpoint, environment) -> last figure folded in
+        self.hub_lag: dict[str, float] = {}  # endpoint -> moving mean of the time its frames wait in the hub before handling
 
     def _new_scheduler(self, state: dict[str, Any] | None) -> Scheduler:
         kw: dict[str, Any] = {"policy": self.cfg.scheduler_policy, "dead_after_s": self.cfg.lost_after_s, "keep_decisions": 1000}
@@ -413,13 +414,23 @@ class PlacementService(DispatchObserver):
 
     def frame_received(self, endpoint_id: str, kind: str, nbytes: int, sent_at: float, now: float) -> None:
         # A hello may come from a device whose clock is still wrong (it learns ours from the
-        # welcome), so only later frames are timed. Clock error between hub and agent is at
-        # most half the welcome's round trip; a slightly negative reading counts as 0.
+        # welcome), so only later frames are timed. ``now`` is when the link read the frame (not
+        # when its lane got to it), and the agent's stamp is put on our clock with the offset of
+        # its fastest echoed round trip (NTP), once there is one: the one-way times then feed the
+        # size term (bandwidth), while the latency itself comes from echoed round trips.
         if kind == "hello" or endpoint_id not in self.sched.fleet:
             return
-        dt = now - sent_at
+        off = self.sched.clock_offset(endpoint_id)
+        dt = now - (sent_at - off if off is not None else sent_at)
         if -1.0 < dt < 120.0:
             self.sched.message_timing(endpoint_id, nbytes, max(dt, 0.0), now)
+
+    def link_echo(self, endpoint_id: str, rtt_s: float, offset_s: float, now: float, hub_lag_s: float) -> None:
+        if endpoint_id not in self.sched.fleet:
+            return
+        self.sched.link_echo(endpoint_id, rtt_s, now, offset_s)
+        lag = self.hub_lag.get(endpoint_id)
+        self.hub_lag[endpoint_id] = hub_lag_s if lag is None else lag + 0.1 * (hub_lag_s - lag)
 
     def results_stored(self, endpoint_id: str, now: float, results: Sequence[dict[str, Any]], fresh: set[str]) -> None:
         if not fresh:
@@ -441,8 +452,10 @@ class PlacementService(DispatchObserver):
             if runtime is None:  # nothing to learn from; it still leaves its queue
                 self.sched.retract([tid])
                 continue
+            pid = r.get("pid")  # the worker: its first call of a function is a cold call (Scheduler.task_completed)
+            pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
             try:
-                self.sched.task_completed(tid, now, runtime, result_bytes=len(data), ok=ok, error=err)
+                self.sched.task_completed(tid, now, runtime, result_bytes=len(data), ok=ok, error=err, worker=pid)
             except KeyError:  # not placed by this scheduler (an explicit endpoint, or before a restart)
                 unknown.append((tid, runtime, len(data), ok, err))
         self._changes += len(done)
@@ -754,6 +767,42 @@ class PlacementService(DispatchObserver):
         log.info("endpoint %s lost: %d queued tasks placed again elsewhere", endpoint_id, len(moved), extra={"endpoint_id": endpoint_id})
         for ep in {moves[i].endpoint_id for i in moved}:
             self.kick(ep)
+
+    # ------------------------------------------------------------------ state API
+    def state(self, user_id: str) -> dict[str, Any]:
+        """What the scheduler believes about each of the caller's endpoints (``GET
+        /v1/scheduler/state``): link, clock offset, throughput, learned cold starts, and the
+        calibration of its predictions per term (issue 27)."""
+        sched = self.sched
+        p = sched.profiles
+        out = []
+        for eid, node in sched.fleet.nodes.items():
+            if self._owner.get(eid) != user_id:
+                continue
+            ln = p.links.get(eid)
+            clock = getattr(ln, "clock", None) if ln is not None else None
+            tp = p.endpoint_rate(eid)
+            colds = {f: _finite(d.mean) for (f, e), d in p.cold_pair.items() if e == eid}
+            out.append({
+                "endpoint_id": eid,
+                "online": bool(node.ep.online),
+                "workers": node.ep.workers,
+                "hardware": node.ep.hardware,
+                "latency_s": _finite(node.one_way),
+                "bandwidth_bps": _finite(node.bw),
+                "link": clock.to_report() if clock is not None else None,
+                "hub_lag_s": _finite(self.hub_lag.get(eid)),
+                "throughput_per_s": _finite(tp) if tp is not None else None,
+                "queue_s": _finite(node.wait),
+                "in_flight": node.n_out,
+                "warm": sorted(node.hot)[:100],
+                "cold_start_s": dict(sorted(colds.items())[:100]),
+                "calibration": {k: ({kk: _finite(vv) if isinstance(vv, float) else vv for kk, vv in v.items()} if isinstance(v, dict) else _finite(v))
+                                for k, v in sched.calibration_report(eid).items()},
+            })
+        err = sched.prediction_error()
+        return {"policy": sched.policy.name, "endpoints": out,
+                "prediction_error": {k: _finite(v) if isinstance(v, float) else v for k, v in err.items()}}
 
     # ------------------------------------------------------------------ decisions API
     async def decisions(self, user_id: str, limit: int, before: int | None = None, task_id: str | None = None,

@@ -180,6 +180,7 @@ class Agent:
                 environments=_environments(cfg) if envs_cfg is None or envs_cfg.enabled else None,
                 env_idle_s=envs_cfg.keep_warm_s if envs_cfg is not None else 300.0,
                 prewarm=list(getattr(envs_cfg, "prewarm", None) or []) if envs_cfg is not None and envs_cfg.enabled else [],
+                now_max=_start_now_max(cfg),
             )
         self._replay = ReplayGuard()
         self._heartbeat_s = cfg.heartbeat_s
@@ -209,6 +210,9 @@ class Agent:
         self._beat_max: float | None = None  # adaptive heartbeats: the longest the hub lets us stay silent
         self._hub_reads_z = False  # the hub reads compressed bodies (it said so in its welcome)
         self._last_frame = 0.0  # monotonic, last frame we sent: any frame is proof of life to the hub
+        # The hub's last echo stamp ("t" in its frame) and when we read it (monotonic): echoed with
+        # our hold time in our next frame, so the hub measures the link's round trip (docs/protocol.md).
+        self._echo: tuple[int, float] | None = None
         self._last_beat: dict[str, Any] = {}  # body of the last heartbeat sent (adaptive: only changes go)
         self._beat_state: tuple[Any, ...] | None = None
         self._confirm_beat = False  # send one more beat if nothing arrives (the hub's credit re-sync needs two)
@@ -250,7 +254,7 @@ class Agent:
         if tasks:
             log.info("resuming %d stored tasks", len(tasks))
             bodies = await self.store.function_bodies(t.function_id for t in tasks)
-            self._submit([(t.id, t.function_id, t.args, t.timeout, t.expires, t.env) for t in tasks], bodies)
+            self._submit([(t.id, t.function_id, t.args, t.timeout, t.expires, t.env, t.now) for t in tasks], bodies)
 
     async def _connect_forever(self, stop: asyncio.Event) -> None:
         attempt = 0
@@ -353,6 +357,10 @@ class Agent:
         link = self._link
         if link is None:
             raise LinkError("not connected")
+        echo = self._echo
+        if echo is not None and kind is not Kind.HELLO:  # rides on a frame sent anyway: a few bytes
+            body = {**body, "e": [echo[0], int((time.monotonic() - echo[1]) * 1e6)]}
+            self._echo = None
         ts = self._now()
         # Behind a site gateway (docs/sites.md) results and acks may wait at the gateway through a long
         # uplink outage: they stay valid for a week (both are idempotent by task id at the hub).
@@ -549,6 +557,7 @@ class Agent:
         """Trust before parsing (invariant 3): header and MAC, direction, freshness (for a welcome:
         the nonce of one of our hellos) and replay are all checked on the fixed binary header; the
         body is handed to msgpack only after every check passed."""
+        read_at = time.monotonic()  # before any of our own work: the hub takes our hold out of its round trip
         if self._relayed and frame[:4] == SITE_BODY_MAGIC:
             self._site_body(frame)
             return
@@ -578,6 +587,9 @@ class Agent:
                 # clock is behind. Say hello (at most once a second) to learn it again.
                 raise _HelloRequired() from None
             return
+        stamp = env.body.get("t")
+        if type(stamp) is int:
+            self._echo = (stamp, read_at)
         # Hub time -> ours: when the hub signed this frame (a task re-sent after its result was acked runs again only if signed later).
         self._frame_signed_at = sealed.ts - self._clock.offset
         handler = _HANDLERS.get(env.kind)
@@ -595,7 +607,9 @@ class Agent:
         now = time.time()
         sent = self._hello_nonces.get(body["reply_to"], now)
         self._hello_nonces.clear()
-        again = self._clock.sample(sent, now, float(body["hub_time"]))
+        hold = body.get("hold")  # how long our hello waited in the hub (a hub that predates it: 0)
+        again = self._clock.sample(sent, now, float(body["hub_time"]),
+                                   float(hold) if type(hold) in (int, float) and 0 <= hold < 60 else 0.0)
         hub_beat = body.get("heartbeat_s")
         if isinstance(hub_beat, (int, float)) and 0 < hub_beat < self.cfg.heartbeat_s:
             self._heartbeat_s = float(hub_beat)  # the hub declares us lost on its own period
@@ -680,7 +694,7 @@ class Agent:
                 functions[fid] = self._site_bodies.pop(fid)  # stored with these tasks: no longer held in memory
         self._received_since_fetch += len(tasks)
         by_id = {t["id"]: t for t in tasks}
-        missing: list[tuple[str, str, bytes, float | None, float | None, str | None]] = []
+        missing: list[tuple[str, str, bytes, float | None, float | None, str | None, Any]] = []
 
         def start(fresh: list[str]) -> None:
             # Called inside the store's transaction, before its commit: tasks whose function came
@@ -689,7 +703,7 @@ class Agent:
             ready = []
             for i in fresh:
                 t = by_id[i]
-                row = (i, t["fn"], t["args"], t.get("timeout"), t.get("exp"), t.get("env"))
+                row = (i, t["fn"], t["args"], t.get("timeout"), t.get("exp"), t.get("env"), t.get("now"))
                 (ready if t["fn"] in functions else missing).append(row)
             self._submit(ready, functions)
 
@@ -735,10 +749,12 @@ class Agent:
         log.error("hub refused: %s", body.get("message", body))
 
     # ------------------------------------------------------------------ execution
-    def _submit(self, rows: list[tuple[str, str, bytes, float | None, float | None, str | None]], bodies: dict[str, bytes]) -> None:
+    def _submit(self, rows: list[tuple[str, str, bytes, float | None, float | None, str | None, Any]], bodies: dict[str, bytes]) -> None:
+        """``rows``: (id, function id, args, timeout, expiry, environment spec[, start now])."""
         now = self._now()
         batch: list[EngineTask] = []
-        for task_id, fid, args, timeout, exp, env_text in rows:
+        for task_id, fid, args, timeout, exp, env_text, *more in rows:
+            start_now = more[0] if more else None
             if task_id in self._in_engine:
                 continue
             refusal = self._refusal(fid)
@@ -754,7 +770,10 @@ class Agent:
                 self._on_results([error_result(task_id, "mesh_agent.engine.EnvError", bad)])
             else:
                 self._in_engine.add(task_id)
-                batch.append(EngineTask(task_id, fid, bodies[fid], args, timeout, _env_spec(env_text)))
+                task = EngineTask(task_id, fid, bodies[fid], args, timeout, _env_spec(env_text))
+                if start_now and isinstance(self.engine, LocalEngine):
+                    task.now = True  # a Process: a free worker or one more (up to the cap), never the queue
+                batch.append(task)
         if batch:
             self.engine.submit(batch)
 
@@ -871,6 +890,20 @@ _HANDLERS = {
     Kind.RESULT_ACK: Agent._on_result_ack,
     Kind.ERROR: Agent._on_error,
 }
+
+
+def _start_now_max(cfg: Any) -> int | None:
+    """How many workers beyond the pool this agent starts for tasks that must start at once (a
+    multiprocessing Process; docs/multiprocessing.md, "Start"): ``start_now_max`` in the config, or
+    ``MESH_START_NOW_MAX``; None: the engine's default (4 per pool worker, at least 8)."""
+    v = getattr(cfg, "start_now_max", None)
+    if v is None:
+        v = os.environ.get("MESH_START_NOW_MAX")
+    try:
+        return None if v is None else max(0, int(v))
+    except ValueError:
+        log.error("MESH_START_NOW_MAX=%r is not a whole number; using the default", v)
+        return None
 
 
 def _environments(cfg: Any) -> Any:

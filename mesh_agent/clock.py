@@ -31,11 +31,15 @@ class HubClock:
     def now(self) -> float:
         return time.time() + self.offset
 
-    def sample(self, sent: float, received: float, hub_time: float) -> bool:
+    def sample(self, sent: float, received: float, hub_time: float, hold: float = 0.0) -> bool:
         """Learn from a welcome (``sent``: when its hello left, ``received``: when it arrived, both
-        on our clock). Returns True when the sample was too slow to trust: measure again."""
-        rtt = max(0.0, received - sent)
+        on our clock; ``hold``: how long the hub held the hello before stamping ``hub_time``, its
+        database work). NTP: the hub read the hello at ``hub_time - hold``, so the offset is
+        ``((T2 - T1) + (T3 - T4)) / 2`` and the link's round trip excludes the hold. Returns True
+        when the sample was too slow to trust: measure again."""
+        hold = min(max(hold, 0.0), max(0.0, received - sent))
+        rtt = max(0.0, received - sent - hold)
         if rtt <= GOOD_RTT_S or rtt <= self.rtt:
-            self.offset = hub_time - (sent + received) / 2
+            self.offset = hub_time - hold / 2 - (sent + received) / 2
             self.rtt = rtt
         return rtt > GOOD_RTT_S

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Sequence
 
 from .events import EndpointOffline, Event, Heartbeat, MessageTiming, TaskCompleted, TaskRequeued
 from .environments import ENV_ERROR, block_key
+from .estimators import TermError
 from .fleet import Fleet
 from .model import Decision, EndpointState, Placement, TaskInfo
 from .policies import BasePolicy, Policy, make_policy
@@ -40,6 +41,7 @@ class Scheduler:
         profiles: Profiles | None = None,
         dead_after_s: float = 75.0,
         keep_decisions: int = 10_000,
+        calibrate: bool = True,
         **policy_kwargs: Any,
     ) -> None:
         self.profiles = profiles if profiles is not None else Profiles()
@@ -62,6 +64,14 @@ class Scheduler:
         self._n_done = 0
         self._abs_err = 0.0
         self._rel_err = 0.0
+        # (endpoint, worker) -> functions that worker has run: the first call of a function in
+        # a worker is a cold call (it deserialized the function, ran its imports). Bounded.
+        self._worker_fns: dict[tuple[str, Any], set[str]] = {}
+        # Calibration (issue 27): per endpoint, per term, predicted against actual; a consistent
+        # error of the transfer terms (tasks that found a free worker) becomes a bounded
+        # correction of the endpoint's transfer + queue key (Fleet.set_bias).
+        self.calibrate = calibrate
+        self.calibration: dict[str, dict[str, TermError]] = {}
 
     # ------------------------------------------------------------------ endpoints
     def add_endpoint(self, ep: EndpointState, now: float | None = None) -> None:
@@ -128,6 +138,19 @@ class Scheduler:
                 dead.append(ep.endpoint_id)
         return dead
 
+    def link_echo(self, endpoint_id: str, rtt_s: float, now: float, offset_s: float | None = None) -> None:
+        """An echoed timestamp came back: the link's round trip ``rtt_s`` (the peer's hold
+        time and this side's queueing taken out) and the exchange's clock offset ``offset_s``
+        (the peer's stamps minus ours). Latency becomes half a low percentile of recent round
+        trips; the offset that of the fastest one (NTP). Same as ``heartbeat(rtt_s=...)``."""
+        self.profiles.observe_rtt(endpoint_id, rtt_s, now, offset_s)
+        self.fleet.refresh_link(endpoint_id)
+
+    def clock_offset(self, endpoint_id: str) -> float | None:
+        """The endpoint's clock minus ours, from its fastest recent echo (None until echoed)."""
+        ln = self.profiles.links.get(endpoint_id)
+        return ln.clock.offset if ln is not None else None
+
     def message_timing(self, endpoint_id: str, nbytes: int, seconds: float, now: float) -> None:
         """A message of ``nbytes`` took ``seconds`` one way between hub and endpoint."""
         self.profiles.observe_transfer(endpoint_id, nbytes, seconds, now)
@@ -186,6 +209,8 @@ class Scheduler:
         endpoint_id: str | None = None,
         function_id: str | None = None,
         payload_bytes: int | None = None,
+        worker: Any = None,
+        started_at: float | None = None,
     ) -> Decision | None:
         """A result reached the hub: learn from it and close its decision.
 
@@ -195,6 +220,14 @@ class Scheduler:
         ``BLOCKING_ERRORS`` blocks the function on that endpoint. ``endpoint_id`` /
         ``function_id`` / ``payload_bytes`` are only needed for tasks this scheduler did not
         place (e.g. after a hub restart).
+
+        ``worker``: which worker ran it (the agent's worker pid), for callers whose ``runtime_s``
+        includes any cold start (the hub's agents report one span per call). The first call of
+        a function in a worker is then a cold call, split into a cold-start and a run-time
+        sample (:meth:`Profiles.observe_call`). Leave it None when ``cold_start_s`` is reported
+        apart (the simulator). ``started_at``: when the run began, on this scheduler's clock
+        (the hub maps the agent's stamp through its clock offset); it splits the calibration of
+        the transfer and queue terms into before and after the run.
         """
         pl = self._inflight.pop(task_id, None)
         env = pl.env if pl is not None else None
@@ -223,13 +256,23 @@ class Scheduler:
             else:
                 ep.last_seen = now
             if ok:
-                if self.profiles.observe_completion(
-                    function_id, endpoint_id, runtime_s, now,
-                    payload_bytes or 0, result_bytes, cold_start_s,
-                ):
-                    fleet.refresh_deviation(function_id, endpoint_id)
-                if cold_start_s > 0.0:
-                    fleet.refresh_cold(function_id, endpoint_id)
+                busy = node.n_out + node.extra > 0  # more work here after this one (throughput)
+                if worker is not None and cold_start_s <= 0.0 and env is None:
+                    changed, cold_changed = self.profiles.observe_call(
+                        function_id, endpoint_id, runtime_s, now, payload_bytes or 0, result_bytes,
+                        cold_call=self._first_in_worker(endpoint_id, worker, function_id), busy=busy)
+                    if changed:
+                        fleet.refresh_deviation(function_id, endpoint_id)
+                    if cold_changed:
+                        fleet.refresh_cold(function_id, endpoint_id)
+                else:
+                    if self.profiles.observe_completion(
+                        function_id, endpoint_id, runtime_s, now,
+                        payload_bytes or 0, result_bytes, cold_start_s, busy,
+                    ):
+                        fleet.refresh_deviation(function_id, endpoint_id)
+                    if cold_start_s > 0.0:
+                        fleet.refresh_cold(function_id, endpoint_id)
             elif error in BLOCKING_ERRORS or (error == ENV_ERROR and env is not None):
                 fleet.block(block_key(function_id, env), endpoint_id)
             if warm_functions is not None:
@@ -245,15 +288,77 @@ class Scheduler:
         dec = Decision(pl, now, actual, runtime_s, ok)
         p = pl.raw_predicted
         if ok and p is not None:
-            err = actual - (p[1] if type(p) is tuple else p.total)
+            if type(p) is not tuple:
+                p = (p.endpoint_id, p.total, p.transfer_in, p.queue, p.cold, p.run, p.transfer_out, p.outage)
+            err = actual - p[1]
             if err < 0.0:
                 err = -err
             self._n_done += 1
             self._abs_err += err
             if actual > 0.0:
                 self._rel_err += err / actual
+            if self.calibrate and node is not None:
+                self._calibrate(node, p, actual, runtime_s + cold_start_s, now, started_at)
         self.recent.append(dec)
         return dec
+
+    #: The correction of an endpoint's transfer + queue terms stays within these seconds: it
+    #: may add up to this much, and take away at most its predicted round trip.
+    MAX_BIAS_S = 2.0
+
+    def _calibrate(self, node: Any, p: tuple, actual: float, run_act: float, now: float, started_at: float | None) -> None:
+        """Compare one completed prediction's terms with what happened."""
+        eid = node.id
+        cal = self.calibration.get(eid)
+        if cal is None:
+            cal = self.calibration[eid] = {k: TermError() for k in ("total", "run", "overhead")}
+        bias = node.bias
+        cal["total"].observe(p[1], actual)
+        cal["run"].observe(p[4] + p[5], run_act)
+        # transfer in + queue + transfer out, as predicted before the correction
+        over = p[2] + p[3] - bias + p[6]
+        cal["overhead"].observe(over, actual - run_act)
+        if p[3] - bias <= 0.0:
+            # No queue predicted (a worker was free): the rest is the link and the hub's own
+            # delays. Only this part is corrected; a queue error depends on the load of the moment.
+            t = cal.get("transfer")
+            if t is None:
+                t = cal["transfer"] = TermError()
+            t.observe(over, actual - run_act)
+        if started_at is not None:
+            start_act = started_at - (now - actual)
+            for name, pred, act in (("queue", p[2] + p[3] - bias, start_act), ("transfer_out", p[6], actual - start_act - run_act)):
+                t = cal.get(name)
+                if t is None:
+                    t = cal[name] = TermError()
+                t.observe(pred, act)
+        t = cal.get("transfer")
+        b = t.bias() if t is not None else 0.0
+        lo = -2.0 * node.one_way
+        b = lo if b < lo else self.MAX_BIAS_S if b > self.MAX_BIAS_S else b
+        if b != bias:
+            self.fleet.set_bias(eid, b)
+
+    def calibration_report(self, endpoint_id: str) -> dict[str, Any]:
+        """Per term: mean error (actual - predicted), its spread, mean absolute and relative
+        error, samples, and the correction in force (``applied_bias_s``, from ``transfer``)."""
+        out = {k: t.to_dict() for k, t in self.calibration.get(endpoint_id, {}).items()}
+        node = self.fleet.nodes.get(endpoint_id)
+        out["applied_bias_s"] = node.bias if node is not None else 0.0  # type: ignore[assignment]
+        return out
+
+    def _first_in_worker(self, endpoint_id: str, worker: Any, function_id: str) -> bool:
+        key = (endpoint_id, worker)
+        fns = self._worker_fns.get(key)
+        if fns is None:
+            if len(self._worker_fns) >= 50_000:  # workers come and go (restarts): forget the oldest
+                for k in list(self._worker_fns)[:10_000]:
+                    del self._worker_fns[k]
+            fns = self._worker_fns[key] = set()
+        if function_id in fns:
+            return False
+        fns.add(function_id)
+        return True
 
     def task_requeued(self, task_id: str, now: float) -> None:
         """The hub took a placed task back (never fetched by a dead endpoint, or cancelled)."""

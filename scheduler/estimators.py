@@ -116,6 +116,10 @@ class RuntimeStats:
         self.slope = slope
         return y
 
+    def reset(self) -> None:
+        """Forget every sample (a stand-in sample is replaced by the first real one)."""
+        self.__init__(self.half_life, self.max_weight, self.clip_sd)  # type: ignore[misc]
+
     def predict(self, x: float = 0.0) -> float:
         v = self.intercept + self.slope * x
         return v if v > 0.0 else 0.0
@@ -214,6 +218,10 @@ class PairStats:
     def std(self) -> float:
         return self.var ** 0.5
 
+    def reset(self) -> None:
+        """Forget every sample (a stand-in sample is replaced by the first real one)."""
+        self.__init__(self.memory)  # type: ignore[misc]
+
     def observe(self, y: float, now: float, group_pred: float = 0.0, threshold: float = 0.15) -> bool:
         """Add one runtime; with a group prediction also a deviation sample. Returns True when
         ``factor`` changed."""
@@ -278,6 +286,75 @@ class PairStats:
         return o
 
 
+class LinkClock:
+    """Round trips of one endpoint's link from echoed timestamps, and its clock offset.
+
+    Each sample is a round trip with the peer's hold time taken out (``rtt``) and, where the
+    peer's send stamp is known, the NTP offset of that exchange (``offset``: the peer's stamps
+    minus our clock). Samples live in a window of the last ``max_age`` seconds (at most
+    ``size`` of them):
+
+    * ``latency`` is half the ``q``-quantile (10 %) of the window's round trips: a robust low
+      percentile, so a burst of lag on either side (a busy hub event loop, a flood in the
+      broker) moves it only if it fills nine tenths of the window, and it leaves with the window;
+    * ``offset`` is the offset of the sample with the smallest round trip (NTP's clock filter:
+      the fastest exchange bounds the error best, by half its round trip).
+    """
+
+    __slots__ = ("size", "max_age", "q", "samples", "n", "latency", "offset", "offset_rtt")
+
+    def __init__(self, size: int = 128, max_age: float = 300.0, q: float = 0.1) -> None:
+        self.size = size
+        self.max_age = max_age
+        self.q = q
+        self.samples: list[tuple[float, float, float | None]] = []  # (at, rtt, offset)
+        self.n = 0  # samples ever
+        self.latency: float | None = None
+        self.offset: float | None = None
+        self.offset_rtt: float | None = None
+
+    def observe(self, rtt: float, now: float, offset: float | None = None) -> None:
+        if not (rtt >= 0.0 and rtt < 3600.0):
+            return
+        sm = self.samples
+        sm.append((now, rtt, offset))
+        self.n += 1
+        cut = now - self.max_age
+        drop = 0
+        n = len(sm)
+        while drop < n - 1 and (n - drop > self.size or sm[drop][0] < cut):
+            drop += 1
+        if drop:
+            del sm[:drop]
+        rtts = sorted(x[1] for x in sm)
+        self.latency = rtts[int(self.q * (len(rtts) - 1))] / 2.0
+        best = None
+        for x in sm:
+            if x[2] is not None and (best is None or x[1] < best[1]):
+                best = x
+        if best is not None:
+            self.offset, self.offset_rtt = best[2], best[1]
+
+    def to_report(self) -> dict[str, Any]:
+        rtts = sorted(x[1] for x in self.samples)
+        return {"samples": len(rtts), "samples_ever": self.n,
+                "rtt_min_s": rtts[0] if rtts else None,
+                "rtt_p10_s": rtts[int(self.q * (len(rtts) - 1))] if rtts else None,
+                "rtt_median_s": rtts[len(rtts) // 2] if rtts else None,
+                "latency_s": self.latency, "offset_s": self.offset, "offset_rtt_s": self.offset_rtt}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LinkClock":
+        o = cls.__new__(cls)
+        for k in cls.__slots__:
+            setattr(o, k, d[k])
+        o.samples = [tuple(x) for x in o.samples]  # type: ignore[misc]
+        return o
+
+
 class LinkStats:
     """Link latency and bandwidth of one endpoint, from message timings.
 
@@ -296,7 +373,7 @@ class LinkStats:
     """
 
     __slots__ = ("half_life", "max_weight", "w", "sx", "sy", "sxx", "sxy", "syy", "n", "last",
-                 "rtt", "latency", "bandwidth")
+                 "rtt", "latency", "bandwidth", "clock")
 
     def __init__(self, rtt: float = 0.1, bandwidth: float = 1e6, half_life: float = 3600.0,
                  max_weight: float = 64.0) -> None:
@@ -308,9 +385,13 @@ class LinkStats:
         self.rtt = DecayedMean(half_life, 16.0)
         self.latency = rtt / 2.0
         self.bandwidth = bandwidth
+        self.clock = LinkClock()
 
-    def observe_rtt(self, rtt_s: float, now: float) -> None:
+    def observe_rtt(self, rtt_s: float, now: float, offset_s: float | None = None) -> None:
+        """A measured round trip (the peer's hold time taken out); with ``offset_s`` the NTP
+        offset of that exchange. It pins the latency: half the window's low percentile."""
         self.rtt.observe(rtt_s, now)
+        self.clock.observe(rtt_s, now, offset_s)
         self._fit()
 
     def observe(self, nbytes: float, seconds: float, now: float) -> None:
@@ -332,7 +413,7 @@ class LinkStats:
         self._fit()
 
     def _fit(self) -> None:
-        lat = self.rtt.mean / 2.0 if self.rtt.n else None
+        lat = self.clock.latency if self.clock.latency is not None else (self.rtt.mean / 2.0 if self.rtt.n else None)
         if self.w <= 0.0:
             if lat is not None:
                 self.latency = lat
@@ -368,17 +449,19 @@ class LinkStats:
         return self.latency + nbytes / self.bandwidth
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__slots__ if k != "rtt"}
+        d = {k: getattr(self, k) for k in self.__slots__ if k not in ("rtt", "clock")}
         d["rtt"] = self.rtt.to_dict()
+        d["clock"] = self.clock.to_dict()
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LinkStats":
         o = cls.__new__(cls)
         for k in cls.__slots__:
-            if k != "rtt":
+            if k not in ("rtt", "clock"):
                 setattr(o, k, d[k] if k != "syy" else d.get(k, 0.0))  # saved before syy existed
         o.rtt = DecayedMean.from_dict(d["rtt"])
+        o.clock = LinkClock.from_dict(d["clock"]) if "clock" in d else LinkClock()  # saved before echoes existed
         return o
 
 
@@ -386,11 +469,14 @@ class Throughput:
     """Completions per second of one endpoint while it has work.
 
     A moving average (over about ``memory`` completions) of the time between consecutive
-    completions; gaps longer than ``idle_gap`` are skipped, so an endpoint that was idle
-    overnight is not judged slow. ``rate`` is its inverse.
+    completions. Only gaps that began with work still outstanding count: a completion that
+    left the endpoint idle (``busy=False``) starts no service interval, so the time until the
+    next task arrived is idle time, not backlog work (issue 27: gaps of up to 5 min used to be
+    averaged in, making an endpoint that idles between waves look slow). Gaps longer than
+    ``idle_gap`` are skipped as well. ``rate`` is the inverse of the mean gap.
     """
 
-    __slots__ = ("memory", "idle_gap", "n", "mean_dt", "last")
+    __slots__ = ("memory", "idle_gap", "n", "mean_dt", "last", "busy")
 
     def __init__(self, memory: float = 64.0, idle_gap: float = 300.0) -> None:
         self.memory = memory
@@ -398,11 +484,15 @@ class Throughput:
         self.n = 0
         self.mean_dt = 0.0
         self.last: float | None = None
+        self.busy = True  # did the endpoint still have work after the last completion?
 
-    def observe(self, now: float) -> None:
+    def observe(self, now: float, busy: bool = True) -> None:
+        """A completion at ``now``; ``busy``: the endpoint still has work after it."""
         last = self.last
+        was_busy = self.busy
         self.last = now
-        if last is None:
+        self.busy = busy
+        if last is None or not was_busy:
             return
         dt = now - last
         if dt < 0.0 or dt > self.idle_gap:
@@ -425,5 +515,60 @@ class Throughput:
     def from_dict(cls, d: dict[str, Any]) -> "Throughput":
         o = cls.__new__(cls)
         for k in cls.__slots__:
-            setattr(o, k, d[k])
+            setattr(o, k, d.get(k, True) if k == "busy" else d[k])  # saved before "busy" existed
         return o
+
+
+class TermError:
+    """Prediction error of one term (run, queue wait, transfer out, total) on one endpoint:
+    ``actual - predicted`` in seconds, as a moving mean and variance over about ``memory``
+    completions, plus the mean absolute and mean relative error.
+
+    Robust on purpose, because a correction built on it moves placement: once it has 5 samples,
+    each new error is winsorised to mean +- 4 standard deviations (floor 10 ms), and each sample
+    moves the mean by at most ``1/memory`` of that. ``bias`` is the mean error when it is
+    consistently there (at least ``min_n`` samples and more than 3 standard errors from 0),
+    else 0.
+    """
+
+    __slots__ = ("memory", "n", "mean", "var", "mae", "mre", "act")
+
+    def __init__(self, memory: float = 32.0) -> None:
+        self.memory = memory
+        self.n = 0
+        self.mean = self.var = self.mae = self.mre = self.act = 0.0
+
+    def observe(self, predicted: float, actual: float) -> None:
+        e = actual - predicted
+        n = self.n + 1
+        self.n = n
+        m = self.mean
+        if n > 5:
+            sd = self.var ** 0.5
+            if sd < 0.01:
+                sd = 0.01
+            if e > m + 4.0 * sd:
+                e = m + 4.0 * sd
+            elif e < m - 4.0 * sd:
+                e = m - 4.0 * sd
+        a = 1.0 / n if n < self.memory else 1.0 / self.memory
+        d = e - m
+        self.mean = m + a * d
+        self.var = (1.0 - a) * (self.var + a * d * d)
+        ae = e if e >= 0.0 else -e
+        self.mae += a * (ae - self.mae)
+        self.act += a * (actual - self.act)
+        if actual > 0.0:
+            self.mre += a * (ae / actual - self.mre)
+
+    def bias(self, min_n: int = 8) -> float:
+        n = self.n
+        if n < min_n:
+            return 0.0
+        se = (self.var / (n if n < self.memory else self.memory)) ** 0.5
+        m = self.mean
+        return m if (m if m >= 0.0 else -m) > 3.0 * se else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "mean_error_s": self.mean, "sd_s": self.var ** 0.5, "mean_abs_error_s": self.mae,
+                "mean_rel_error": self.mre, "mean_actual_s": self.act, "bias_s": self.bias()}

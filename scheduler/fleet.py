@@ -54,7 +54,7 @@ class Node:
 
     __slots__ = (
         "ep", "id", "idx", "group", "n_out", "work_out", "extra", "wait", "key", "skey",
-        "one_way", "bw", "hot", "dev", "blocked", "avail", "cold_est", "tp",
+        "one_way", "bw", "hot", "dev", "blocked", "avail", "cold_est", "tp", "fn_out", "bias",
     )
 
     def __init__(self, ep: EndpointState, idx: int) -> None:
@@ -77,6 +77,8 @@ class Node:
         self.avail = None  # the endpoint's Availability (set by the fleet)
         self.tp = None  # the endpoint's measured Throughput (set by the fleet)
         self.cold_est: dict[str, float] = {}  # function -> this endpoint's own cold-start estimate
+        self.fn_out: dict[str, int] = {}  # function -> its tasks in the ledger here (they make it warm)
+        self.bias = 0.0  # calibration: seconds added to transfer + queue (Scheduler, bounded)
 
     def compute_wait(self) -> float:
         """Predicted seconds before a newly placed task gets a worker (fluid model).
@@ -220,7 +222,7 @@ class Fleet:
         else:
             self._unindex(node)
             node.ep = ep
-            node.hot = set(ep.warm_functions)
+            node.hot = set(ep.warm_functions) | node.fn_out.keys()  # what it was sent stays warm (set_warm)
             node.avail = self.profiles.availability_view(ep.endpoint_id)  # its gateway may have changed
             self._read_link(node)
         self._index(node)
@@ -261,7 +263,7 @@ class Fleet:
         node.group = g
         g.nodes[node.idx] = node
         node.wait = node.compute_wait()
-        node.key = node.skey = node.wait + 2.0 * node.one_way
+        node.key = node.skey = node.wait + 2.0 * node.one_way + node.bias
         _insert(g.okeys, g.onodes, node.key, node)
         for f in node.hot:
             gf = g.fn_of(f)
@@ -370,10 +372,15 @@ class Fleet:
             self._rekey(node)
 
     def set_warm(self, endpoint_id: str, warm: Iterable[str]) -> None:
-        """The agent's warm functions (authoritative: replaces what was assumed warm)."""
+        """The agent's warm functions, merged with what the hub has sent it and not yet heard
+        back about: a function with tasks in the ledger here stays warm (its worker loads it
+        for the first of them), so a beat taken before the worker had loaded it does not mark it
+        cold again (issue 27). Everything else the agent reports is authoritative."""
         node = self.nodes[endpoint_id]
         new = set(warm)
         node.ep.warm_functions = frozenset(new)
+        if node.fn_out:
+            new.update(node.fn_out)
         old = node.hot
         if new == old:
             return
@@ -436,6 +443,13 @@ class Fleet:
             if c.mean < gf.cold_min:
                 gf.cold_min = c.mean
 
+    def set_bias(self, endpoint_id: str, bias: float) -> None:
+        """Calibration's correction of this endpoint's transfer + queue terms (seconds)."""
+        node = self.nodes[endpoint_id]
+        if bias != node.bias:
+            node.bias = bias
+            self._rekey(node)
+
     def block(self, function_id: str, endpoint_id: str) -> None:
         """Never place this function here again (it failed with a missing module / OOM)."""
         self.nodes[endpoint_id].blocked.add(function_id)
@@ -447,6 +461,8 @@ class Fleet:
             self.release(task_id)
         self.ledger[task_id] = (node, work, function_id)
         node.n_out += 1
+        fo = node.fn_out
+        fo[function_id] = fo.get(function_id, 0) + 1
         node.work_out += work
         if node.extra:
             node.extra -= 1
@@ -461,7 +477,13 @@ class Fleet:
         entry = self.ledger.pop(task_id, None)
         if entry is None:
             return None
-        node, work, _ = entry
+        node, work, f = entry
+        fo = node.fn_out
+        c = fo.get(f, 0) - 1
+        if c > 0:
+            fo[f] = c
+        else:
+            fo.pop(f, None)
         node.n_out -= 1
         if node.n_out <= 0:
             node.n_out = 0
@@ -490,7 +512,7 @@ class Fleet:
         else:
             w = (n - workers + 1) * (node.work_out / node.n_out if node.n_out else node.mean_work(workers)) / workers
         node.wait = w
-        k = w + 2.0 * node.one_way
+        k = w + 2.0 * node.one_way + node.bias
         node.key = k
         old = node.skey
         if k == old:

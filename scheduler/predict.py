@@ -113,7 +113,7 @@ class Predictor:
             total += outage
         if source == "group" and node.dev and task.function_id in node.dev:
             source = "endpoint"
-        return (node.id, total, node.one_way + b / bw, node.wait, cold, run,
+        return (node.id, total, node.one_way + b / bw, node.wait + node.bias, cold, run,
                 node.one_way + ob / bw, outage, source, source == "function" or source == "prior")
 
     def begin_batch(self) -> None:

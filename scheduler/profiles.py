@@ -19,6 +19,7 @@ fastest-endpoint baseline).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterator
 
 from .availability import Availability, BehindGateway, SiteOutages
@@ -79,6 +80,16 @@ class Profiles:
         self.structure_version = 0
         self.throughput: dict[str, Throughput] = {}
         self.avail: dict[str, Availability] = {}
+        # Cross-hardware runtime priors (issue 27): which functions each hardware group has run
+        # and which groups ran each function; estimates derived from them are cached until the
+        # next completion (``_obs``), i.e. once per placement batch.
+        self.fns_of_hw: dict[str, dict[str, None]] = {}
+        self.hws_of_fn: dict[str, dict[str, None]] = {}
+        self._obs = 0
+        self._xcache: dict[Any, tuple[int, Any]] = {}
+        # Cold calls whose time stood in for the run time until a warm call of the same
+        # (function, endpoint) arrives: (function, endpoint) -> [seconds of each cold call].
+        self.standin: dict[tuple[str, str], list[float]] = {}
 
     # ------------------------------------------------------------------ registration
     def register_endpoint(self, endpoint_id: str, hardware: str, speed: float = 1.0) -> None:
@@ -97,9 +108,11 @@ class Profiles:
         payload_bytes: float = 0.0,
         result_bytes: float | None = None,
         cold_start_s: float = 0.0,
+        busy: bool = True,
     ) -> bool:
         """Learn from one finished task. ``runtime_s`` is the function body's run time only;
-        ``cold_start_s`` the extra time spent starting a cold worker (0 when it was warm).
+        ``cold_start_s`` the extra time spent starting a cold worker (0 when it was warm);
+        ``busy``: the endpoint still has work after this completion (for its throughput).
 
         Returns True when the endpoint's deviation factor for this function changed (the fleet
         must then refresh its bounds for that group).
@@ -125,8 +138,84 @@ class Profiles:
             self._observe_cold(function_id, endpoint_id, hw, cold_start_s, now)
         if result_bytes is not None and (result_bytes != rs.mean or rs.n < 8):
             rs.observe(result_bytes, now)  # (a sample equal to the mean would change nothing)
-        tp.observe(now)
+        tp.observe(now, busy)
+        self._obs += 1
         return changed
+
+    def observe_call(
+        self,
+        function_id: str,
+        endpoint_id: str,
+        runtime_s: float,
+        now: float,
+        payload_bytes: float = 0.0,
+        result_bytes: float | None = None,
+        *,
+        cold_call: bool,
+        busy: bool = True,
+    ) -> tuple[bool, bool]:
+        """Learn from a finished task whose measured time *includes* any cold start (the hub's
+        agents report one span per call). ``cold_call``: this was the first call of the function
+        in the worker that ran it (it deserialized the function and ran its imports first).
+
+        A cold call is split against the warm reference (this endpoint's own warm mean, else its
+        hardware group's): ``cold = max(0, time - warm)`` is a cold-start sample for (function,
+        endpoint) and the rest a run-time sample. With no warm reference yet, the call's time
+        stands in for the run time (the first wave must learn something) and is remembered; the
+        first warm call then replaces a stand-in that is still the only sample and yields the cold
+        start. Returns ``(deviation factor changed, cold-start estimate changed)``."""
+        key = (function_id, endpoint_id)
+        pending = self.standin.get(key)
+        if cold_call:
+            ref = None if pending is not None else self.warm_reference(function_id, endpoint_id, payload_bytes)
+            if ref is None:
+                if pending is not None:  # a second cold worker before any warm call: keep it for later
+                    if len(pending) < 8:
+                        pending.append(runtime_s)
+                    return False, False
+                self.standin[key] = [runtime_s]
+                return self.observe_completion(function_id, endpoint_id, runtime_s, now, payload_bytes, result_bytes,
+                                               busy=busy), False
+            cold = runtime_s - ref if runtime_s > ref else 0.0
+            changed = self.observe_completion(function_id, endpoint_id, runtime_s - cold, now, payload_bytes,
+                                              result_bytes, busy=busy)
+            self.observe_cold(function_id, endpoint_id, cold, now)
+            return changed, True
+        cold_changed = False
+        if pending is not None:
+            del self.standin[key]
+            refs = self._refs.get(key) or self._bind(function_id, endpoint_id)
+            st, g, wk = refs[0], refs[1], refs[2]
+            if st.n <= 1 and g.n <= 1:  # the stand-in is still all there is: a real sample replaces it
+                st.reset()
+                g.reset()
+                if wk.n <= 1:
+                    wk.reset()
+            for c in pending:
+                self.observe_cold(function_id, endpoint_id, c - runtime_s if c > runtime_s else 0.0, now)
+            cold_changed = True
+        return self.observe_completion(function_id, endpoint_id, runtime_s, now, payload_bytes, result_bytes,
+                                       busy=busy), cold_changed
+
+    def warm_reference(self, function_id: str, endpoint_id: str, payload_bytes: float = 0.0) -> float | None:
+        """Measured warm run time of a call on this endpoint (its own mean, else its hardware
+        group's fit, else its group's by another member), or None when only cold calls (or
+        nothing) were seen."""
+        st = self.pair.get((function_id, endpoint_id))
+        if st is not None and st.n and (function_id, endpoint_id) not in self.standin:
+            return st.mean
+        hw = self.hardware.get(endpoint_id, "generic")
+        g = self.group.get((function_id, hw))
+        if g is None or not g.n:
+            return None
+        for (f, e) in self.standin:
+            if f == function_id and self.hardware.get(e, "generic") == hw:
+                return None
+        return g.predict(payload_bytes)
+
+    def observe_cold(self, function_id: str, endpoint_id: str, cold_s: float, now: float) -> None:
+        """A measured cold start (0 is a measurement too: the function loads for free)."""
+        self._observe_cold(function_id, endpoint_id, self.hardware.get(endpoint_id, "generic"), max(cold_s, 0.0), now)
 
     def _bind(self, f: str, ep: str) -> tuple:
         """The estimators one completion of ``f`` on ``ep`` updates, created where missing and
@@ -140,6 +229,8 @@ class Profiles:
         if g is None:
             g = self.group[(f, hw)] = RuntimeStats(hl, self.group_max_weight)
             self.structure_version += 1
+            self.fns_of_hw.setdefault(hw, {})[f] = None
+            self.hws_of_fn.setdefault(f, {})[hw] = None
         wk = self.work.get(f)
         if wk is None:
             wk = self.work[f] = RuntimeStats(hl, self.max_weight)
@@ -183,9 +274,10 @@ class Profiles:
         d = self.hw_bandwidth.get(self.hardware.get(endpoint_id, "generic"))
         return d.mean if d is not None else self.default_bandwidth_bps
 
-    def observe_rtt(self, endpoint_id: str, rtt_s: float, now: float) -> None:
-        """A round trip of a tiny message (heartbeat ping/ack) took ``rtt_s``."""
-        self.link(endpoint_id).observe_rtt(rtt_s, now)
+    def observe_rtt(self, endpoint_id: str, rtt_s: float, now: float, offset_s: float | None = None) -> None:
+        """A round trip of a tiny message took ``rtt_s`` (an echoed timestamp, the peer's hold
+        time taken out); ``offset_s``: that exchange's NTP clock offset, if known."""
+        self.link(endpoint_id).observe_rtt(rtt_s, now, offset_s)
 
     def heartbeat(self, endpoint_id: str, now: float) -> bool:
         """The endpoint was heard from at ``now``; returns True if it was believed offline."""
@@ -227,16 +319,108 @@ class Profiles:
     def group_runtime(self, function_id: str, hardware: str, payload_bytes: float, speed: float) -> tuple[float, str]:
         """Runtime of ``function_id`` on an ordinary member of ``hardware`` and the source.
 
-        Falls back to the function's speed-normalised mean over all endpoints divided by the
-        endpoint's speed hint ("function"), then to the configured prior ("prior").
+        Falls back, as Delta does across hardware, to the function's runtime on the groups that
+        ran it scaled by this group's measured speed relative to each of them (from the
+        functions both ran), then to the function's speed-normalised mean over all endpoints
+        divided by the speed hint ("function" either way); then to the prior scaled by the
+        group's measured speed relative to the fleet, and only with nothing measured to the
+        fixed prior divided by the speed hint ("prior").
         """
         g = self.group.get((function_id, hardware))
         if g is not None:
             return g.predict(payload_bytes), "group"
         wk = self.work.get(function_id)
         if wk is not None:
+            x = self._cross(function_id, hardware, payload_bytes)
+            if x is not None:
+                return x, "function"
             return wk.predict(payload_bytes) / speed, "function"
+        k = self._fleet_speed(hardware)
+        if k is not None:
+            return self.default_runtime_s * k, "prior"
         return self.default_runtime_s / speed, "prior"
+
+    _X_FNS = 16  # functions compared per pair of groups
+    _X_SRC = 8  # groups the function ran on that an estimate draws from
+
+    def _ratio(self, hw: str, h2: str, skip: str) -> tuple[float, int] | None:
+        """Mean log of (runtime on ``hw`` / runtime on ``h2``) over functions both ran."""
+        mine, theirs = self.fns_of_hw.get(hw), self.fns_of_hw.get(h2)
+        if not mine or not theirs:
+            return None
+        acc, n = 0.0, 0
+        group = self.group
+        for g in mine:
+            if g == skip or g not in theirs:
+                continue
+            a, b = group[(g, hw)].mean, group[(g, h2)].mean
+            if a > 0.0 and b > 0.0:
+                acc += math.log(a / b)
+                n += 1
+                if n >= self._X_FNS:
+                    break
+        return (acc / n, n) if n else None
+
+    def _cross(self, f: str, hw: str, payload_bytes: float) -> float | None:
+        key = ("x", f, hw)
+        hit = self._xcache.get(key)
+        if hit is not None and hit[0] == self._obs:
+            srcs = hit[1]
+        else:
+            srcs = []
+            for h2 in self.hws_of_fn.get(f, ()):
+                r = self._ratio(hw, h2, f)
+                if r is not None:
+                    srcs.append((self.group[(f, h2)], r[0], r[1]))
+                    if len(srcs) >= self._X_SRC:
+                        break
+            if len(self._xcache) > 100_000:
+                self._xcache.clear()
+            self._xcache[key] = (self._obs, srcs)
+        if not srcs:
+            return None
+        acc = wsum = 0.0
+        for g2, lr, n in srcs:
+            v = g2.predict(payload_bytes)
+            if v <= 0.0:
+                continue
+            acc += n * (math.log(v) + lr)
+            wsum += n
+        return math.exp(acc / wsum) if wsum else None
+
+    def _fleet_speed(self, hw: str) -> float | None:
+        """This group's run times relative to the fleet's (geometric, over the functions it
+        ran and at least one other group ran too); None when nothing compares."""
+        key = ("k", hw)
+        hit = self._xcache.get(key)
+        if hit is not None and hit[0] == self._obs:
+            return hit[1]
+        acc, n = 0.0, 0
+        group = self.group
+        for g in self.fns_of_hw.get(hw, ()):
+            others = self.hws_of_fn.get(g, {})
+            if len(others) < 2:
+                continue
+            mine = group[(g, hw)].mean
+            if mine <= 0.0:
+                continue
+            la, m = 0.0, 0
+            for h2 in others:
+                v = group[(g, h2)].mean
+                if v > 0.0:
+                    la += math.log(v)
+                    m += 1
+                    if m >= 32:
+                        break
+            if not m:
+                continue
+            acc += math.log(mine) - la / m
+            n += 1
+            if n >= self._X_FNS:
+                break
+        k = math.exp(acc / n) if n else None
+        self._xcache[key] = (self._obs, k)
+        return k
 
     def runtime(self, function_id: str, endpoint_id: str, payload_bytes: float = 0.0) -> tuple[float, str]:
         """Predicted runtime of one call on one endpoint, and where the estimate came from."""
@@ -338,6 +522,9 @@ class Profiles:
         p.speed = {k: float(v) for k, v in d["speed"].items()}
         p.pair = unnest(d["pair"], PairStats)
         p.group = unnest(d["group"], RuntimeStats)
+        for f, hw in p.group:
+            p.fns_of_hw.setdefault(hw, {})[f] = None
+            p.hws_of_fn.setdefault(f, {})[hw] = None
         p.work = {k: RuntimeStats.from_dict(v) for k, v in d["work"].items()}
         p.cold_pair = unnest(d["cold_pair"], DecayedMean)
         p.cold_group = unnest(d["cold_group"], DecayedMean)

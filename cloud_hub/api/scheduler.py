@@ -96,6 +96,15 @@ async def decisions(
     return await h.placement.decisions(user, limit, before, task_id, endpoint_id, function_id)
 
 
+@router.get("/state")
+async def state(h: HubDep, user: UserDep) -> Any:
+    """What the scheduler believes about each of the caller's endpoints: link latency and clock
+    offset (from echoed round trips), throughput, learned cold starts, and per term (total, run,
+    overhead, transfer, queue, transfer out) how far its predictions were from what happened,
+    with the bounded correction in force (docs/scheduler.md, "Calibration")."""
+    return h.placement.state(user)
+
+
 class PredictIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     function_id: str = Field(min_length=1, max_length=64)

@@ -50,8 +50,10 @@ def _register(router: APIRouter, h: Helpers) -> None:
         hub = h.hub(request)
         placement = getattr(hub, "placement", None)
         data: dict[str, Any] = {"decisions": [], "next_before": None, "summary": {"decisions": 0, "completed": 0}}
+        calibration: list[dict[str, Any]] = []
         if placement is not None:
             data = await placement.decisions(viewer.user_id, _PAGE_SIZE, cursor)
+            calibration = [e for e in placement.state(viewer.user_id)["endpoints"] if len(e["calibration"]) > 1]
         eps, fns = await hub.store.read_parallel(queries.names, viewer.user_id)
         ep_names, fn_names = dict(eps), dict(fns)
         points = [
@@ -65,7 +67,7 @@ def _register(router: APIRouter, h: Helpers) -> None:
             d["reason_text"] = _named(d.get("reason") or d["policy"], ep_names, fn_names)
         ctx = await h.ctx(request, viewer, "scheduler", "Scheduler")
         return render("scheduler.html", **ctx, data=data, chart=chart, ep_names=ep_names, fn_names=fn_names,
-                      paged=cursor is not None, by_endpoint=_by_endpoint(data["decisions"]))
+                      paged=cursor is not None, by_endpoint=_by_endpoint(data["decisions"]), calibration=calibration)
 
 
 _IDS = re.compile(r"\b(?:endpoint:)?(ep-[0-9a-f]{12})\b|\b([0-9a-f]{64})\b")
