@@ -6,6 +6,8 @@ Measured, each beside the standard library's ``multiprocessing`` on this machine
 
 - fork-join overhead: ``Pool.map(time.sleep, [S] * N)`` wall time minus S, for N workers (cold:
   the first map of a new Pool, counting Pool creation; warm: median of later maps);
+- the time from ``Process.start()`` to its target running, on an idle fleet and on one whose
+  every worker slot is busy (issue 28: a Process starts at once, on an extra worker if need be);
 - Pipe round-trip latency by payload size (driver -> remote echo Process -> driver), p50;
 - Pipe and Queue throughput, MB/s, driver -> one remote consumer;
 - then Pipe and Queue again with the proxies' state in the hub's embedded store instead of Redis.
@@ -57,6 +59,35 @@ def drain(q: Any, n: int, done: Any) -> None:
     for _ in range(n):
         q.get()
     done.put("done")
+
+
+def started_at(q: Any) -> None:
+    q.put(time.time())
+
+
+def process_start(mod: Any, n: int) -> dict[str, float]:
+    """Time from ``Process.start()`` being called to its target running (the target's first
+    act), one Process at a time, p50 and max over ``n``; one clock (loopback)."""
+    q, lat = mod.Queue(), []
+    for _ in range(n):
+        p = mod.Process(target=started_at, args=(q,))
+        t0 = time.time()
+        p.start()
+        lat.append(q.get(timeout=300) - t0)
+        p.join(300)
+    return {"p50_ms": round(statistics.median(lat) * 1000, 1), "max_ms": round(max(lat) * 1000, 1)}
+
+
+def process_start_busy(mod: Any, n: int, slots: int, busy_s: float) -> dict[str, float]:
+    """As :func:`process_start` while every worker slot (``slots``) runs a sleeping task and as
+    many again wait behind them: a mesh Process starts on an extra worker (docs/multiprocessing.md,
+    "Start"); a stdlib one is forked next to a busy Pool."""
+    with mod.Pool(slots) as pool:
+        busy = pool.map_async(time.sleep, [busy_s] * (2 * slots), chunksize=1)
+        time.sleep(1.0)  # let the sleeping tasks reach the workers
+        out = process_start(mod, n)
+        busy.wait()  # the fleet idle again before the next measurement
+    return out
 
 
 def fork_join(mod: Any, n: int, sleep_s: float, repeats: int) -> dict[str, float]:
@@ -174,6 +205,12 @@ def main() -> None:
             mesh.config(client=Client(m.url, m.token), redis_url=redis.url)
             out["fork_join_overhead"] = {str(n): {"mesh": fork_join(mesh, n, opts.sleep, opts.repeats),
                                                   "stdlib": fork_join(std, n, opts.sleep, opts.repeats)} for n in workers}
+            starts = 3 if opts.smoke else 20
+            out["process_start_to_target_running"] = {
+                "idle_fleet": {"mesh": process_start(mesh, starts), "stdlib": process_start(std, starts)},
+                "busy_fleet (all 6 slots sleeping, 6 more queued)": {"mesh": process_start_busy(mesh, starts, 6, 4.0 if opts.smoke else 10.0),
+                                                                     "stdlib": process_start_busy(std, starts, 6, 4.0 if opts.smoke else 10.0)},
+            }
             out["pipe_rtt_p50_ms"] = {str(s): {"mesh": pipe_latency(mesh, s, opts.rounds), "stdlib": pipe_latency(std, s, opts.rounds)}
                                       for s in rtt_sizes}
             out["pipe_throughput_MBps"] = {_label(*pipe_big): {"mesh": pipe_throughput(mesh, *pipe_big), "stdlib": pipe_throughput(std, *pipe_big)}}

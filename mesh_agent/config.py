@@ -231,6 +231,8 @@ class AgentConfig(_MaskedRepr):
     compress: bool | None = Field(None, description="zlib for frame bodies over 1 KiB; default: metered yes, lan no")
     heartbeat_min_s: float | None = Field(None, gt=0, description="metered: state changes are reported at most this often; default 30")
     max_batch: int = Field(32, ge=1, description="tasks per chunk handed to one worker")
+    start_now_max: int | None = Field(None, ge=0, le=4096, description="extra workers beyond the pool for tasks that must start "
+                                      "at once (a multiprocessing Process); default 4 per pool worker, at least 8")
     durable_sync: Literal["full", "normal"] = "full"
     log_format: Literal["text", "json"] | None = Field(
         None, description="text or json (one object per line, with task, endpoint and function ids); "

@@ -42,7 +42,8 @@ CREATE TABLE IF NOT EXISTS tasks (
     started REAL,
     finished REAL,
     worker_pid INTEGER,
-    env TEXT  -- the environment spec from the signed task (canonical JSON, mesh_agent/environment.py), or NULL
+    env TEXT,  -- the environment spec from the signed task (canonical JSON, mesh_agent/environment.py), or NULL
+    now INTEGER  -- 1: start at once, outside the pool's count (a multiprocessing Process), or NULL
 );
 CREATE INDEX IF NOT EXISTS tasks_state ON tasks (state, received);
 -- A site gateway's store-and-forward queues (mesh_agent/gateway.py, docs/sites.md): whole signed
@@ -90,6 +91,7 @@ class QueuedTask:
     timeout: float | None
     expires: float | None
     env: str | None = None  # canonical JSON of the task's environment spec
+    now: int | None = None  # 1: start at once (a multiprocessing Process)
 
 
 @dataclass(slots=True)
@@ -133,6 +135,8 @@ class AgentStore:
             cols = {r[1] for r in await (await db.execute("PRAGMA table_info(tasks)")).fetchall()}
             if "env" not in cols:  # a queue written by an agent before environments (issue 16)
                 await db.execute("ALTER TABLE tasks ADD COLUMN env TEXT")
+            if "now" not in cols:  # a queue written before tasks that start at once (issue 28)
+                await db.execute("ALTER TABLE tasks ADD COLUMN now INTEGER")
             cur = await db.execute("SELECT value FROM meta WHERE key='schema_version'")
             found = await cur.fetchone()
             if found is None:
@@ -240,9 +244,9 @@ class AgentStore:
                         [(fid, body, now) for fid, body in functions.items()],
                     )
                 conn.executemany(
-                    "INSERT OR IGNORE INTO tasks (id, function_id, args, timeout, expires, state, received, env) "
-                    "VALUES (?, ?, ?, ?, ?, 'queued', ?, ?)",
-                    [(t["id"], t["fn"], t["args"], t.get("timeout"), t.get("exp"), now, t.get("env")) for t in fresh],
+                    "INSERT OR IGNORE INTO tasks (id, function_id, args, timeout, expires, state, received, env, now) "
+                    "VALUES (?, ?, ?, ?, ?, 'queued', ?, ?, ?)",
+                    [(t["id"], t["fn"], t["args"], t.get("timeout"), t.get("exp"), now, t.get("env"), 1 if t.get("now") else None) for t in fresh],
                 )
                 conn.execute("COMMIT")
             except BaseException:
@@ -300,7 +304,7 @@ class AgentStore:
         """Tasks stored but without a result: after a restart these run (again)."""
         skip = set(exclude)
         cur = await self.db.execute(
-            "SELECT id, function_id, args, timeout, expires, env FROM tasks WHERE state='queued' ORDER BY received, rowid"
+            "SELECT id, function_id, args, timeout, expires, env, now FROM tasks WHERE state='queued' ORDER BY received, rowid"
         )
         return [QueuedTask(*r) for r in await cur.fetchall() if r[0] not in skip]
 

@@ -68,6 +68,9 @@ class TaskIn(BaseModel):
     environment: dict[str, Any] | None = Field(
         None, description='where it runs on the endpoint (docs/environments.md): {"pip": [...], "env_vars": {...}, "container": '
                           '"...", "sandbox": true, "network": true}; checked and stored canonical, signed into the task frame')
+    start: Literal["now"] | None = Field(
+        None, description='"now": start at once, on a free worker or on one more up to the agent\'s cap, never behind other '
+                          "tasks in the agent's queue (a multiprocessing Process: docs/multiprocessing.md, \"Start\")")
     inputs: Annotated[list[tuple[Annotated[str, StringConstraints(min_length=1, max_length=200)], Annotated[int, Field(ge=0)]]],
                       Field(max_length=1024)] | None = Field(
         None, description="where the task's input refs already lie, [endpoint_id, bytes] pairs (docs/data.md, \"Locality\"): "

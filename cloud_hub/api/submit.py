@@ -88,6 +88,7 @@ async def accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None = None,
             "timeout": t.timeout_s,
             "task_group_id": group,
             "memo_key": t.cache_key,
+            "start_now": 1 if t.start == "now" else None,
         }
         for t in tasks
     ]

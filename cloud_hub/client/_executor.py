@@ -172,6 +172,17 @@ class Executor(_Executor):
         fid, body = self.client.function_body(fn)
         return self._enqueue(fid, getattr(fn, "__name__", None) or type(fn).__name__, body, args, kwargs, fn=fn, opts=opts, env=env)
 
+    def submit_now(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> "Future[Any]":
+        """Like :meth:`submit`, for a call that must start at once (``start: "now"``): the hub sends
+        it outside the agent's fetch credit, and the agent runs it on a free worker or on one more
+        up to its cap (``start_now_max``), never behind its queue; beyond the cap the future fails
+        with ``BlockingIOError`` saying so. What a multiprocessing ``Process`` is submitted with
+        (docs/multiprocessing.md, "Start")."""
+        if self._shutdown:
+            raise RuntimeError("cannot submit after shutdown")
+        fid, body = self.client.function_body(fn)
+        return self._enqueue(fid, getattr(fn, "__name__", None) or type(fn).__name__, body, args, kwargs, fn=fn, start_now=True)
+
     def register_function(self, fn: Callable[..., Any], name: str | None = None, *, cache: bool = False,
                           ignore_for_cache: Sequence[str] = (), environment: dict[str, Any] | None = None,
                           container: str | None = None, sandbox: bool | None = None) -> str:
@@ -197,10 +208,12 @@ class Executor(_Executor):
 
     def _enqueue(self, fid: str, name: str, body: bytes | None, args: Sequence[Any], kwargs: dict[str, Any], *,
                  fn: Callable[..., Any] | None = None, opts: MemoOptions | None = None,
-                 env: dict[str, Any] | None = None) -> "Future[Any]":
+                 env: dict[str, Any] | None = None, start_now: bool = False) -> "Future[Any]":
         made = self._item(fid, name, body, args, kwargs, fn=fn, opts=opts, env=env)
         if isinstance(made, Future):
             return made
+        if start_now:
+            made.spec["start"] = "now"
         self._queue.put(made)
         return made.future
 

@@ -245,4 +245,13 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE endpoints ADD COLUMN trusted INTEGER NOT NULL DEFAULT 0;
         """,
     ),
+    (
+        16,
+        """
+        -- A task that must start at once (a multiprocessing Process: docs/multiprocessing.md,
+        -- "Start"): 1, else NULL. The dispatcher sends such tasks to their agent outside its fetch
+        -- credit, and the agent starts each on a free worker or on one more, up to its cap.
+        ALTER TABLE tasks ADD COLUMN start_now INTEGER;
+        """,
+    ),
 ]

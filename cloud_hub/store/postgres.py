@@ -192,16 +192,17 @@ class PostgresStore(SqliteStore):
 
     # ------------------------------------------------------------------ hot path without SSI conflicts
     async def lease(self, endpoint_id: str, n: int, lease_s: float, max_bytes: int,
-                    policy: Any = None) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
+                    policy: Any = None, *, only_now: bool = False) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
         """As SqliteStore.lease; ``FOR UPDATE SKIP LOCKED`` keeps two replicas off the same rows."""
 
         def q(db: _PgConn) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
             now = time.time()
             pol = policy if policy is not None else getattr(self, "admission", None)
-            if pol is None:
+            if pol is None or only_now:
                 rows = db.raw.execute(
                     "SELECT t.id, t.function_id, t.args, t.timeout, t.expires, LENGTH(f.body) FROM tasks t JOIN functions f ON f.id = t.function_id "
-                    "WHERE t.endpoint_id = %s AND t.state = 'queued' ORDER BY t.created, t.rowid LIMIT %s FOR UPDATE OF t SKIP LOCKED",
+                    "WHERE t.endpoint_id = %s AND t.state = 'queued' " + ("AND t.start_now IS NOT NULL " if only_now else "")
+                    + "ORDER BY t.created, t.rowid LIMIT %s FOR UPDATE OF t SKIP LOCKED",
                     (endpoint_id, n),
                 ).fetchall()
             else:  # fair between users (cloud_hub/store/fair.py), the same row locks per flow

@@ -81,13 +81,18 @@ def token_id(token: str) -> str:
 
 
 def attach_envs(db: Any, tasks: list[dict[str, Any]]) -> None:
-    """Add ``env`` (the environment spec, docs/environments.md) to the leased tasks that have one.
+    """Add ``env`` (the environment spec, docs/environments.md) to the leased tasks that have one,
+    and ``now: 1`` to those that must start at once (a multiprocessing Process).
     A second query by primary key rather than another column in every lease query: most tasks
-    have none, and the key is left out of their frames entirely (no bytes on a metered link)."""
+    have neither, and the keys are left out of their frames entirely (no bytes on a metered link)."""
     by_id = {t["id"]: t for t in tasks}
     for chunk in _chunks(list(by_id)):
-        for tid, env in db.execute(f"SELECT id, env FROM tasks WHERE env IS NOT NULL AND id IN ({','.join('?' * len(chunk))})", chunk).fetchall():
-            by_id[tid]["env"] = env
+        for tid, env, now in db.execute(f"SELECT id, env, start_now FROM tasks WHERE (env IS NOT NULL OR start_now IS NOT NULL) "
+                                        f"AND id IN ({','.join('?' * len(chunk))})", chunk).fetchall():
+            if env is not None:
+                by_id[tid]["env"] = env
+            if now:
+                by_id[tid]["now"] = 1
 
 
 def _chunks(seq: Sequence[T], n: int = 500) -> Iterable[Sequence[T]]:
@@ -548,9 +553,10 @@ class SqliteStore:
                 r.setdefault("task_group_id", None)  # type: ignore[attr-defined]
                 r.setdefault("memo_key", None)  # type: ignore[attr-defined]
                 r.setdefault("env", None)  # type: ignore[attr-defined]
+                r.setdefault("start_now", None)  # type: ignore[attr-defined]
             db.executemany(
-                "INSERT INTO tasks (id, user_id, endpoint_id, function_id, args, state, created, expires, timeout, attempts, task_group_id, memo_key, env) "
-                "VALUES (:id, :user_id, :endpoint_id, :function_id, :args, 'queued', :created, :expires, :timeout, 0, :task_group_id, :memo_key, :env)",
+                "INSERT INTO tasks (id, user_id, endpoint_id, function_id, args, state, created, expires, timeout, attempts, task_group_id, memo_key, env, start_now) "
+                "VALUES (:id, :user_id, :endpoint_id, :function_id, :args, 'queued', :created, :expires, :timeout, 0, :task_group_id, :memo_key, :env, :start_now)",
                 rows,
             )
             if also is not None:
@@ -575,17 +581,18 @@ class SqliteStore:
                    (user_id, key, request_hash, json.dumps(task_ids), json.dumps(endpoint_ids), now))
 
     async def lease(self, endpoint_id: str, n: int, lease_s: float, max_bytes: int,
-                    policy: "AdmissionPolicy | None" = None) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
+                    policy: "AdmissionPolicy | None" = None, *, only_now: bool = False) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
         """Take up to ``n`` queued tasks of an endpoint and the function bodies they need: oldest
-        first, or with a ``policy`` fair between users under its limits (cloud_hub/store/fair.py)."""
+        first, or with a ``policy`` fair between users under its limits (cloud_hub/store/fair.py).
+        ``only_now``: only tasks that must start at once (sent outside the agent's credit)."""
 
         def q(db: sqlite3.Connection) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
             now = time.time()
             pol = policy if policy is not None else self.admission
-            if pol is None:
+            if pol is None or only_now:
                 rows = db.execute(
                     "SELECT id, function_id, args, timeout, expires FROM tasks WHERE endpoint_id=? AND state='queued' "
-                    "ORDER BY created, rowid LIMIT ?",
+                    + ("AND start_now IS NOT NULL " if only_now else "") + "ORDER BY created, rowid LIMIT ?",
                     (endpoint_id, n),
                 ).fetchall()
             else:

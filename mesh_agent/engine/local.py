@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -110,6 +111,7 @@ class EngineTask:
     args: bytes  # output of serialize((args_tuple, kwargs_dict))
     timeout: float | None = None  # seconds; None -> engine default (which may be None: no limit)
     env: dict | None = None  # normalized environment spec (mesh_agent.environment); None: the agent's Python
+    now: bool = False  # start at once: a free pool worker or one more, never behind the queue (a multiprocessing Process)
 
 
 @dataclass(slots=True)
@@ -206,6 +208,7 @@ class _Worker:
     out_task: str = ""  # the task its output is attributed to
     out_logged: int = 0  # bytes of that task's output written to the agent's log
     out_dropped: int = 0  # and bytes beyond the bound, dropped
+    extra: bool = False  # started for one task that must start now, outside the pool's count; ends with it
 
 
 class LocalEngine:
@@ -222,6 +225,7 @@ class LocalEngine:
         environments: Environments | None = None,
         env_idle_s: float = 300.0,
         prewarm: Sequence[dict] = (),
+        now_max: int | None = None,
     ) -> None:
         """``idle_s``: None keeps the whole pool warm from ``start()`` on (LAN, HPC); a number
         starts workers on demand and ends those idle that long (small devices).
@@ -235,6 +239,8 @@ class LocalEngine:
         self._memory_limit_mb = memory_limit_mb
         self._max_batch = max(1, max_batch)
         self._idle_s = idle_s
+        #: workers beyond the pool for tasks that must start now (None: 4 per pool worker, at least 8)
+        self._now_max = max(8, 4 * self._size) if now_max is None else max(0, now_max)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._workers: list[_Worker] = []
         self._queue: deque[EngineTask] = deque()  # the default kind's queue
@@ -269,6 +275,8 @@ class LocalEngine:
             "workers_evicted": 0,
             "env_failures": 0,
             "protocol_violations": 0,
+            "started_now_extra": 0,
+            "refused_now": 0,
         }
 
     # ------------------------------------------------------------------ public interface
@@ -294,8 +302,14 @@ class LocalEngine:
 
     @property
     def running(self) -> int:
-        """Tasks dispatched to workers and not yet reported."""
-        return sum(len(w.inflight) for w in self._workers)
+        """Tasks dispatched to the pool's workers and not yet reported (not those on extra workers:
+        they take none of the pool's slots, so the agent's fetch credit does not count them)."""
+        return sum(len(w.inflight) for w in self._workers if not w.extra)
+
+    @property
+    def running_extra(self) -> int:
+        """Workers started beyond the pool for tasks that must start now, still running them."""
+        return sum(1 for w in self._workers if w.extra)
 
     @property
     def queued(self) -> int:
@@ -389,6 +403,11 @@ class LocalEngine:
         self.stats["tasks_submitted"] += len(tasks)
         failed: list[EngineResult] = []
         for t in tasks:
+            if t.now and t.env is None:
+                refused = self._start_now(t)
+                if refused is not None:
+                    failed.append(refused)
+                continue
             if t.env is None:
                 self._queue.append(t)
                 continue
@@ -411,6 +430,39 @@ class LocalEngine:
         self._pump()
         if failed:
             self._deliver(failed)
+
+    def _start_now(self, t: EngineTask) -> EngineResult | None:
+        """A task that must start at once (a multiprocessing Process, which may be waited for by
+        the very tasks that fill the pool: a Barrier). It takes a pool slot that is free now (an
+        idle worker, or room to start one, beyond what is queued), else one more worker outside
+        the pool's count, up to ``now_max``; that worker ends with the task. Beyond the cap it
+        fails now, with the reason, rather than waiting (as ``fork`` fails with EAGAIN)."""
+        pool = [w for w in self._workers if not w.extra and not w.kind.key]
+        free = sum(1 for w in pool if not w.inflight) + max(0, self._size - len(self._pool())) - len(self._queue)
+        if free > 0 and self._started:
+            self._queue.append(t)
+            return None
+        extra = self.running_extra
+        if extra >= self._now_max or self._loop is None:
+            self.stats["refused_now"] += 1
+            message = (f"cannot start task {t.task_id} now: all {self._size} worker slots of this endpoint are in use and "
+                       f"{extra} extra workers run other tasks that must start at once (cap {self._now_max}: raise "
+                       "start_now_max in the agent's config, or MESH_START_NOW_MAX)")
+            exc = BlockingIOError(errno.EAGAIN, message)
+            return error_result(t.task_id, "BlockingIOError", message, exception=_pickled(exc))
+        w = self._spawn()
+        w.extra = True
+        self.stats["started_now_extra"] += 1
+        w.head_started = time.monotonic()
+        w.cached.add(t.function_id)
+        w.inflight.append(t)
+        self._send(w, encode_chunk([(t.task_id, t.function_id, t.function_body, t.args)]))  # read once it has booted
+        self._arm_timer()
+        return None
+
+    def _pool(self) -> list[_Worker]:
+        """The pool's workers (not the extra ones started for tasks that must start now)."""
+        return [w for w in self._workers if not w.extra]
 
     # ------------------------------------------------------------------ environments
 
@@ -508,9 +560,9 @@ class LocalEngine:
                 continue
             if key and key not in self._kinds:
                 continue  # evicted meanwhile: rebuilt on its next submit
-            idle = sum(1 for w in self._workers if w.kind.key == key and not w.inflight)
+            idle = sum(1 for w in self._workers if w.kind.key == key and not w.inflight and not w.extra)
             need = len(queue) - idle
-            while need > 0 and (len(self._workers) < self._size or self._evict_idle(key)):
+            while need > 0 and (len(self._pool()) < self._size or self._evict_idle(key)):
                 self._spawn(self._kinds[key] if key else DEFAULT_KIND)
                 need -= 1
 
@@ -521,7 +573,7 @@ class LocalEngine:
         tasks next to other users' sandboxed ones, dispatched fairly) do not restart a worker for
         almost every task (measured before this rule: 4,184 restarts, 100 short tasks not done in 300 s)."""
         starving = not any(w.kind.key == key for w in self._workers)
-        idle = [w for w in self._workers if w.kind.key != key and w.is_ready and not w.inflight
+        idle = [w for w in self._workers if w.kind.key != key and w.is_ready and not w.inflight and not w.extra
                 and (starving or not self._queues.get(w.kind.key))]
         if not idle:
             return False
@@ -577,13 +629,13 @@ class LocalEngine:
         """A warm pool prewarms its default workers back into slots environments gave up."""
         if self.on_demand or self._stopping or not self._started:
             return
-        while len(self._workers) < self._size and not any(q for k, q in self._queues.items() if k):
+        while len(self._pool()) < self._size and not any(q for k, q in self._queues.items() if k):
             self._spawn()
 
     def _replace(self, lost: _Worker) -> None:
         """Keep the pool at full size; a worker that never got ready is replaced after a pause."""
-        if self._stopping or not self._started or self._loop is None:
-            return
+        if self._stopping or not self._started or self._loop is None or lost.extra:
+            return  # an extra worker is never replaced: it ran one task that had to start now
         if self.on_demand or lost.kind.key:  # replaced when tasks need one (now, if some wait)
             if lost.is_ready:
                 self._grow()
@@ -800,6 +852,8 @@ class LocalEngine:
             del buf[:pos]
         if results:
             w.head_started = time.monotonic()  # the next task had started by now
+            if w.extra and not w.inflight:
+                self._detach(w)  # its one task is done: EOF ends it (no idle process kept for it)
             self._pump()  # refill the workers before the callback, which may take a while
             self._deliver(results)
             if not w.inflight:
@@ -876,12 +930,12 @@ class LocalEngine:
             return
         if self._queue and len(self._queues) == 1:  # the common case: one kind, no per-kind lists
             self._grow()
-            self._pump_kind(self._queue, [w for w in self._workers if w.is_ready])
+            self._pump_kind(self._queue, [w for w in self._workers if w.is_ready and not w.extra])
         elif any(self._queues.values()):
             self._grow()
             for key, queue in self._queues.items():
                 if queue:
-                    self._pump_kind(queue, [w for w in self._workers if w.is_ready and w.kind.key == key])
+                    self._pump_kind(queue, [w for w in self._workers if w.is_ready and w.kind.key == key and not w.extra])
         self._arm_timer()
 
     def _pump_kind(self, queue: deque[EngineTask], ready: list[_Worker]) -> None:

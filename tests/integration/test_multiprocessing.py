@@ -58,6 +58,8 @@ class Env:
             text = path.read_text()
             changed = re.sub(r"^from cloud_hub\.client import multiprocessing  # (noqa: F401  )?mesh-import.*$", "import multiprocessing",
                              text, count=1, flags=re.M)
+            changed = re.sub(r"^from cloud_hub\.client\.multiprocessing import (.*?)  # mesh-import.*$", r"from multiprocessing import \1",
+                             changed, count=1, flags=re.M)
             assert changed != text
             path = tmp / name
             path.write_text(changed)
@@ -149,6 +151,16 @@ def test_evolution_strategies_with_array_and_manager(env: Env, tmp_path: Path) -
     assert end < start * 0.6
     std = env.run("evolution.py", "6", stdlib=True, tmp=tmp_path)
     assert abs(end - float(_field(std, "end")[0])) < 1e-9  # the same trajectory as local processes
+
+
+def test_lithops_c_types_example(env: Env, tmp_path: Path) -> None:
+    """Lithops' examples/multiprocessing/c_types.py (issue 28): an ``Array('i')`` reached through a
+    global by a Process and a Pool, and ``Array('c', b'...')``, ``Value('c')``, ``RawArray('c')``
+    as bytes; the same lines as the standard library prints."""
+    out = env.run("c_types.py")
+    assert out == env.run("c_types.py", stdlib=True, tmp=tmp_path)
+    assert "bumped [37, 11, 14, 11, 15, 19]" in out and "word b'mesh' b'mesh' b'm' 4 b'a' b'\\x00\\x00\\x00'" in out
+    assert "shouted b'MESH' b'ES' b'Z' b'M\\x00\\x00' b'M' 0" in out
 
 
 # ------------------------------------------------------------------ the standard library's errors

@@ -22,23 +22,25 @@ _settings: dict[str, Any] = {
     "ttl_s": 3600.0,         # expiry of every shared resource, refreshed on writes
     "client": None,
     "task_timeout_s": None,
+    "start_timeout_s": 60.0,  # Process.start() raises when the target has not started within this
 }
 _executor: Any = None
 
 
 def config(*, endpoint: Any = None, redis_url: str | None = None, ttl_s: float | None = None, client: Any = None,
-           task_timeout_s: float | None = None) -> dict[str, Any]:
+           task_timeout_s: float | None = None, start_timeout_s: float | None = None) -> dict[str, Any]:
     """Set where Pools and Processes run (``endpoint``: ``"auto"``, an id, a list of ids or
     ``{"tags": [...]}``), the Redis that holds Queues, Locks, Values... (``redis_url``, reachable
-    from the endpoints too), and the expiry of shared resources. Returns the settings in force."""
+    from the endpoints too), the expiry of shared resources, and how long ``Process.start()``
+    waits for its target to start (``start_timeout_s``). Returns the settings in force."""
     global _executor
     with _lock:
-        for k, v in (("endpoint", endpoint), ("redis_url", redis_url), ("ttl_s", ttl_s), ("client", client),
-                     ("task_timeout_s", task_timeout_s)):
-            if v is not None:
-                if k == "ttl_s" and (not isinstance(v, (int, float)) or v <= 0):
-                    raise ValueError(f"ttl_s must be a positive number of seconds, not {v!r}")
-                _settings[k] = v
+        given = [(k, v) for k, v in (("endpoint", endpoint), ("redis_url", redis_url), ("ttl_s", ttl_s), ("client", client),
+                                     ("task_timeout_s", task_timeout_s), ("start_timeout_s", start_timeout_s)) if v is not None]
+        for k, v in given:  # all checked before any is set: a bad value changes nothing
+            if k in ("ttl_s", "start_timeout_s") and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"{k} must be a positive number of seconds, not {v!r}")
+        _settings.update(given)
         if _executor is not None and (endpoint is not None or client is not None or task_timeout_s is not None):
             old, _executor = _executor, None
             old.shutdown(wait=False)
@@ -105,3 +107,16 @@ def shutdown_executor() -> None:
 
 
 atexit.register(shutdown_executor)
+
+
+def cancel(future: Any) -> bool:
+    """Cancel a task of this program: the future at once, and the task wherever it is when the
+    Executor can say so to the hub (``Executor.cancel``); True when the future is cancelled."""
+    ex = _executor
+    fn = getattr(ex, "cancel", None) if ex is not None else None
+    if fn is not None:
+        try:
+            return bool(fn(future))
+        except Exception:  # the hub unreachable: the future is still cancelled here
+            pass
+    return bool(future.cancel())

@@ -13,10 +13,12 @@ and reused), as the standard library runs it once per pool process.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import sys
 import threading
+import time
 import traceback
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, Future, as_completed, wait
@@ -327,6 +329,7 @@ class Pool:
 def _run_process(proc: "Process") -> tuple[int, str | None]:
     """Runs on the agent's worker: ``proc.run()``; the exit code as a child process would have it.
     When it ends, what its Queue consumers got counts as consumed (queues.task_ended)."""
+    _signal_started(proc)
     try:
         proc.run()
         return 0, None
@@ -341,6 +344,25 @@ def _run_process(proc: "Process") -> tuple[int, str | None]:
         return 1, f"Process {proc.name}:\n{traceback.format_exc()}"
     finally:
         task_ended()
+
+
+def _signal_started(proc: "Process") -> None:
+    """Tell the waiting ``start()`` that the target is about to run (one list push in the
+    program's store; a re-run after an agent restart pushes again, which nobody waits for)."""
+    key, url = getattr(proc, "_started_key", None), getattr(proc, "_started_url", None)
+    if not key or not url:
+        return
+    from cloud_hub.client.multiprocessing._resource import connection, retrying
+
+    r = connection(url)
+
+    def push() -> None:
+        pipe = r.pipeline()
+        pipe.rpush(key, b"1")
+        pipe.expire(key, 600)
+        pipe.execute()
+
+    retrying(url, push)
 
 
 class _Current:
@@ -406,8 +428,45 @@ class Process:
         if self._future is not None:
             raise AssertionError("cannot start a process twice")
         _picklable(self)
-        self._future = _state.executor().submit(_run_process, self)
+        self._started_key, self._started_url = f"mesh:mp:started:{uuid.uuid4().hex}", _state.redis_url()
+        self._future = _state.executor().submit_now(_run_process, self)
         _children.add(self)
+        try:
+            self._wait_started(float(_state.settings()["start_timeout_s"]))
+        except BaseException:
+            f, self._future = self._future, None  # not started, as a failed fork: start() may be called again
+            _children.discard(self)
+            if f is not None:
+                _state.cancel(f)
+            raise
+
+    def _wait_started(self, budget: float) -> None:
+        """Return once the target runs (its task's first act is a push to ``_started_key``), or
+        its task already ended; raise ``BlockingIOError`` (EAGAIN, as a failed ``fork``) when it
+        was refused (the endpoint's slots and extra workers all in use) or did not start within
+        ``budget`` seconds (``multiprocessing.config(start_timeout_s=)``)."""
+        from cloud_hub.client.multiprocessing._resource import connection, retrying
+
+        f, key, url = self._future, self._started_key, self._started_url
+        assert f is not None
+        r = connection(url)
+        deadline = time.monotonic() + budget
+        while True:
+            if f.done():
+                exc = f.exception() if not f.cancelled() else None
+                if isinstance(exc, OSError) and exc.errno == errno.EAGAIN:
+                    raise BlockingIOError(errno.EAGAIN, f"{self.name} could not start: {exc.strerror or exc}") from None
+                return  # ended already (its exit code and output come with join())
+            left = deadline - time.monotonic()
+            if left <= 0:
+                sel = _state.settings()["endpoint"]
+                raise BlockingIOError(errno.EAGAIN, f"{self.name} did not start within start_timeout_s={budget:g} s: no endpoint "
+                                      f"matching {sel!r} ran it (offline, or every worker slot and extra worker in use; each "
+                                      "agent starts at most start_now_max extra workers). Add endpoints, raise start_now_max in "
+                                      "the agent's config, or multiprocessing.config(start_timeout_s=)")
+            if retrying(url, lambda: r.blpop([key], timeout=max(1, min(5, int(left))))) is not None:
+                retrying(url, lambda: r.delete(key))
+                return
 
     def _settle(self) -> None:
         f = self._future
