@@ -921,8 +921,8 @@ def _environments(cfg: Any) -> Any:
         index_url=envs.index_url if envs is not None else None,
         find_links=list(envs.find_links) if envs is not None else [],
         no_index=envs.no_index if envs is not None else False,
-        **({"sandbox_tmp_mb": envs.sandbox_tmp_mb, "sandbox_nproc": envs.sandbox_nproc, "sandbox_uid": envs.sandbox_uid}
-           if envs is not None else {}),
+        **({"sandbox_tmp_mb": envs.sandbox_tmp_mb, "sandbox_nproc": envs.sandbox_nproc, "sandbox_uid": envs.sandbox_uid,
+            "tenant_network": envs.tenant_network} if envs is not None else {}),
     )
 
 

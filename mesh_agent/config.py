@@ -188,8 +188,10 @@ class EnvironmentsSettings(_MaskedRepr):
                                           "each with one worker kept warm, e.g. [{pip: [numpy]}, {sandbox: true}]")
     sandbox_tmp_mb: int = Field(64, ge=1, le=65536, description="size of a sandbox's private /tmp (a tmpfs: RAM)")
     sandbox_nproc: int = Field(256, ge=8, le=65536, description="processes and threads one sandbox may hold (a fork bomb stops here)")
-    sandbox_uid: int = Field(65534, ge=1, le=2**31 - 2, description="host uid/gid a sandbox runs as when the agent runs as root "
-                             "(never 0)")
+    sandbox_uid: int = Field(65534, ge=1, le=2**31 - 2, description="host uid/gid of the owner's own sandboxed tasks when the "
+                             "agent runs as root (never 0); another user's run as a uid of their own")
+    tenant_network: bool = Field(False, description="let other users' sandboxed tasks ask for the network; they then reach "
+                                 "this machine's loopback services (broker, databases) too")
 
     @field_validator("prewarm")
     @classmethod

@@ -44,7 +44,11 @@ _REQ = re.compile(
 )
 _VAR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 #: Variables a spec may not set: they would change how the worker itself starts or how the agent talks to it.
-_RESERVED_VARS = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH", "LD_PRELOAD", "LD_LIBRARY_PATH")
+_RESERVED_VARS = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH", "PYTHONEXECUTABLE", "PYTHONPLATLIBDIR",
+                  "GCONV_PATH", "MALLOC_CONF", "HOSTALIASES", "LOCALDOMAIN", "RES_OPTIONS", "NLSPATH")
+#: Prefixes a spec may not set: the dynamic loader's variables (LD_AUDIT, LD_PRELOAD, ...) load a
+#: library into whatever program starts next (issue 25: through bubblewrap, before the sandbox).
+_RESERVED_PREFIXES = ("MESH_", "LD_", "GLIBC_TUNABLES")
 
 
 class EnvSpecError(ValueError):
@@ -85,7 +89,7 @@ def _env_vars(value: Any) -> dict[str, str]:
     for name, v in value.items():
         if not isinstance(name, str) or not _VAR.match(name):
             raise EnvSpecError(f"environment.env_vars: {str(name)[:80]!r} is not a variable name ([A-Za-z_][A-Za-z0-9_]*)")
-        if name in _RESERVED_VARS or name.startswith("MESH_"):
+        if name in _RESERVED_VARS or name.startswith(_RESERVED_PREFIXES):
             raise EnvSpecError(f"environment.env_vars: {name} is reserved (it changes how the worker starts)")
         if not isinstance(v, str) or len(v) > _MAX_VALUE or "\x00" in v:
             raise EnvSpecError(f"environment.env_vars[{name!r}] must be a string of at most {_MAX_VALUE} characters without NUL")

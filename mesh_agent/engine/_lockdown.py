@@ -13,7 +13,8 @@ In order (docs/environments.md, "The sandbox"):
    dropped from bubblewrap (``--unshare-user --disable-userns --cap-drop ALL``).
 2. Resource limits: processes (a fork bomb stays inside), open files, core dumps off.
 3. no_new_privs and the seccomp filter (``_seccomp.program``).
-4. ``execv`` the worker interpreter.
+4. ``execve`` the worker interpreter, with the spec's variables added only now (a loader variable
+   such as LD_AUDIT given to bubblewrap or to this program would run the tenant's library first).
 
 Any failure exits with status 70 and one line on stderr: a sandbox that cannot lock itself down
 never runs the task.
@@ -83,7 +84,9 @@ def main(argv: list[str]) -> None:
         _limits(opts)
         seccomp = _load_filter_module()
         seccomp.install(seccomp.program(network=bool(opts.get("network"))))
-        os.execv(argv[2], argv[2:])
+        env = dict(os.environ)
+        env.update({str(k): str(v) for k, v in (opts.get("env") or {}).items()})
+        os.execve(argv[2], argv[2:], env)
     except BaseException as exc:  # noqa: BLE001 - never run unconfined
         sys.stderr.write(f"sandbox lockdown failed: {type(exc).__name__}: {exc}\n")
         sys.stderr.flush()

@@ -215,7 +215,8 @@ def _limit_memory(memory_limit_mb: int) -> None:
     _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard != resource.RLIM_INFINITY:
         limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    # Soft and hard alike: with only the soft limit set, a task could raise it again (issue 25).
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
 class FdConnection:

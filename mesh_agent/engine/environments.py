@@ -121,7 +121,8 @@ def abi_tag() -> str:
 #: What of the host's /etc a Python program needs (dynamic linker, time zone, name service, TLS
 #: roots for a sandbox granted the network, MIME types); nothing else of /etc, no passwd or shadow.
 _ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "nsswitch.conf", "host.conf", "hosts",
-        "gai.conf", "mime.types", "alternatives", "ssl", "ca-certificates", "ca-certificates.conf", "os-release")
+        "gai.conf", "mime.types", "alternatives", "ssl/certs", "ssl/openssl.cnf", "ca-certificates", "ca-certificates.conf",
+        "os-release")
 _NET_ETC = ("resolv.conf",)
 #: System directories: bound read-only where they are directories, recreated as the same symlink
 #: where they are symlinks (Debian's merged /usr).
@@ -134,8 +135,22 @@ SANDBOX_VENV = "/opt/mesh-venv"
 SANDBOX_TMP_MB = 64
 #: Processes (and threads) a sandbox may hold at once: a fork bomb stops here.
 SANDBOX_NPROC = 256
-#: The host uid/gid a sandbox runs as when the agent runs as root (``nobody``).
+#: The host uid/gid a sandbox runs as when the agent runs as root (``nobody``), for the owner's own
+#: sandboxed tasks; another user's run as a uid of their own (:func:`tenant_uid`).
 SANDBOX_UID = 65534
+#: Tenant uids: ``base + hash(tenant) % span``, far above any account or subordinate-uid range, so
+#: the per-uid process limit is per tenant: one tenant's fork bomb cannot stop another's sandbox.
+TENANT_UID_BASE = 0x70000000
+TENANT_UID_SPAN = 1 << 24
+
+
+def tenant_uid(tenant: str | None, default: int = SANDBOX_UID) -> int:
+    """The host uid a root agent runs ``tenant``'s sandboxes as (pure; the same on every start)."""
+    if not tenant:
+        return default
+    import hashlib
+
+    return TENANT_UID_BASE + int.from_bytes(hashlib.sha256(tenant.encode()).digest()[:8], "big") % TENANT_UID_SPAN
 
 
 def system_binds(root: Path = Path("/"), network: bool = False) -> list[tuple[str, str, str]]:
@@ -195,14 +210,21 @@ def bwrap_argv(binds: Iterable[tuple[str, str, str]], hidden: Iterable[Path] = (
     for h in sorted({str(Path(h)) for h in hidden}):
         if any(Path(h).is_relative_to(d) for d in dests if d != "/"):
             argv += ["--tmpfs", h]
-    argv += ["--chdir", "/tmp", "--"]
+    # Everything bubblewrap made besides /tmp (its root, /etc, the directories on the way to binds,
+    # /dev) is read-only, and /dev/shm (POSIX semaphores, multiprocessing) is a small tmpfs of its
+    # own: no writable filesystem in the sandbox can grow past its size (issue 25).
+    argv += ["--perms", "1777", "--size", str(max(1, min(tmp_mb, 16)) << 20), "--tmpfs", "/dev/shm",
+             "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--"]
     return argv
 
 
-def lockdown_argv(python: str, *, network: bool, uid: int = SANDBOX_UID, nproc: int = SANDBOX_NPROC) -> list[str]:
+def lockdown_argv(python: str, *, network: bool, uid: int = SANDBOX_UID, nproc: int = SANDBOX_NPROC,
+                  env: Iterable[tuple[str, str]] = ()) -> list[str]:
     """What bubblewrap runs first (pure): ``_lockdown.py`` under ``python -S -I``, which drops every
-    privilege, installs the seccomp filter and then execs the argv that follows."""
-    opts = {"network": network, "uid": uid, "gid": uid, "nproc": nproc, "nofile": 1024}
+    privilege, installs the seccomp filter and then execs the argv that follows with ``env`` (the
+    spec's variables) added. The spec's variables never reach bubblewrap or the lockdown itself: a
+    loader variable (LD_AUDIT) there would load the tenant's library before the sandbox exists."""
+    opts = {"network": network, "uid": uid, "gid": uid, "nproc": nproc, "nofile": 1024, "env": dict(env)}
     return [python, "-S", "-I", str(Path(__file__).with_name("_lockdown.py")), json.dumps(opts, separators=(",", ":"))]
 
 
@@ -386,11 +408,13 @@ class Environments:
         sandbox_tmp_mb: int = SANDBOX_TMP_MB,
         sandbox_uid: int = SANDBOX_UID,
         sandbox_nproc: int = SANDBOX_NPROC,
+        tenant_network: bool = False,
     ) -> None:
         self.root = Path(root)
         self.sandbox_tmp_mb = sandbox_tmp_mb
         self.sandbox_uid = sandbox_uid
         self.sandbox_nproc = sandbox_nproc
+        self.tenant_network = tenant_network
         self.hidden = [Path(h) for h in hidden]
         self.budget = max(1, disk_budget_mb) * 2**20
         self.index_url = index_url
@@ -522,14 +546,27 @@ class Environments:
         if sandboxed:
             bwrap = self._bwrap_path()
             network = bool(spec.get("network"))
+            tenant = spec.get("tenant")
+            if network and tenant and not self.tenant_network:
+                err = EnvError("this endpoint does not give other users' tasks the network: with it they would reach its "
+                               "loopback services (broker, databases, the hub); its owner can allow it with "
+                               "environments.tenant_network: true")
+                err.deployment = True  # type: ignore[attr-defined]  # the owner's setting: tried again after a restart
+                raise err
             self._check_socket_filter()
             binds = [*system_binds(network=network), *code_binds()]
-            if venv_dir is not None:  # at a fixed path: not even the data directory's name shows inside
-                binds.append(("ro", str(venv_dir), SANDBOX_VENV))
+            if venv_dir is not None:
+                # At a fixed path, and only what the interpreter reads: not even the data directory's name
+                # shows inside (the venv's bin/activate scripts would name it).
+                binds += [("ro", str(venv_dir / "lib"), f"{SANDBOX_VENV}/lib"),
+                          ("ro", str(venv_dir / "pyvenv.cfg"), f"{SANDBOX_VENV}/pyvenv.cfg"),
+                          ("symlink", os.path.realpath(venv_dir / "bin" / "python"), f"{SANDBOX_VENV}/bin/python")]
                 python = f"{SANDBOX_VENV}/bin/python"
                 path = (str(self._site_packages(Path(SANDBOX_VENV))),)
+            uid = tenant_uid(str(tenant) if tenant else None, self.sandbox_uid)
             wrap = (*bwrap_argv(binds, self.hidden, network, bwrap, privileged=os.geteuid() == 0, tmp_mb=self.sandbox_tmp_mb),
-                    *lockdown_argv(sys.executable, network=network, uid=self.sandbox_uid, nproc=self.sandbox_nproc))
+                    *lockdown_argv(sys.executable, network=network, uid=uid, nproc=self.sandbox_nproc, env=env))
+            env = ()  # given to the worker by the lockdown, after it: never to bubblewrap
             # Start the sandbox once, lockdown and filter included: a kernel that refuses namespaces or
             # seccomp, or a unit that forbids them, fails the spec here in bubblewrap's own words, not in
             # a respawn loop, and the task never runs unsandboxed.

@@ -621,3 +621,22 @@ async def test_a_sandbox_that_cannot_start_fails_its_tasks_and_is_tried_again_af
     eng2.submit([with_env(task("t2", whoami), spec)])
     await sink.wait_for(2, timeout=60)
     assert sink.by_id()["t2"].ok
+
+
+async def test_another_users_task_gets_no_network_unless_the_owner_allows_it(tmp_path: Path, wheels: Path,
+                                                                            started: list[LocalEngine]) -> None:
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap not installed")
+    sink = Collector()
+    eng = await start(started, sink, make_envs(tmp_path, wheels))
+    eng.submit([with_env(task("t", whoami), {"sandbox": True, "network": True, "tenant": "bob"}),
+                with_env(task("own", whoami), {"sandbox": True, "network": True})])
+    res = {r.task_id: r for r in await sink.wait_for(2, timeout=60)}
+    e = error(res["t"])
+    assert e["type"] == ENVIRONMENT_ERROR and "tenant_network" in e["message"] and "loopback" in e["message"]
+    assert res["own"].ok  # the owner's own sandboxed task may have the network
+    (tmp_path / "b").mkdir()
+    allowed = await start(started, sink, make_envs(tmp_path / "b", wheels, tenant_network=True))
+    allowed.submit([with_env(task("t2", whoami), {"sandbox": True, "network": True, "tenant": "bob"})])
+    await sink.wait_for(3, timeout=60)
+    assert sink.by_id()["t2"].ok

@@ -244,3 +244,27 @@ def test_agent_queue_keeps_a_tasks_environment_across_restarts_and_upgrades_an_o
         assert got == {"old1": None, "new1": spec}
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("name", ["LD_AUDIT", "LD_PRELOAD", "LD_DEBUG_OUTPUT", "GLIBC_TUNABLES", "GCONV_PATH", "MESH_KEY"])
+def test_loader_and_mesh_variables_are_refused(name: str) -> None:
+    with pytest.raises(ValueError, match=f"{name} is reserved"):
+        normalize({"env_vars": {name: "/tmp/x.so"}})
+
+
+def test_the_specs_variables_reach_the_worker_only_after_the_lockdown() -> None:
+    import json
+
+    from mesh_agent.engine.environments import lockdown_argv
+
+    argv = lockdown_argv("/usr/bin/python3", network=False, env=[("OMP_NUM_THREADS", "1")])
+    assert argv[1:3] == ["-S", "-I"] and argv[3].endswith("_lockdown.py")
+    assert json.loads(argv[4])["env"] == {"OMP_NUM_THREADS": "1"}
+
+
+def test_each_tenant_has_a_host_uid_of_its_own() -> None:
+    from mesh_agent.engine.environments import SANDBOX_UID, TENANT_UID_BASE, tenant_uid
+
+    a, b = tenant_uid("user-a"), tenant_uid("user-b")
+    assert a != b and a == tenant_uid("user-a") and min(a, b) >= TENANT_UID_BASE and max(a, b) < 2**31
+    assert tenant_uid(None) == SANDBOX_UID and tenant_uid("", 1234) == 1234
