@@ -12,6 +12,7 @@ exits at once, ``--serve`` serves even without a terminal.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -19,7 +20,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
 from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any
@@ -57,42 +57,130 @@ def placed_pi(seed: int) -> float:
     return monte_carlo_pi(60000, seed)
 
 
-def _auto_placement(mesh: LocalMesh, agents: list[Any], n: int, speed: dict[str, str]) -> bool:
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _auto_placement(mesh: LocalMesh, agents: list[Any], n: int, speed: dict[str, str]) -> tuple[bool, dict[str, Any]]:
     """Let the scheduler place work (``endpoint="auto"``) in two waves: the first explores an
-    unprofiled function, the second uses what it measured. One row per endpoint: what it is
-    (workers, CPU), how fast it really ran the function, and the share of each wave it got, so a
-    reader can judge the placement; plus how far the predictions were from the actual times."""
+    unprofiled function, the second uses what it measured. The tables show what a reader needs to
+    judge it: per endpoint what it is (workers, CPU), how fast it really ran the function, the
+    share that would minimise the wave's makespan next to the share it got, and for wave 2 the
+    predicted and actual completion times with the terms that drove the choice; per wave the
+    makespan next to the ideal one. Returns (all tasks ok, the figures as a dict)."""
     if n <= 0:
-        return True
-    table = Table(title=f'Scheduler placement (endpoint="auto"): 2 waves of {n // 2} tasks')
-    for col in ("endpoint", "workers", "CPU", "mean run ms", "wave 1 share", "wave 2 share"):
-        table.add_column(col, justify="left" if col in ("endpoint", "CPU") else "right")
+        return True, {}
     ok = True
-    shares: list[Counter[str]] = []
-    runs: dict[str, list[float]] = {a.endpoint_id: [] for a in agents}
-    errors: list[float] = []
+    size = n // 2
+    names = {a.endpoint_id: a.cfg.name for a in agents}
+    waves: list[dict[str, Any]] = []
+    runs: list[dict[str, list[float]]] = []
+    decisions: list[list[dict[str, Any]]] = []
     with Executor(mesh.client, endpoint="auto") as ex:
         for _wave in (1, 2):
-            fs = [ex.submit(placed_pi, i) for i in range(n // 2)]
+            t0 = time.perf_counter()
+            fs = [ex.submit(placed_pi, i) for i in range(size)]
             done, not_done = wait(fs, timeout=300)
+            makespan = time.perf_counter() - t0  # first submit to last result, at the client
             ok = ok and not not_done and all(f.exception() is None for f in done)
-            shares.append(Counter(getattr(f, "endpoint_id", "") for f in fs))
+            spans = {f.task_id: (getattr(f, "started", None), getattr(f, "finished", None)) for f in done}  # type: ignore[attr-defined]
+            r: dict[str, list[float]] = {a.endpoint_id: [] for a in agents}
             for f in done:
                 if getattr(f, "started", None) and getattr(f, "finished", None):
-                    runs.setdefault(f.endpoint_id, []).append((f.finished - f.started) * 1e3)  # type: ignore[attr-defined]
+                    r.setdefault(f.endpoint_id, []).append(f.finished - f.started)  # type: ignore[attr-defined]
+            runs.append(r)
             ids = {f.task_id for f in fs}  # type: ignore[attr-defined]
-            rows = [d for d in mesh.client.scheduler_decisions(limit=n)["decisions"]
+            rows = [d for d in mesh.client.scheduler_decisions(limit=max(50, size + 50))["decisions"]
                     if d["task_id"] in ids and d.get("actual_s") is not None and d.get("predicted_s") is not None]
-            errors.append(statistics.median(abs(d["actual_s"] - d["predicted_s"]) for d in rows) if rows else float("nan"))
+            decisions.append(rows)
+            tasks = [{"endpoint": names.get(d["endpoint_id"], d["endpoint_id"]), "placed_at": d["placed_at"],
+                      "completed_at": d.get("completed_at"), "started": spans.get(d["task_id"], (None, None))[0],
+                      "finished": spans.get(d["task_id"], (None, None))[1], "predicted": d["predicted"],
+                      "actual_s": d["actual_s"]} for d in sorted(rows, key=lambda d: d["seq"])]
+            waves.append({"tasks": size, "makespan_s": makespan,
+                          "share": {e: sum(1 for f in fs if getattr(f, "endpoint_id", "") == e) / max(1, size) for e in names},
+                          "task_rows": tasks})
+    for k, w in enumerate(waves):
+        # The makespan-minimising split, from this wave's measured run times (the other wave's for
+        # an endpoint that ran nothing in it): each endpoint's throughput is workers / mean run.
+        rate = {}
+        for a in agents:
+            rr = runs[k].get(a.endpoint_id) or runs[1 - k].get(a.endpoint_id) or []
+            if rr:
+                rate[a.endpoint_id] = a.cfg.workers / statistics.mean(rr)
+        tot = sum(rate.values())
+        w["mean_run_s"] = {e: statistics.mean(runs[k][e]) if runs[k].get(e) else None for e in names}
+        w["ideal_share"] = {e: rate[e] / tot for e in rate} if tot else {}
+        w["ideal_makespan_s"] = size / tot if tot else None
+        w["makespan_vs_ideal"] = w["makespan_s"] / w["ideal_makespan_s"] if w["ideal_makespan_s"] else None
+        rows = decisions[k]
+        errs = [abs(d["actual_s"] - d["predicted_s"]) for d in rows]
+        w["prediction_median_abs_error_s"] = _median(errs)
+        w["actual_median_s"] = _median([d["actual_s"] for d in rows])
+        w["prediction_error_vs_actual"] = (w["prediction_median_abs_error_s"] / w["actual_median_s"]
+                                           if errs and w["actual_median_s"] else None)
+        per: dict[str, Any] = {}
+        for e in names:
+            mine = [d for d in rows if d["endpoint_id"] == e]
+            terms = {t: _median([d["predicted"].get(t, 0.0) for d in mine]) for t in ("transfer_in", "queue", "cold", "run", "transfer_out")}
+            per[e] = {"tasks": len(mine), "predicted_median_s": _median([d["predicted_s"] for d in mine]),
+                      "actual_median_s": _median([d["actual_s"] for d in mine]), "terms_median_s": terms}
+        w["endpoints"] = per
+        w["max_share_gap"] = max((abs(w["share"].get(e, 0.0) - v) for e, v in w["ideal_share"].items()), default=None)
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.0%}"
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x * 1e3:.0f}"
+
+    table = Table(title=f'Scheduler placement (endpoint="auto"): 2 waves of {size} tasks')
+    for col in ("endpoint", "workers", "CPU", "mean run ms", "ideal share", "wave 1 share", "wave 2 share"):
+        table.add_column(col, justify="left" if col in ("endpoint", "CPU") else "right")
     for a in agents:
-        r = runs.get(a.endpoint_id) or []
-        table.add_row(a.cfg.name, str(a.cfg.workers), speed.get(a.endpoint_id, "full"),
-                      f"{statistics.mean(r):.1f}" if r else "-",  # mean: a CPU quota shows as throttled runs
-                      *(f"{c[a.endpoint_id] / max(1, sum(c.values())):.0%}" for c in shares))
+        e = a.endpoint_id
+        allr = runs[0].get(e, []) + runs[1].get(e, [])
+        table.add_row(a.cfg.name, str(a.cfg.workers), speed.get(e, "full"),
+                      f"{statistics.mean(allr) * 1e3:.1f}" if allr else "-",  # mean: a CPU quota shows as throttled runs
+                      pct(waves[1]["ideal_share"].get(e)), pct(waves[0]["share"][e]), pct(waves[1]["share"][e]))
     console.print(table)
-    console.print(f"median |predicted - actual| per task: wave 1 {errors[0] * 1e3:.0f} ms, wave 2 {errors[1] * 1e3:.0f} ms; "
-                  "each decision, with the predictions it compared: GET /v1/scheduler/decisions")
-    return ok
+    why = Table(title="Wave 2, per endpoint: predicted vs actual completion (placement to result at the hub) and the "
+                      "predicted terms, medians per task in ms")
+    for col in ("endpoint", "tasks", "predicted", "actual", "link in", "queue", "cold", "run", "link out"):
+        why.add_column(col, justify="left" if col == "endpoint" else "right")
+    for a in agents:
+        d = waves[1]["endpoints"][a.endpoint_id]
+        t = d["terms_median_s"]
+        why.add_row(a.cfg.name, str(d["tasks"]), ms(d["predicted_median_s"]), ms(d["actual_median_s"]),
+                    ms(t["transfer_in"]), ms(t["queue"]), ms(t["cold"]), ms(t["run"]), ms(t["transfer_out"]))
+    console.print(why)
+    console.print("ideal share = workers / mean run, normalised: the split that minimises a wave's makespan; "
+                  "ideal makespan = tasks / sum of (workers / mean run)")
+    for k, w in enumerate(waves, 1):
+        console.print(f"wave {k}: makespan {w['makespan_s']:.2f} s, ideal {w['ideal_makespan_s'] or float('nan'):.2f} s "
+                      f"({w['makespan_vs_ideal'] or float('nan'):.2f}x); largest share gap {pct(w['max_share_gap'])} points; "
+                      f"median |predicted - actual| {ms(w['prediction_median_abs_error_s'])} ms "
+                      f"({pct(w['prediction_error_vs_actual'])} of the median actual {ms(w['actual_median_s'])} ms)")
+    console.print("each decision, with the predictions it compared: GET /v1/scheduler/decisions; "
+                  "what the scheduler believes per endpoint: GET /v1/scheduler/state")
+    return ok, {"waves": [{**w, "share": {names[e]: v for e, v in w["share"].items()},
+                           "ideal_share": {names[e]: v for e, v in w["ideal_share"].items()},
+                           "mean_run_s": {names[e]: v for e, v in w["mean_run_s"].items()},
+                           "endpoints": {names[e]: v for e, v in w["endpoints"].items()}} for w in waves],
+                "workers": {a.cfg.name: a.cfg.workers for a in agents}}
+
+
+def _scheduler_state(mesh: LocalMesh) -> Any:
+    """GET /v1/scheduler/state: what the scheduler believes per endpoint (links, clock offsets,
+    throughput, cold starts, calibration), for the JSON figures."""
+    import httpx
+
+    try:
+        r = httpx.get(f"{mesh.url}/v1/scheduler/state", headers={"Authorization": f"Bearer {mesh.token}"},
+                      timeout=30, verify=False)
+        return r.json() if r.status_code == 200 else {"status": r.status_code}
+    except httpx.HTTPError as exc:
+        return {"error": str(exc)}
 
 
 def _slow_device(mesh: LocalMesh, name: str, speed: dict[str, str]) -> tuple[Any, Any]:
@@ -136,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-kill", action="store_true", help="do not SIGKILL an agent mid-run")
     ap.add_argument("--tls", action="store_true", help="HTTPS hub, MQTT agents over TLS (certificates from `mesh-hub tls init`, CA pinned at enrollment)")
     ap.add_argument("--fl-rounds", type=int, default=12, help="rounds of the FL demo on the same mesh (0: no FL)")
+    ap.add_argument("--json", metavar="PATH", help="write the placement figures (both waves, per endpoint) and the "
+                    "scheduler's state after them to PATH as JSON (bench/scheduler.py reads it)")
     ap.add_argument("--serve", action=argparse.BooleanOptionalAction, default=None,
                     help="keep the mesh (and its console) up until Ctrl-C; default: yes when run from a terminal")
     args = ap.parse_args(argv)
@@ -202,7 +292,11 @@ def main(argv: list[str] | None = None) -> int:
             console.print(table)
             lost = len(not_done)
             console.print(f"lost: {lost}, results delivered: {len(done)} of {total}")
-            auto_ok = _auto_placement(mesh, agents, args.auto, speed)
+            auto_ok, figures = _auto_placement(mesh, agents, args.auto, speed)
+            if args.json:
+                figures["flood"] = {"tasks": total, "elapsed_s": elapsed, "lost": lost, "killed": not args.no_kill}
+                figures["scheduler_state"] = _scheduler_state(mesh)
+                Path(args.json).write_text(json.dumps(figures, indent=2, default=str) + "\n")
             console.print(f"console: {mesh.url}/console (sign in with token {mesh.token})", soft_wrap=True)
             fl_rc = 0
             if args.fl_rounds > 0:

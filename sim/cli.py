@@ -46,11 +46,16 @@ def des(
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
     t = Table(title=f"{report['scenario']}: {report['endpoints']} endpoints, {report['tasks']} tasks")
-    for col in ("policy", "makespan s", "mean completion s", "p99 completion s", "wall s"):
+    phases = [ph["name"] for ph in next(iter(report["results"].values()), {}).get("phases", [])]
+    for col in ("policy", "makespan s", "/ bound", *(f"{p} / bound" for p in phases), "mean completion s", "p99 completion s", "wall s"):
         t.add_column(col, justify="left" if col == "policy" else "right")
     for name, m in report["results"].items():
-        t.add_row(name, f"{m['makespan_s']:.1f}", f"{m['completion_mean_s']:.2f}", f"{m['completion_p99_s']:.2f}", f"{m['wall_s']:.1f}")
+        ph = [f"{x['makespan_vs_lower_bound']:.2f}" if x.get("makespan_vs_lower_bound") else "-" for x in m.get("phases", [])]
+        t.add_row(name, f"{m['makespan_s']:.1f}", f"{m['makespan_vs_lower_bound']:.2f}", *ph, f"{m['completion_mean_s']:.2f}",
+                  f"{m['completion_p99_s']:.2f}", f"{m['wall_s']:.1f}")
     console.print(t)
+    console.print(f"/ bound: makespan over the lower bound ({report['results'][next(iter(report['results']))]['lower_bound_s']:.1f} s: "
+                  "fleet work / capacity, each task's arrival plus its fastest run); per phase from its own start")
     text = json.dumps(report, indent=2, default=str)
     if out:
         out.write_text(text)

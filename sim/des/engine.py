@@ -158,7 +158,7 @@ class Simulation:
         computes exactly this)."""
         return self.t_size[task] * self.run_scale[e * len(self.fspecs) + self.wl.fn[task]]
 
-    def _outage_processes(self, t0: float) -> list[tuple[list[int], Any]]:
+    def _outage_processes(self, t0: float, t_work: float | None = None) -> list[tuple[list[int], Any]]:
         sc = self.sc
         procs: list[tuple[list[int], Any]] = []
         pi = 0
@@ -187,6 +187,10 @@ class Simulation:
                 procs.append((members, outage_models.markov(r.outage.markov, t0, stream())))
             if r.outage.scheduled is not None:
                 procs.append((members, outage_models.scheduled(r.outage.scheduled, t0, stream())))
+        for rs in sc.restarts:  # agent restarts (SIGKILL mid-burst): down, then a new hello
+            at = (t_work if t_work is not None else t0) + rs.at_s
+            procs.append(([self.ep_by_id[rs.endpoint]], iter([(at, True), (at + rs.down_s, False)]
+                                                              + [(math.inf, False)] * 2)))
         return procs
 
     # ------------------------------------------------------------------ run
@@ -213,6 +217,7 @@ class Simulation:
 
         t_hist = parse_hhmm(sc.hub.start_time)
         t_work = t_hist + sc.hub.history_days * DAY
+        self._t_work = t_work
 
         # per-task state
         t_arrive = array("d", bytes(8 * n))
@@ -243,15 +248,70 @@ class Simulation:
         stats = {"reruns": 0, "requeued": 0, "duplicates": 0, "outages": 0,
                  "exploration_placements": 0}
 
+        # How the hub learns links (HubSpec.link_timing) and its lag under load (HubSpec.lag).
+        lt = sc.hub.link_timing
+        link_echo = getattr(sched, "link_echo", None) if lt == "echo" else None
+        mode = "ideal" if lt == "ideal" else ("echo" if link_echo is not None else "one-way")
+        self.link_timing_used = mode
+        lag = sc.hub.lag
+        lag_base = lag.base_s if lag is not None else 0.0
+        lag_per = lag.per_task_s if lag is not None else 0.0
+        lag_max = lag.max_s if lag is not None else 0.0
+        echo_share = lag.echo_share if lag is not None else 0.0
+        lagged = lag is not None and (lag_base > 0.0 or lag_per > 0.0) and lag_max > 0.0
+        lag_rng = random.Random(sc.seed * 7919 + 17)
+        arrived = [0]  # tasks accepted so far (the hub's load is arrived - done)
+
+        def hub_lag() -> float:
+            x = lag_base + lag_per * (arrived[0] - done)
+            return min(x, lag_max)
+
+        # The agent's send stamps on the hub's clock are late by its residual skew plus half the
+        # lag its welcome was stamped after (the welcome's hub time is read as the middle of the
+        # hello's round trip).
+        skew = [0.0] * ne
+        i0 = 0
+        for g in sc.endpoints:
+            for k in range(g.count):
+                skew[i0 + k] = g.clock_skew_s
+            i0 += g.count
+        stamp_err = list(skew)
+        done = 0
+
+        def feed_link(e: int, nbytes: float, read: float, now: float) -> None:
+            """A timed frame of ``nbytes`` from endpoint ``e``: read by the hub's link at
+            ``read``, handled at ``now`` (after the lag); sent ``latency + bytes / bw`` before."""
+            trip = one_way[e] + nbytes / bw[e]
+            eid = ep_ids[e]
+            if mode == "ideal":
+                sched.message_timing(eid, int(nbytes), trip, now)
+            elif mode == "one-way":
+                dt = trip + (now - read) - stamp_err[e]
+                if -1.0 < dt < 120.0:
+                    sched.message_timing(eid, int(nbytes), max(dt, 0.0), now)
+            else:
+                # the round trip of the echo this frame carries (the hub's stamp taken, in a share
+                # of them, before its own frame left the busy loop), and the exchange's offset
+                extra = (now - read) if echo_share and lag_rng.random() < echo_share else 0.0
+                link_echo(eid, 2.0 * one_way[e] + extra, now, stamp_err[e] - extra / 2.0)
+                off = sched.clock_offset(eid)
+                dt = trip - stamp_err[e] + (off if off is not None else 0.0)
+                if -1.0 < dt < 120.0:
+                    sched.message_timing(eid, int(nbytes), max(dt, 0.0), now)
+
         # Registration: the hub times the handshake (RTT) and the agent's registration message
         # (64 KiB: environment manifest), as a real hub would.
         reg = 65536
         for e, st in enumerate(self.states):
             sched.add_endpoint(st, t_hist)
-            sched.heartbeat(st.endpoint_id, t_hist, rtt_s=2.0 * eps[e].one_way)
-            sched.message_timing(st.endpoint_id, reg, eps[e].one_way + reg / eps[e].bw, t_hist)
+            if mode == "ideal":
+                sched.heartbeat(st.endpoint_id, t_hist, rtt_s=2.0 * eps[e].one_way)
+                sched.message_timing(st.endpoint_id, reg, eps[e].one_way + reg / eps[e].bw, t_hist)
+            else:
+                stamp_err[e] = skew[e] + hub_lag() / 2.0
+                feed_link(e, reg, t_hist, t_hist)
 
-        procs = self._outage_processes(t_hist)
+        procs = self._outage_processes(t_hist, t_work)
         for p, (_, it) in enumerate(procs):
             t, d = next(it)
             seq += 1
@@ -325,6 +385,8 @@ class Simulation:
             push(heap, (now + dead_after, seq, DETECT, e, epoch[e]))
 
         def go_online(e: int, now: float) -> None:
+            if mode != "ideal":  # a new hello: its welcome sets the agent's clock again
+                stamp_err[e] = skew[e] + hub_lag() / 2.0
             if declared[e]:
                 declared[e] = False
                 sched.heartbeat(ep_ids[e], now)
@@ -364,7 +426,6 @@ class Simulation:
         n_sub = len(sub_time)
         si = 0
         next_sub = t_work + sub_time[0] if n_sub else math.inf
-        done = 0
         last_done = t_work
         events = 0
         gc_was = gc.isenabled()
@@ -393,6 +454,10 @@ class Simulation:
                     elif kind == RESULT:
                         e = ev[3]
                         task = ev[4]
+                        if lagged and len(ev) == 7:  # read by the hub's link; handled after the lag
+                            seq += 1
+                            push(heap, (now + hub_lag(), seq, RESULT, e, task, ev[5], ev[6], now))
+                            continue
                         if t_done[task] == t_done[task]:  # not NaN: already completed
                             stats["duplicates"] += 1
                             continue
@@ -409,8 +474,11 @@ class Simulation:
                         sched.task_completed(task, now, ev[5], cold_start_s=ev[6],  # type: ignore[arg-type]
                                              result_bytes=fres_i[fi], warm_functions=wf)
                         if task % link_every == 0:
-                            sched.message_timing(ep_ids[e], int(t_bytes[task]),
-                                                 one_way[e] + t_bytes[task] / bw[e], now)
+                            if mode == "ideal":
+                                sched.message_timing(ep_ids[e], int(t_bytes[task]),
+                                                     one_way[e] + t_bytes[task] / bw[e], now)
+                            else:
+                                feed_link(e, t_bytes[task], ev[7] if len(ev) > 7 else now, now)
                     elif kind == OUTAGE:
                         self._outage(ev, procs, down, go_offline, go_online, heap, now)
                     else:
@@ -420,6 +488,7 @@ class Simulation:
                     a, b = sub_start[si], sub_start[si + 1]
                     for task in range(a, b):
                         t_arrive[task] = now
+                    arrived[0] = b
                     si += 1
                     next_sub = t_work + sub_time[si] if si < n_sub else math.inf
                     tasks = [TaskInfo(t, fids[t_fn[t]], int(t_bytes[t]), fcons[t_fn[t]])  # type: ignore[arg-type]
@@ -450,6 +519,72 @@ class Simulation:
         # never collide with task events at the same instant and order stays deterministic
         heapq.heappush(heap, (t, -(p + 1), OUTAGE, p, d))
 
+    # ------------------------------------------------------------------ bounds
+    def _eligible(self, fi: int) -> list[int]:
+        c = self.fconstraints[fi]
+        out = []
+        for e, st in enumerate(self.states):
+            if c.tags <= st.tags and (not c.gpu or st.gpu) and st.memory_mb >= c.min_memory_mb:
+                out.append(e)
+        return out
+
+    def lower_bound(self, a: int, b: int, t0: float) -> float:
+        """A lower bound on the makespan (from ``t0``) of tasks ``a..b-1``, from ground truth:
+        the largest of (1) each task's arrival plus its fastest possible trip (payload in, its
+        run on the eligible endpoint that runs it fastest, result back; no queue, no cold
+        start), (2) per function, for every arrival time, the work still to arrive divided by
+        the capacity of the endpoints that may run it (workers / run time), and (3) the same
+        for all functions together on the whole fleet, each endpoint at its best speed. Hub lag,
+        outages and cold starts are not in it: it is what no policy can beat."""
+        if b <= a:
+            return 0.0
+        wl = self.wl
+        nf = len(self.fspecs)
+        ne = len(self.eps)
+        sub_t = np.frombuffer(wl.sub_time)
+        sub_s = np.frombuffer(wl.sub_start, dtype=np.int64)
+        # arrival time of every task (submission of each task), relative to t0
+        counts = np.diff(sub_s)
+        arr = np.repeat(sub_t, counts)[a:b] + (self._t_work - t0)
+        fn = np.frombuffer(wl.fn, dtype=np.int32)[a:b]
+        size = np.frombuffer(self.t_size)[a:b]
+        nbytes = np.frombuffer(wl.nbytes)[a:b]
+        rs = np.array(self.run_scale).reshape(ne, nf)
+        ow = np.array([ep.one_way for ep in self.eps])
+        bw = np.array([ep.bw for ep in self.eps])
+        wk = np.array([ep.workers for ep in self.eps], dtype=float)
+        best = 0.0
+        fleet_cap = float((wk / rs.min(axis=1)).sum())
+        for fi in range(nf):
+            m = fn == fi
+            if not m.any():
+                continue
+            el = np.array(self._eligible(fi))
+            if len(el) == 0:
+                continue
+            trip = (size[m] * rs[el, fi].min() + (2.0 * ow[el] + self.f_result_bytes[fi] / bw[el]).min()
+                    + nbytes[m] * (1.0 / bw[el]).min())
+            best = max(best, float((arr[m] + trip).max()))
+            cap = float((wk[el] / rs[el, fi]).sum())
+            suffix = np.cumsum(size[m][::-1])[::-1]
+            best = max(best, float((arr[m] + suffix / cap).max()))
+        suffix = np.cumsum(size[::-1])[::-1]
+        best = max(best, float((arr + suffix / fleet_cap).max()))
+        return best
+
+    def ideal_shares(self, a: int, b: int) -> dict[int, float]:
+        """For tasks ``a..b-1`` of one function: the share of each eligible endpoint that
+        minimises their makespan when all arrive at once (workers / run time, normalised). Empty
+        for a mix of functions."""
+        fn = set(np.frombuffer(self.wl.fn, dtype=np.int32)[a:b].tolist())
+        if len(fn) != 1:
+            return {}
+        fi = fn.pop()
+        nf = len(self.fspecs)
+        rate = {e: self.eps[e].workers / self.run_scale[e * nf + fi] for e in self._eligible(fi)}
+        tot = sum(rate.values())
+        return {e: r / tot for e, r in rate.items()}
+
     # ------------------------------------------------------------------ results
     def _report(self, t_work, t_arrive, t_done, t_ep, last_done, wall, events, stats) -> dict[str, Any]:
         n = len(t_done)
@@ -468,11 +603,42 @@ class Simulation:
                 cname = self.eps[e].cls.name
                 per_class[cname] = per_class.get(cname, 0) + c
         err = self.scheduler.prediction_error()
+        lb = self.lower_bound(0, n, t_work)
+        makespan = float(last_done - t_work)
+        out_phases = []
+        ps = self.wl.phase_start
+        specs = self.sc.workload.arrival.phases
+        for k in range(len(ps) - 1):
+            a, b = ps[k], ps[k + 1]
+            t0 = float(arr[a])
+            ph_lb = self.lower_bound(a, b, t0)
+            ph_ms = float(done[a:b].max() - t0)
+            cnt = np.bincount(eps_of[a:b][eps_of[a:b] >= 0], minlength=len(self.eps))
+            ideal = self.ideal_shares(a, b)
+            errs = [(abs(d.error_s), d.actual_s) for d in self.scheduler.recent
+                    if a <= d.placement.task_id < b and d.error_s is not None]  # type: ignore[operator]
+            out_phases.append({
+                "name": specs[k].name or f"phase {k + 1}",
+                "tasks": b - a,
+                "start_s": round(t0 - t_work, 6),
+                "makespan_s": ph_ms,
+                "lower_bound_s": ph_lb,
+                "makespan_vs_lower_bound": ph_ms / ph_lb if ph_lb > 0 else None,
+                "share": {self.eps[e].id: int(c) / (b - a) for e, c in enumerate(cnt.tolist()) if c or e in ideal},
+                "ideal_share": {self.eps[e].id: v for e, v in ideal.items()},
+                # over the phase's last decisions the scheduler keeps (up to 1,000)
+                "prediction_median_abs_error_s": float(np.median([x[0] for x in errs])) if errs else None,
+                "actual_median_s": float(np.median([x[1] for x in errs])) if errs else None,
+            })
         return {
             "policy": self.policy_name,
             "tasks": n,
             "endpoints": len(self.eps),
-            "makespan_s": float(last_done - t_work),
+            "makespan_s": makespan,
+            "lower_bound_s": lb,
+            "makespan_vs_lower_bound": makespan / lb if lb > 0 else None,
+            "link_timing": getattr(self, "link_timing_used", self.sc.hub.link_timing),
+            **({"phases": out_phases} if out_phases else {}),
             "completion_mean_s": float(ct.mean()),
             "completion_p50_s": float(np.percentile(ct, 50)),
             "completion_p99_s": float(np.percentile(ct, 99)),

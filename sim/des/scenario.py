@@ -35,6 +35,9 @@ class EndpointGroupSpec(_Model):
     slow_fraction: float = Field(default=0.0, ge=0, le=1)  # share of throttled endpoints
     slow_factor: float = Field(default=0.6, gt=0, le=1)  # their speed multiplier
     link_jitter: float = Field(default=0.2, ge=0, le=2)  # per-endpoint lognormal sigma of RTT/bw
+    # The agent's clock against the hub's, left after it set its clock from its welcome: its
+    # frames' send stamps are this much late (negative: early). Only timings see it.
+    clock_skew_s: float = Field(default=0.0, ge=-3600, le=3600)
 
 
 class RegionSpec(_Model):
@@ -76,6 +79,18 @@ class FunctionSpec(_Model):
     requires: RequiresSpec | None = None
 
 
+class PhaseSpec(_Model):
+    """One wave of a ``phases`` workload: ``tasks`` submitted at ``at_s`` (seconds after the
+    workload starts) in submissions of ``batch_size``, functions drawn from ``mix`` (default:
+    the workload's mix). The report gives each phase its own makespan and lower bound."""
+
+    name: str = ""
+    at_s: float = Field(ge=0)
+    tasks: int = Field(ge=1)
+    batch_size: int = Field(default=1_000_000, ge=1)
+    mix: dict[str, float] | None = None
+
+
 class ArrivalSpec(_Model):
     """How submissions arrive. A submission is one client call with ``batch_size`` tasks
     (``Executor.map`` batches), placed together by the scheduler.
@@ -83,20 +98,29 @@ class ArrivalSpec(_Model):
     * ``poisson``: submissions at ``rate_per_s`` (tasks/s = rate x batch_size);
     * ``bursty``: every ``burst_every_s`` a burst of ``burst_size`` tasks in one submission
       (a federated-learning round), plus a Poisson background of ``rate_per_s`` submissions;
-    * ``batch``: everything at time 0, in submissions of ``batch_size``.
+    * ``batch``: everything at time 0, in submissions of ``batch_size``;
+    * ``phases``: the listed waves, each at its own time (a flood, then waves of work).
     """
 
-    kind: Literal["poisson", "bursty", "batch"]
+    kind: Literal["poisson", "bursty", "batch", "phases"]
     rate_per_s: float = Field(default=1.0, ge=0)
     batch_size: int = Field(default=1, ge=1)
     burst_every_s: float = Field(default=600.0, gt=0)
     burst_size: int = Field(default=100, ge=1)
     burst_mix: dict[str, float] | None = None  # function mix of bursts (default: workload mix)
+    phases: list[PhaseSpec] = []
 
     @model_validator(mode="after")
     def _rate(self) -> "ArrivalSpec":
         if self.kind == "poisson" and self.rate_per_s <= 0:
             raise ValueError("poisson arrivals need rate_per_s > 0")
+        if self.kind == "phases":
+            if not self.phases:
+                raise ValueError("phases arrivals need at least one phase")
+            if any(b.at_s < a.at_s for a, b in zip(self.phases, self.phases[1:])):
+                raise ValueError("phases must be listed in the order of their at_s")
+        elif self.phases:
+            raise ValueError("phases is only for kind: phases")
         return self
 
 
@@ -113,12 +137,44 @@ class WorkloadSpec(_Model):
         return v
 
 
+class LagSpec(_Model):
+    """Hub-side processing lag that grows with load: a frame the hub's link has read waits
+    ``base_s + per_task_s * (tasks accepted and not yet completed)`` (at most ``max_s``) before
+    the hub handles it, as in a busy event loop. Results are stored that much later; a hub that
+    times frames after the wait (``link_timing: one-way``) reads it as link latency; a welcome
+    stamped after it sets the agent's clock half of it wrong. ``echo_share``: the share of echoed
+    round trips whose hub-side stamp still carries the lag of the moment (a send stamp taken
+    before the frame left a busy loop)."""
+
+    base_s: float = Field(default=0.0, ge=0)
+    per_task_s: float = Field(default=0.0, ge=0)
+    max_s: float = Field(default=5.0, ge=0)
+    echo_share: float = Field(default=0.5, ge=0, le=1)
+
+
+class RestartSpec(_Model):
+    """An agent restart (SIGKILL, back after ``down_s``), ``at_s`` seconds after the workload
+    starts: running tasks run again, warm workers are gone, and its hello gets a new welcome."""
+
+    endpoint: str
+    at_s: float = Field(ge=0)
+    down_s: float = Field(default=1.0, gt=0)
+
+
 class HubSpec(_Model):
     dead_after_s: float = Field(default=75.0, gt=0, description="watchdog: silent this long = dead")
     prefetch: int = Field(default=1, ge=0, description="tasks an agent fetches beyond its workers")
     history_days: float = Field(default=0.0, ge=0, description="outage history the hub saw before the workload")
     start_time: str = "08:00"
     link_sample_every: int = Field(default=8, ge=1, description="feed every n-th result's transfer time to the scheduler")
+    # How the hub learns link latency. ``ideal``: the true round trip at registration and true
+    # one-way times (no lag, no skew: the model before issue 27). ``one-way``: what the hub did
+    # before issue 27: ``handled - agent's send stamp`` (after the lag, on the welcome-set
+    # clock; below 0 read as 0, no round trips). ``echo``: echoed round trips stamped at socket
+    # read (docs/scheduler.md "Link timing"), one-way times on the echo's clock offset; with a
+    # scheduler that has no ``link_echo`` (the code before issue 27) it falls back to one-way.
+    link_timing: Literal["ideal", "one-way", "echo"] = "ideal"
+    lag: LagSpec | None = None
 
     @field_validator("start_time")
     @classmethod
@@ -143,6 +199,7 @@ class Scenario(_Model):
     regions: list[RegionSpec] = []
     functions: list[FunctionSpec] = Field(min_length=1)
     workload: WorkloadSpec
+    restarts: list[RestartSpec] = []
     policies: list[str] = list(POLICY_NAMES)
 
     @model_validator(mode="after")
@@ -163,6 +220,20 @@ class Scenario(_Model):
         for k in self.workload.arrival.burst_mix or {}:
             if k not in fids:
                 raise ValueError(f"workload.arrival.burst_mix names unknown function {k!r}")
+        arr = self.workload.arrival
+        if arr.kind == "phases":
+            for i, ph in enumerate(arr.phases):
+                for k, w in (ph.mix or {}).items():
+                    if k not in fids:
+                        raise ValueError(f"workload.arrival.phases[{i}].mix names unknown function {k!r}")
+                    if w < 0:
+                        raise ValueError(f"workload.arrival.phases[{i}].mix: negative weight for {k!r}")
+            if sum(ph.tasks for ph in arr.phases) != self.workload.tasks:
+                raise ValueError("workload.tasks must equal the sum of the phases' tasks")
+        ids = {f"{g.name or g.hardware}-{k}" for g in self.endpoints for k in range(g.count)}
+        for i, r in enumerate(self.restarts):
+            if r.endpoint not in ids:
+                raise ValueError(f"restarts[{i}].endpoint {r.endpoint!r} is not an endpoint id (ids are <group name>-<n>)")
         for name, over in self.hardware.items():
             for kind in (over.speed or {}):
                 if kind not in KINDS:

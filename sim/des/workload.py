@@ -32,6 +32,7 @@ class Workload:
     noise: array  # runtime multiplier of this call ('d'): its intrinsic size
     sub_time: array  # submission times, seconds after the workload starts ('d')
     sub_start: array  # first task of each submission; sub_start[-1] == n ('q')
+    phase_start: tuple[int, ...] = ()  # ``phases`` arrivals: first task of each phase, then n
 
     @property
     def n(self) -> int:
@@ -61,6 +62,19 @@ def generate(sc: Scenario) -> Workload:
         sizes[-1] = n - arr.batch_size * (m - 1)
         times = np.cumsum(rng.exponential(1.0 / arr.rate_per_s, m))
         fn[:] = rng.choice(len(fids), size=n, p=main_p)
+    elif arr.kind == "phases":
+        sizes, t_phase, pstart = [], [], [0]
+        pos = 0
+        for ph in arr.phases:
+            fn[pos:pos + ph.tasks] = rng.choice(len(fids), size=ph.tasks, p=mix_probs(ph.mix or wl.mix))
+            k = ph.tasks
+            while k > 0:
+                sizes.append(min(ph.batch_size, k))
+                t_phase.append(ph.at_s)
+                k -= sizes[-1]
+            pos += ph.tasks
+            pstart.append(pos)
+        times = np.array(t_phase)
     else:  # bursty
         burst_p = mix_probs(arr.burst_mix) if arr.burst_mix else main_p
         t_list: list[float] = []
@@ -104,4 +118,5 @@ def generate(sc: Scenario) -> Workload:
         noise=array("d", noise.tobytes()),
         sub_time=array("d", np.asarray(times, dtype=float).tobytes()),
         sub_start=array("q", starts.tobytes()),
+        phase_start=tuple(pstart) if arr.kind == "phases" else (),
     )
