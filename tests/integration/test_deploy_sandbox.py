@@ -221,6 +221,9 @@ mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
 os.mkdir(scratch + "/dir", 0); os.close(os.open(scratch + "/reg", os.O_CREAT | os.O_WRONLY, 0))
 # systemd's "inaccessible" nodes, held open: the path of the scratch tmpfs may be covered later (PrivateTmp=)
 inaccessible = {True: os.open(scratch + "/dir", os.O_PATH), False: os.open(scratch + "/reg", os.O_PATH)}
+# the agent's code, held open: a checkout under /tmp or /var/tmp (a CI clone) is bound back, read-only,
+# over the private /tmp (a real install lives in /opt or /usr, which PrivateTmp= leaves alone)
+keep = {k: os.open(k, os.O_PATH) for k in plan.get("keep", [])}
 skip = ("/proc", "/sys", "/dev")
 for op in plan["mounts"]:
     kind, path = op[0], (op[1] if len(op) > 1 else None)
@@ -231,6 +234,11 @@ for op in plan["mounts"]:
     elif kind == "tmpfs":
         if os.path.isdir(path):
             mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=" + op[2])
+            for k, fd in keep.items():
+                if k == path or k.startswith(path + "/"):
+                    os.makedirs(k, exist_ok=True)
+                    mount(f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC)
+                    remount_ro(k)
     elif kind == "privatedev":  # a tmpfs /dev with the nodes systemd copies in
         mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755")
         nodes = (("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9), ("tty", 5, 0))
@@ -334,7 +342,7 @@ finally:
 
 def run_plan(plan: dict[str, Any], argv: list[str], scratch: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     scratch.mkdir(parents=True, exist_ok=True)
-    plan = {**plan, "scratch": str(scratch)}
+    plan = {**plan, "scratch": str(scratch), "keep": [str(REPO)]}
     return subprocess.run([SYSTEM_PYTHON, "-I", "-c", HARNESS, json.dumps(plan), *argv],
                           check=False, capture_output=True, text=True, timeout=timeout, cwd="/")
 
