@@ -309,6 +309,11 @@ def shared_endpoint(request: pytest.FixtureRequest) -> Iterator[SharedEndpoint]:
             pytest.skip("running the agent as uid 65534 needs a root test process (setpriv)")
         if shutil.which("setpriv") is None or not os.path.exists(SYSTEM_PYTHON):
             pytest.skip(f"needs setpriv and {SYSTEM_PYTHON} to run the agent as uid {NOBODY}")
+        repo = Path(__file__).resolve().parents[2]
+        closed = [str(d) for d in [repo, *repo.parents] if not (d.stat().st_mode & 0o001)]
+        if closed:
+            pytest.skip(f"uid {NOBODY} cannot reach this checkout ({closed[0]} is not world-traversable): "
+                        "clone it under /work or /var/tmp to run the agent-as-nobody half")
     work = Path(tempfile.mkdtemp(prefix=f"mesh-sec-{user}-", dir="/var/tmp"))
     work.chmod(0o755)
     m = LocalMesh(work, heartbeat_s=0.5, lost_after_s=5.0)
