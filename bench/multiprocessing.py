@@ -8,6 +8,8 @@ Measured, each beside the standard library's ``multiprocessing`` on this machine
   the first map of a new Pool, counting Pool creation; warm: median of later maps);
 - the time from ``Process.start()`` to its target running, on an idle fleet and on one whose
   every worker slot is busy (issue 28: a Process starts at once, on an extra worker if need be);
+- the time from a driver's death (SIGKILL, its Processes waiting in a Barrier) to its tasks being
+  cancelled and its workers free again (issue 28: its lease runs out);
 - Pipe round-trip latency by payload size (driver -> remote echo Process -> driver), p50;
 - Pipe and Queue throughput, MB/s, driver -> one remote consumer;
 - then Pipe and Queue again with the proxies' state in the hub's embedded store instead of Redis.
@@ -88,6 +90,64 @@ def process_start_busy(mod: Any, n: int, slots: int, busy_s: float) -> dict[str,
         out = process_start(mod, n)
         busy.wait()  # the fleet idle again before the next measurement
     return out
+
+
+_DRIVER = """
+import json, sys
+from cloud_hub.client import multiprocessing as mp
+
+def meet(b):
+    b.wait()
+
+if __name__ == "__main__":
+    n = int(sys.argv[1])
+    b = mp.Barrier(n + 1)  # the Processes and this driver: it dies before it meets them
+    ps = [mp.Process(target=meet, args=(b,)) for _ in range(n)]
+    for p in ps:
+        p.start()
+    print(json.dumps([p.pid for p in ps]), flush=True)
+    b.wait()
+"""
+
+
+def driver_death(m: LocalMesh, redis: RedisServer, endpoint: str, n: int, lease_s: float) -> dict[str, Any]:
+    """A driver whose ``n`` Processes wait in a Barrier on ``endpoint`` is SIGKILLed: seconds from
+    its death to the hub cancelling its tasks (its hub lease ran out: 3/4 ``lease_s`` at most, plus
+    the watchdog's pass) and to its workers being free again (the agent killed them and confirmed:
+    ``ack.c``). Read from the hub's database, polled every 50 ms."""
+    import signal
+    import sqlite3
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "driver.py"
+        script.write_text(_DRIVER)
+        env = {**os.environ, "MESH_HUB_URL": m.url, "MESH_TOKEN": m.token, "MESH_REDIS_URL": redis.url, "MESH_MP_ENDPOINT": endpoint,
+               "MESH_MP_LEASE_S": str(lease_s), "PYTHONPATH": str(_BENCH.parent)}
+        proc = subprocess.Popen([sys.executable, str(script), str(n)], env=env, stdout=subprocess.PIPE, text=True)
+        try:
+            ids = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+        died = time.time()
+    cancelled = free = None
+    db = sqlite3.connect(f"file:{m.hub_cfg.db_path}?mode=ro", uri=True)
+    try:
+        q = f"SELECT cancelled, cancel_pending FROM tasks WHERE id IN ({','.join('?' * len(ids))})"
+        for _ in range(int((lease_s + 120) / 0.05)):  # bounded: the lease plus two minutes
+            rows = db.execute(q, ids).fetchall()
+            now = time.time()
+            if cancelled is None and len(rows) == len(ids) and all(r[0] is not None for r in rows):
+                cancelled = now
+            if cancelled is not None and all(r[1] is None for r in rows):
+                free = now
+                break
+            time.sleep(0.05)
+    finally:
+        db.close()
+    return {"lease_s": lease_s, "processes": n, "death_to_tasks_cancelled_s": None if cancelled is None else round(cancelled - died, 2),
+            "death_to_workers_free_s": None if free is None else round(free - died, 2)}
 
 
 def fork_join(mod: Any, n: int, sleep_s: float, repeats: int) -> dict[str, float]:
@@ -211,6 +271,11 @@ def main() -> None:
                 "busy_fleet (all 6 slots sleeping, 6 more queued)": {"mesh": process_start_busy(mesh, starts, 6, 4.0 if opts.smoke else 10.0),
                                                                      "stdlib": process_start_busy(std, starts, 6, 4.0 if opts.smoke else 10.0)},
             }
+            zmq_ep = next(a.endpoint_id for a in m.agents if a.cfg.name == "mp-zmq")
+            # A driver SIGKILLed while its Processes hold all 3 slots of one agent (issue 28): the
+            # default lease, or a short one in a smoke run. The stdlib has no counterpart: its
+            # orphaned children go on until they end by themselves.
+            out["driver_death_to_workers_free"] = driver_death(m, redis, zmq_ep, 3, 8.0 if opts.smoke else 60.0)
             out["pipe_rtt_p50_ms"] = {str(s): {"mesh": pipe_latency(mesh, s, opts.rounds), "stdlib": pipe_latency(std, s, opts.rounds)}
                                       for s in rtt_sizes}
             out["pipe_throughput_MBps"] = {_label(*pipe_big): {"mesh": pipe_throughput(mesh, *pipe_big), "stdlib": pipe_throughput(std, *pipe_big)}}

@@ -98,6 +98,10 @@ def _refused(exc: ProtocolError, reason: str) -> ProtocolError:
 
 
 _LEASE_BATCH = 2000
+#: A cancel sent to an agent and not confirmed (``ack.c``) is sent again after this long; a new session gets it at once.
+_CANCEL_RESEND_S = 10.0
+#: How often the watchdog re-reads which endpoints have cancels to send (other replicas' cancels too).
+_CANCEL_SCAN_S = 10.0
 _LEASE_BYTES = 8 * 2**20
 _EVENTS_KEEP_S = 90 * 86400  # availability history kept for the console and the scheduler
 
@@ -226,6 +230,15 @@ class Dispatcher:
         # Incoming frames: different endpoints concurrently, each endpoint's in arrival order
         # (cloud_hub/lanes.py), so a slow hello does not hold up everyone's acks.
         self.lanes = Lanes()
+        # Cancellation (docs/protocol.md, "Cancellation"): endpoints with cancels their agents have
+        # not confirmed, when each was last sent to it (a new session sends all again), the
+        # endpoints whose cancel sender runs, and recently cancelled task ids (early results of
+        # theirs are not passed on: the task's one result is the cancelled one).
+        self._cancel_eps: set[str] = set()
+        self._cancel_sent: dict[str, dict[str, float]] = {}
+        self._cancelling: set[str] = set()
+        self._cancel_again: set[str] = set()
+        self._recent_cancels: OrderedDict[str, None] = OrderedDict()
 
     def _observe(self, hook: str, *args: Any) -> None:
         try:
@@ -249,6 +262,7 @@ class Dispatcher:
             log.info("re-queued %d tasks leased before the restart", n)
         if not self.replicated:  # availability history: nobody has a session yet (replicas may)
             await self.store.tx(close_stale_sessions)
+        self._cancel_eps = await self.store.cancel_endpoints()  # sent to each on its next session
         for link in links:
             await link.start(self.enqueue_frame)
             self.links.append(link)
@@ -516,8 +530,71 @@ class Dispatcher:
         g = self._sessions.get(gw)
         return g is not None and g.site_hold > 0
 
+    # ------------------------------------------------------------------ cancellation
+    def note_cancelled(self, task_ids: list[str], endpoints: set[str] | list[str]) -> None:
+        """Tasks were cancelled (cloud_hub/api/cancel.py, an expired lease): send the cancel to the
+        agents that hold them now, or on their next session."""
+        for t in task_ids:
+            self._recent_cancels[t] = None
+        while len(self._recent_cancels) > 100_000:
+            self._recent_cancels.popitem(last=False)
+        for ep in endpoints:
+            self._cancel_eps.add(ep)
+            self._kick_cancels(ep)
+
+    def _kick_cancels(self, endpoint_id: str) -> None:
+        if endpoint_id in self._cancelling:
+            self._cancel_again.add(endpoint_id)
+            return
+        self._cancelling.add(endpoint_id)
+        asyncio.create_task(self._send_cancels(endpoint_id))
+
+    async def _send_cancels(self, ep: str) -> None:
+        """Send an endpoint's unconfirmed cancels in a ``tasks`` frame (``tasks: []``, ``cancel``):
+        on its session, or for a device behind a site gateway that holds its work, signed with the
+        device's key through the gateway (which drops the cancelled tasks it still holds). None
+        (offline): they go on its next session; the hub already holds each task's one result."""
+        try:
+            for _ in range(100):  # bounded: 2,000 ids a frame
+                self._cancel_again.discard(ep)
+                ids = await self.store.pending_cancels(ep, 20_000)
+                if not ids:
+                    self._cancel_eps.discard(ep)
+                    self._cancel_sent.pop(ep, None)
+                    return
+                now = time.time()
+                sent = self._cancel_sent.setdefault(ep, {})
+                due = [i for i in ids if now - sent.get(i, 0.0) >= _CANCEL_RESEND_S][:2000]
+                if not due:
+                    return
+                body = {"tasks": [], "functions": {}, "cancel": due}
+                gw = self._site_of.get(ep)
+                g = self._sessions.get(gw) if gw is not None else None
+                s = self._sessions.get(ep)
+                if g is not None and self.served_by_site(ep) and ep in self._keys:
+                    frame = encode(Envelope(Kind.TASKS, ep, body), self._keys[ep], ttl=self.cfg.site_hold_s)
+                    await g.link.send(ep, frame)
+                    self._count(ep, len(frame), out=True)
+                elif s is not None:
+                    await self._send(s, Kind.TASKS, body)
+                else:
+                    return
+                for i in due:
+                    sent[i] = now
+                self.stats["cancels_sent"] = self.stats.get("cancels_sent", 0) + len(due)
+                if len(due) < 2000 and ep not in self._cancel_again:
+                    return
+        except LinkError as exc:
+            log.warning("sending cancels to %s failed (%s); sent again later", ep, exc, extra={"endpoint_id": ep})
+        except Exception:
+            log.exception("sending cancels to %s failed", ep)
+        finally:
+            self._cancelling.discard(ep)
+
     def kick(self, endpoint_id: str) -> None:
         """New work for an endpoint: send it now if its agent has credit (coalesced per endpoint)."""
+        if endpoint_id in self._cancel_eps:
+            self._kick_cancels(endpoint_id)
         gw = self._site_of.get(endpoint_id)
         if gw is not None:
             self.kick_site(gw)
@@ -798,6 +875,9 @@ class Dispatcher:
             await self._resume_traffic(env.endpoint)
             self._resumed.add(env.endpoint)
         self._sessions[env.endpoint] = s
+        self._cancel_sent.pop(env.endpoint, None)  # cancels not confirmed yet go again on this session
+        for d in self.site_devices(env.endpoint) if s.site_hold > 0 else ():
+            self._cancel_sent.pop(d, None)
         held = set(b.get("have", []))
         # One transaction (one fsync, shared with whatever else is committing): re-queue, reconcile,
         # online with its info, and the availability transition for a new session.
@@ -831,6 +911,9 @@ class Dispatcher:
             await self._lose(env.endpoint, s, time.time(), f"its welcome could not be sent ({exc})")
             return
         self.kick_site(env.endpoint)
+        for d in [env.endpoint, *(self.site_devices(env.endpoint) if s.site_hold > 0 else ())]:
+            if d in self._cancel_eps:
+                self._kick_cancels(d)
         log.info("endpoint %s online via %s (capacity %d)", env.endpoint, link.name, s.capacity, extra={"endpoint_id": env.endpoint})
 
     async def _on_gone(self, endpoint_id: str, body: dict[str, Any]) -> None:
@@ -868,6 +951,13 @@ class Dispatcher:
         self.kick(s.endpoint_id)
 
     async def _on_ack(self, s: _Session, body: dict[str, Any]) -> None:
+        applied = body.get("c")
+        if applied:  # the agent stored these cancels: stop sending them
+            await self.store.cancels_applied(s.endpoint_id, applied)
+            sent = self._cancel_sent.get(s.endpoint_id)
+            if sent is not None:
+                for i in applied:
+                    sent.pop(i, None)
         await self.store.ack(s.endpoint_id, body.get("ids", []))
         live = self._sessions.get(s.endpoint_id) is s
         # A gateway confirms it holds tasks for its devices. Also without a session: right after
@@ -889,7 +979,8 @@ class Dispatcher:
             log.warning("rejected results frame from %s: %s", s.endpoint_id, exc, extra={"endpoint_id": s.endpoint_id})
             return
         if self.bus._early:
-            self.bus.early(s.endpoint_id, results)
+            recent = self._recent_cancels
+            self.bus.early(s.endpoint_id, [r for r in results if r["id"] not in recent] if recent else results)
         fresh = await self.store.store_results(s.endpoint_id, results)
         self.stats["results_stored"] += len(fresh)
         self.stats["duplicate_results"] += len(results) - len(fresh)
@@ -943,8 +1034,22 @@ class Dispatcher:
                 for ep in dirty if (s := self._sessions.get(ep)) is not None]
         await self.store.touch_endpoints(rows)
 
+    async def _expire_leases(self, now: float) -> None:
+        """Task groups whose driver stopped renewing its lease (docs/multiprocessing.md, "Lease"):
+        their unfinished tasks are cancelled now, and the cancels sent to the agents holding them."""
+        if not hasattr(self.store, "expire_group_leases"):
+            return
+        for g in await self.store.expire_group_leases(now):
+            if g["fresh"]:
+                self.bus.notify({g["user"]})
+                self._observe("tasks_expired", g["fresh"], now)
+            self.note_cancelled(g["fresh"], g["endpoints"])
+            log.info("the lease of task group %s expired (its program stopped renewing it): %d tasks cancelled",
+                     g["group"], len(g["fresh"]))
+
     async def _watch(self) -> None:
         last_prune = 0.0
+        last_cancel_scan = time.time()
         while True:
             await asyncio.sleep(min(1.0, self.cfg.heartbeat_s / 2))
             try:
@@ -965,6 +1070,13 @@ class Dispatcher:
                 for ep, s in list(self._sessions.items()):
                     if s.site_hold > 0:  # work submitted for a site's devices while none of them is online
                         self.kick_site(ep)
+                await self._expire_leases(now)
+                if now - last_cancel_scan > _CANCEL_SCAN_S:  # re-send unconfirmed cancels; other replicas' too
+                    last_cancel_scan = now
+                    self._cancel_eps |= await self.store.cancel_endpoints()
+                    for ep in list(self._cancel_eps):
+                        if ep in self._sessions or self.served_by_site(ep):
+                            self._kick_cancels(ep)
                 expired = await self.store.expire_tasks(now, _expired_blob)
                 if expired:
                     self.bus.notify({u for _, u in expired})

@@ -192,6 +192,7 @@ class Agent:
         self._pending_event = asyncio.Event()
         self._sent_at: dict[str, float] = {}  # results sent, not yet acked
         self._in_engine: set[str] = set()
+        self._cancelled: dict[str, None] = {}  # task ids cancelled by their submitter (bounded, oldest first out)
         self._received_since_fetch = 0
         self._granted = 0
         self._hello_nonces: dict[str, float] = {}  # hellos awaiting their welcome, nonce -> sent at
@@ -687,6 +688,9 @@ class Agent:
 
     async def _on_tasks(self, body: dict[str, Any]) -> bool:
         """False: the batch was not stored (and not acked)."""
+        cancel = body.get("cancel")
+        if cancel and not body.get("tasks") and not body.get("functions"):
+            return await self._on_cancel(cancel)  # a cancel alone: no tasks to store
         tasks: list[dict[str, Any]] = body.get("tasks", [])
         functions: dict[str, bytes] = body.get("functions") or {}
         for fid in body.get("at_site") or []:  # bodies our gateway handed us, checked by hash, stored with these tasks
@@ -731,6 +735,34 @@ class Agent:
         # finished tasks held back by the store (see MeshStore.add_tasks): the hub signs them again.
         skip = set(held_back)
         await self._send(Kind.ACK, {"ids": [t["id"] for t in tasks if t["id"] not in skip]})
+        if cancel:
+            return await self._on_cancel(cancel)
+        return True
+
+    async def _on_cancel(self, ids: list[str]) -> bool:
+        """The submitter cancelled these tasks (``tasks.cancel``, docs/protocol.md "Cancellation"):
+        the hub holds their one ``cancelled`` result already. Stored first (a task without a result
+        is finished without one, an unknown id is remembered: neither runs, not after a restart
+        either), then the engine drops those queued and kills the workers running the others
+        (replaced by fresh ones), then the hub hears ``ack.c`` and stops re-sending the cancel.
+        Not stored (disk full): not acked, and the hub sends it again."""
+        try:
+            stopped = await self.store.cancel_tasks(ids, time.time())
+        except StoreError as exc:
+            self.stats["store_failures"] += 1
+            log.error("could not store the cancel of %d tasks (the hub sends it again): %s", len(ids), exc)
+            return False
+        for i in ids:
+            self._cancelled[i] = None
+        while len(self._cancelled) > 100_000:
+            self._cancelled.pop(next(iter(self._cancelled)))
+        stop = getattr(self.engine, "cancel", None)  # the Parsl engine lets a running task end; its result is dropped
+        held = [i for i in ids if i in self._in_engine]
+        ended = stop(held) if stop is not None and held else []
+        self.stats["cancelled"] = self.stats.get("cancelled", 0) + len(stopped)
+        if stopped:
+            log.info("cancelled %d tasks by their submitter (%d queued or running in the engine)", len(stopped), len(ended))
+        await self._send(Kind.ACK, {"ids": [], "c": list(ids)})
         return True
 
     async def _on_result_ack(self, body: dict[str, Any]) -> None:
@@ -807,6 +839,13 @@ class Agent:
         self._pending_event.clear()
         if not batch:
             return []
+        if self._cancelled:  # the engine's result of a cancelled task: the hub has that task's one result already
+            for r in batch:
+                if r.task_id in self._cancelled:
+                    self._in_engine.discard(r.task_id)
+            batch = [r for r in batch if r.task_id not in self._cancelled]
+            if not batch:
+                return []
         stored = [StoredResult(r.task_id, r.ok, r.data, r.started, r.finished, r.worker_pid) for r in map(_fit, batch)]
         try:
             await self.store.save_results(stored)

@@ -78,7 +78,18 @@ def frame_task_ids(kind: Kind, frame: bytes, end: int, compressed: bool) -> list
             return [str(t["id"]) for t in data.get("tasks", [])]
         if kind is Kind.RESULTS:
             return [str(r["id"]) for r in data.get("results", [])]
-        return [str(i) for i in data.get("ids", [])]
+        return [str(i) for i in data.get("ids", [])] + [str(i) for i in data.get("c", [])]  # an ack's cancels applied too
+    except Exception:
+        return []
+
+
+def frame_cancel_ids(frame: bytes, end: int, compressed: bool) -> list[str]:
+    """Task ids a hub ``tasks`` frame cancels (``cancel``, docs/protocol.md "Cancellation"), read from
+    its unverified body: they only decide which of our held copies may go."""
+    body = frame[end + 32 :]
+    try:
+        data = msgpack.unpackb(_inflate(body) if compressed else body, raw=False, strict_map_key=True)
+        return [str(i) for i in data.get("cancel") or []]
     except Exception:
         return []
 
@@ -376,8 +387,14 @@ class Gateway:
         self.stats["down_bytes"] += len(frame)
         if kind is Kind.TASKS:
             ids = frame_task_ids(kind, frame, end, z)
+            cancel = frame_cancel_ids(frame, end, z)
             try:
-                await self.store.relay_put("down", device, kind.value, mid, frame, exp, ids)
+                if cancel:
+                    # Cancelled tasks we still hold for the device are not handed over: a held frame
+                    # whose tasks are all cancelled goes now. The cancel itself is kept until the
+                    # device's ack names it (``ack.c``), and handed over like a tasks frame.
+                    await self.store.relay_release("down", device, cancel)
+                await self.store.relay_put("down", device, kind.value, mid, frame, exp, ids + cancel)
             except StoreError as exc:
                 log.error("could not keep a tasks frame for %s (the hub re-sends after its lease): %s", device, exc)
                 return

@@ -325,6 +325,44 @@ class AgentStore:
             [(int(r.ok), r.data, r.started, r.finished, r.worker_pid, r.id) for r in results],
         )
 
+    async def cancel_tasks(self, ids: Sequence[str], now: float) -> list[str]:
+        """The submitter cancelled these tasks (the hub's ``tasks.cancel``; the hub already holds
+        their one ``cancelled`` result). In one transaction: a stored task without a result is
+        finished with no result to send (state ``acked``: it is never run again, not even after a
+        restart); an id never seen here is remembered the same way, so a tasks frame for it that
+        arrives later (still held by a site gateway) is a duplicate, not a task. A task that has a
+        result keeps it (the hub drops it as a repeat). Returns the ids that had no result."""
+        ids = list(dict.fromkeys(ids))
+        db = self.db
+
+        def tx(conn: sqlite3.Connection) -> list[str]:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                known: dict[str, str] = {}
+                for i in range(0, len(ids), 500):
+                    chunk = ids[i : i + 500]
+                    known.update(conn.execute(f"SELECT id, state FROM tasks WHERE id IN ({','.join('?' * len(chunk))})", chunk).fetchall())
+                stopped = [i for i in ids if known.get(i) == "queued"]
+                conn.executemany("UPDATE tasks SET state='acked', ok=0, result=NULL, args=NULL, started=?, finished=? "
+                                 "WHERE id=? AND state='queued'", [(now, now, i) for i in stopped])
+                conn.executemany("INSERT OR IGNORE INTO tasks (id, function_id, state, received, ok, finished) VALUES (?, '', 'acked', ?, 0, ?)",
+                                 [(i, now, now) for i in ids if i not in known])
+                conn.execute("COMMIT")
+                return stopped
+            except BaseException:
+                if conn.in_transaction:
+                    try:
+                        conn.execute("ROLLBACK")
+                    except sqlite3.Error:
+                        pass
+                raise
+
+        async with self._tx_lock:
+            try:
+                return await db._execute(tx, db._conn)
+            except sqlite3.Error as exc:
+                raise _write_error(self.path, exc) from None
+
     async def unacked_results(self, limit: int = 1000) -> list[StoredResult]:
         cur = await self.db.execute(
             "SELECT id, ok, result, started, finished, worker_pid FROM tasks WHERE state='done' "

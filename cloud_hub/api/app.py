@@ -25,6 +25,7 @@ from cloud_hub.api import kv as kv_api
 from cloud_hub.api import scheduler as scheduler_api
 from cloud_hub.api import stream as stream_api
 from cloud_hub.api import task_groups as task_groups_api
+from cloud_hub.api import cancel as cancel_api
 from cloud_hub.api.task_groups import CODE_METHODS, checked_functions
 from cloud_hub.api.deps import ERRORS, HubDep, UserDep
 from cloud_hub.api.submit import accept, check_size
@@ -283,6 +284,7 @@ def create_app(cfg: HubConfig) -> FastAPI:
     # -------------------------------------------------------------- tasks
     app.include_router(access_api.router)
     app.include_router(task_groups_api.router)
+    app.include_router(cancel_api.router)  # cancel tasks and groups, driver leases (cloud_hub/api/cancel.py)
 
     @app.post("/v1/tasks", response_model=TaskOut, status_code=201)
     async def submit(body: TaskIn, h: HubDep, user: UserDep) -> TaskOut:

@@ -355,6 +355,24 @@ class Client(FLRunsMixin):
         """The caller's tasks submitted with this group id, oldest first (id, endpoint, state, ok)."""
         return list(self.request("GET", f"/v1/task-groups/{task_group_id}/tasks")["tasks"])
 
+    def cancel_tasks(self, task_ids: Sequence[str]) -> dict[str, list[str]]:
+        """Cancel tasks of yours (docs/protocol.md, "Cancellation"): ``{"cancelled": [...], "done":
+        [...]}`` (``done``: they had finished; their result stands). All or nothing: an id that is
+        not a task of yours raises ``HubError`` 404 and nothing is cancelled."""
+        out = self.request("POST", "/v1/tasks/cancel", json={"task_ids": list(task_ids)})
+        return {"cancelled": list(out["cancelled"]), "done": list(out["done"])}
+
+    def cancel_task_group(self, task_group_id: str) -> list[str]:
+        """Cancel every unfinished task of yours filed under this group; returns their ids."""
+        return list(self.request("POST", f"/v1/task-groups/{task_group_id}/cancel")["cancelled"])
+
+    def renew_task_group_lease(self, task_group_id: str, ttl_s: float) -> None:
+        """Keep the group's tasks alive for ``ttl_s`` more: not renewed in time, the hub cancels them."""
+        self.request("PUT", f"/v1/task-groups/{task_group_id}/lease", json={"ttl_s": ttl_s})
+
+    def release_task_group_lease(self, task_group_id: str) -> None:
+        self.request("DELETE", f"/v1/task-groups/{task_group_id}/lease")
+
     # ---------------------------------------------------------------- scheduler
     def scheduler_decisions(self, limit: int = 50, before: int | None = None, *, task_id: str | None = None,
                             endpoint_id: str | None = None, function_id: str | None = None) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from cloud_hub.client._env import env_options, merge_env, pop_env_options
 from cloud_hub.client._memo import ENV_FIELDS, Inflight, MemoOptions, key_for, pop_options
 from cloud_hub.client._results import decode_row
 from cloud_hub.client._stream import FrameTooBig, HubStream
+from mesh_agent.protocol.bodies import TASK_CANCELLED
 
 __all__ = ["Executor", "SubmitTimeout"]
 
@@ -44,6 +45,53 @@ _RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504, 507})
 def _backoff(attempt: int, retry_after: float | None = None) -> float:
     """Full-jitter exponential backoff, 0.1 s doubling to 5 s (at least what the hub asked for)."""
     return max(retry_after or 0.0, random.uniform(0, min(5.0, 0.1 * 2 ** min(attempt, 8))))
+
+
+def mark_cancelled(f: "Future[Any]") -> bool:
+    """Put a future that is running (here: submitted to the mesh) in the cancelled state, as
+    ``Future.cancel()`` does for a pending one: ``cancelled()`` is True, ``result()`` raises
+    ``CancelledError``, waiters (``wait``, ``as_completed``) and done-callbacks hear of it. False
+    when it had finished already. The stdlib's ``cancel()`` refuses a running future, and a mesh
+    task is "running" from its submit on."""
+    from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, PENDING
+
+    with f._condition:  # type: ignore[attr-defined]
+        state = f._state  # type: ignore[attr-defined]
+        if state == FINISHED:
+            return False
+        if state in (CANCELLED, CANCELLED_AND_NOTIFIED):
+            return True
+        if state == PENDING:
+            f._state = CANCELLED  # type: ignore[attr-defined]  # the submitter sees it and sends nothing
+        else:
+            f._state = CANCELLED_AND_NOTIFIED  # type: ignore[attr-defined]
+            for waiter in f._waiters:  # type: ignore[attr-defined]
+                waiter.add_cancelled(f)
+        f._condition.notify_all()  # type: ignore[attr-defined]
+    f._invoke_callbacks()  # type: ignore[attr-defined]
+    return True
+
+
+class MeshFuture(Future):  # type: ignore[type-arg]
+    """A future of a task on the mesh. ``cancel()`` cancels the task wherever it is (docs/sdk.md,
+    "Cancel"): not sent yet, nothing is sent; queued at the hub or an agent, it never runs;
+    running, its worker is ended. True when the task ends cancelled (``cancelled()`` is then
+    True and ``result()`` raises ``CancelledError``), False when it had finished (or the hub
+    could not be reached: the reason is logged)."""
+
+    def __init__(self, executor: "Executor | None" = None) -> None:
+        super().__init__()
+        self._mesh_executor = executor
+
+    def cancel(self) -> bool:
+        ex = self._mesh_executor
+        if ex is None:
+            return super().cancel()
+        try:
+            return ex.cancel(self)
+        except Exception as exc:  # the hub unreachable, ...: as the stdlib's cancel(), never raises
+            log.warning("could not cancel task %s: %s", getattr(self, "task_id", "?"), exc)
+            return False
 
 
 class SubmitTimeout(TimeoutError):
@@ -240,7 +288,7 @@ class Executor(_Executor):
             if joined is not None:
                 return joined
             spec["cache_key"] = key
-        fut: Future[Any] = Future()
+        fut: Future[Any] = MeshFuture(self)
         if "cache_key" in spec:
             self._inflight.lead(spec["cache_key"], fut)
         return _Item(fut, spec, fid, name, body)
@@ -316,7 +364,7 @@ class Executor(_Executor):
                     yield f.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
             finally:
                 for f in futures:
-                    f.cancel()
+                    Future.cancel(f)  # as the stdlib: only what was not submitted yet; remote tasks run on
 
         return results()
 
@@ -332,7 +380,7 @@ class Executor(_Executor):
             for r in rows:
                 f: Future[Any] | None = self._pending.get(r["task_id"])
                 if f is None:
-                    f = Future()
+                    f = MeshFuture(self)
                     f.set_running_or_notify_cancel()
                 f.task_id, f.endpoint_id = r["task_id"], r["endpoint_id"]  # type: ignore[attr-defined]
                 orphan = self._orphans.pop(r["task_id"], None)
@@ -349,6 +397,82 @@ class Executor(_Executor):
                         self._complete(f2, row)
         self._work.set()
         return futures
+
+    def cancel(self, future: "Future[Any]") -> bool:
+        """Cancel one task of this executor wherever it is (:meth:`cancel_futures`)."""
+        return self.cancel_futures([future])[0]
+
+    def cancel_futures(self, futures: Iterable["Future[Any]"]) -> list[bool]:
+        """Cancel tasks of this executor, in one request to the hub (docs/sdk.md, "Cancel"): one not
+        sent yet is never sent; one queued at the hub or on an agent never runs; a running one's
+        worker is ended (and replaced). Each such task ends with one ``cancelled`` result, and its
+        future is cancelled (``cancelled()`` True, ``result()`` raises ``CancelledError``). Per
+        future: True when it ends cancelled, False when it had finished. A task whose batch is on
+        its way to the hub right now is cancelled as soon as the hub has accepted it. Raises
+        ``HubError``/``HubUnreachable`` when the hub refuses or cannot be reached for
+        ``min(submit_timeout_s, 30)`` s (its futures stay as they were)."""
+        futures = list(futures)
+        out = [False] * len(futures)
+        ask: dict[str, list[int]] = {}
+        for i, f in enumerate(futures):
+            if f.done():
+                out[i] = f.cancelled()
+                continue
+            if Future.cancel(f):  # not taken by the submitter yet: never sent
+                out[i] = True
+                continue
+            tid = getattr(f, "task_id", None)
+            if tid is None:  # in a batch on its way: cancelled at the hub once accepted (_post)
+                f._mesh_cancel = True  # type: ignore[attr-defined]
+                out[i] = mark_cancelled(f)
+                continue
+            ask.setdefault(tid, []).append(i)
+        if ask:
+            answer = self._cancel_at_hub(list(ask))
+            for tid in answer["cancelled"]:
+                for i in ask.get(tid, ()):
+                    out[i] = mark_cancelled(futures[i])
+                with self._lock:
+                    self._pending.pop(tid, None)
+        return out
+
+    def cancel_group(self, task_group_id: str | None = None) -> list[str]:
+        """Cancel every unfinished task filed under ``task_group_id`` (default: this executor's),
+        by whichever process submitted it; this executor's futures among them are cancelled.
+        Returns the ids of the tasks cancelled."""
+        group = task_group_id or self.task_group_id
+        ids = self._retry_hub(lambda: self.client.cancel_task_group(group))
+        with self._lock:
+            hit = [self._pending.pop(t, None) for t in ids]
+        for f in hit:
+            if f is not None:
+                mark_cancelled(f)
+        return ids
+
+    def _cancel_at_hub(self, ids: list[str]) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {"cancelled": [], "done": []}
+        for i in range(0, len(ids), 50_000):
+            part = self._retry_hub(lambda: self.client.cancel_tasks(ids[i : i + 50_000]))
+            out["cancelled"] += part["cancelled"]
+            out["done"] += part["done"]
+        return out
+
+    def _retry_hub(self, call: Callable[[], Any]) -> Any:
+        """A cancel request, retried with backoff through a hub restart (it is idempotent)."""
+        started = time.monotonic()
+        budget = min(self.submit_timeout_s, 30.0)
+        attempt = 0
+        while True:
+            try:
+                return call()
+            except (HubUnreachable, HubError) as exc:
+                if isinstance(exc, HubError) and exc.status not in _RETRY_STATUS:
+                    raise
+                attempt += 1
+                delay = _backoff(attempt, getattr(exc, "retry_after", None))
+                if time.monotonic() - started + delay > budget:
+                    raise
+                time.sleep(delay)
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
         # Leaving on an error must not block forever on remote tasks that may never finish.
@@ -487,6 +611,12 @@ class Executor(_Executor):
                 else:
                     self._pending[tid] = f
         self._work.set()
+        late = [tid for it, tid in zip(batch, ids) if getattr(it.future, "_mesh_cancel", False)]
+        if late:  # cancelled while their batch was on its way
+            try:
+                self._cancel_at_hub(late)
+            except Exception as exc:
+                log.warning("could not cancel %d task(s) at the hub: %s", len(late), exc)
 
     def _submit_batch(self, specs: list[dict[str, Any]], key: str, functions: dict[str, tuple[str, bytes]] | None) -> tuple[list[str], list[str]]:
         """Over the stream when it is up, else REST; the same body and key either way."""
@@ -516,6 +646,8 @@ class Executor(_Executor):
             return
         if ok:
             f.set_result(value)
+        elif getattr(value, "remote_type", None) == TASK_CANCELLED:  # its one result says: cancelled
+            mark_cancelled(f)
         else:
             f.set_exception(value)
 

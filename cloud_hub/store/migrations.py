@@ -254,4 +254,24 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE tasks ADD COLUMN start_now INTEGER;
         """,
     ),
+    (
+        17,
+        """
+        -- Cancellation (docs/protocol.md, "Cancellation"): when the submitter cancelled a task (it
+        -- then has its one cancelled result), and 1 while its agent has yet to confirm the cancel
+        -- (the task was sent to it: leased or acked). The dispatcher sends such cancels in a tasks
+        -- frame (cancel) on every session of that endpoint until the agent acks them (ack.c).
+        ALTER TABLE tasks ADD COLUMN cancelled REAL;
+        ALTER TABLE tasks ADD COLUMN cancel_pending INTEGER;
+        CREATE INDEX tasks_cancel ON tasks (endpoint_id) WHERE cancel_pending IS NOT NULL;
+        -- A driver's lease on a task group (a multiprocessing program, docs/multiprocessing.md,
+        -- "Lease"): renewed by the program while it lives. Once expires passes, the hub cancels the
+        -- group's unfinished tasks and drops the row.
+        CREATE TABLE task_group_leases (
+            user_id TEXT NOT NULL, task_group_id TEXT NOT NULL, expires REAL NOT NULL, created REAL NOT NULL,
+            PRIMARY KEY (user_id, task_group_id)
+        );
+        CREATE INDEX task_group_leases_expires ON task_group_leases (expires);
+        """,
+    ),
 ]

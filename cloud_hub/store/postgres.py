@@ -329,6 +329,18 @@ class PostgresStore(SqliteStore):
         await self._notify("mesh_results", {u for _, u in expired})
         return expired
 
+    async def cancel_tasks(self, user_id: str, ids: Sequence[str] | None = None, **kw: Any) -> dict[str, Any]:
+        done = await super().cancel_tasks(user_id, ids, **kw)
+        await self._notify("mesh_results", {user_id} if done["fresh"] else set())
+        await self._notify("mesh_tasks", set(done["endpoints"]))  # the replica holding the session sends the cancel
+        return done
+
+    async def expire_group_leases(self, now: float, limit: int = 100) -> list[dict[str, Any]]:
+        out = await super().expire_group_leases(now, limit)
+        await self._notify("mesh_results", {g["user"] for g in out if g["fresh"]})
+        await self._notify("mesh_tasks", {e for g in out for e in g["endpoints"]})
+        return out
+
     async def release_endpoint(self, endpoint_id: str, replica: str) -> None:
         """Release, then tell the other replicas (``mesh_released``) so one claims it at once
         instead of on the agent's next frame."""

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from cloud_hub.admission import AdmissionPolicy
     from cloud_hub.store.memo import MemoSettings
 
-__all__ = ["SqliteStore", "StoreError", "check_results", "hash_token", "token_id"]
+__all__ = ["SqliteStore", "StoreError", "UnknownTask", "check_results", "hash_token", "token_id"]
 
 T = TypeVar("T")
 
@@ -860,6 +860,79 @@ class SqliteStore:
 
         return await self.tx(q)
 
+    # ------------------------------------------------------------------ cancellation (docs/protocol.md, "Cancellation")
+    async def cancel_tasks(self, user_id: str, ids: Sequence[str] | None = None, *, group: str | None = None,
+                           why: str = "cancelled by its submitter", now: float | None = None) -> dict[str, Any]:
+        """Cancel the user's tasks, by id or every unfinished one of a task group, in one
+        transaction. Each task without a result gets its one ``cancelled`` result now (so the
+        answer never depends on the agent); one already sent to its agent (leased or acked) is
+        also marked ``cancel_pending`` until that agent confirms (the dispatcher sends the cancel).
+        By id, every id must be a task of this user: else :class:`UnknownTask` naming the first
+        that is not, and nothing changes. Returns ``{"cancelled": ids (now or before), "done":
+        ids that had finished, "fresh": ids cancelled by this call, "endpoints": endpoints with
+        cancels to send}``."""
+        at = time.time() if now is None else now
+
+        def q(db: Any) -> dict[str, Any]:
+            return cancel_in(db, user_id, ids, group, why, at)
+
+        return await self.tx(q)
+
+    async def pending_cancels(self, endpoint_id: str, limit: int = 5000) -> list[str]:
+        """Cancelled tasks whose agent has not confirmed the cancel yet (oldest first)."""
+        return [r[0] for r in await self._run(lambda: self._conn().execute(
+            "SELECT id FROM tasks WHERE endpoint_id=? AND cancel_pending IS NOT NULL ORDER BY cancelled LIMIT ?",
+            (endpoint_id, limit)).fetchall())]
+
+    async def cancel_endpoints(self) -> set[str]:
+        """Endpoints with cancels their agents have yet to confirm."""
+        return {r[0] for r in await self._run(lambda: self._conn().execute(
+            "SELECT DISTINCT endpoint_id FROM tasks WHERE cancel_pending IS NOT NULL").fetchall())}
+
+    async def cancels_applied(self, endpoint_id: str, ids: Sequence[str]) -> int:
+        """The agent stored these cancels (its ``ack.c``): stop sending them. Without an fsync: one
+        lost in a crash is sent again, and the agent acks it again."""
+
+        def q(db: Any) -> int:
+            return sum(db.execute("UPDATE tasks SET cancel_pending=NULL WHERE id=? AND endpoint_id=? AND cancel_pending IS NOT NULL",
+                                  (i, endpoint_id)).rowcount for i in ids)
+
+        return await self.tx(q, durable=False)
+
+    async def renew_group_lease(self, user_id: str, group: str, ttl_s: float, now: float | None = None) -> float:
+        """A driver's lease on its task group (docs/multiprocessing.md, "Lease"): made or renewed
+        until ``now + ttl_s``. Returns that time."""
+        at = time.time() if now is None else now
+
+        def q(db: Any) -> None:
+            db.execute("INSERT INTO task_group_leases (user_id, task_group_id, expires, created) VALUES (?, ?, ?, ?) "
+                       "ON CONFLICT (user_id, task_group_id) DO UPDATE SET expires=excluded.expires",
+                       (user_id, group, at + ttl_s, at))
+
+        await self.tx(q)
+        return at + ttl_s
+
+    async def release_group_lease(self, user_id: str, group: str) -> bool:
+        """Drop a lease (the driver ended cleanly); its tasks are left as they are."""
+        return bool(await self.tx(lambda db: db.execute(
+            "DELETE FROM task_group_leases WHERE user_id=? AND task_group_id=?", (user_id, group)).rowcount))
+
+    async def expire_group_leases(self, now: float, limit: int = 100) -> list[dict[str, Any]]:
+        """Leases past their expiry (a driver that died or stopped renewing): every unfinished task
+        of the group is cancelled as by its submitter, and the lease is dropped, in one transaction.
+        Returns per group ``{"user", "group", "cancelled", "fresh", "endpoints"}``."""
+
+        def q(db: Any) -> list[dict[str, Any]]:
+            out = []
+            for user, group in db.execute("SELECT user_id, task_group_id FROM task_group_leases WHERE expires < ? LIMIT ?",
+                                          (now, limit)).fetchall():
+                done = cancel_in(db, user, None, group, "cancelled: the program that submitted it stopped renewing its lease", now)
+                db.execute("DELETE FROM task_group_leases WHERE user_id=? AND task_group_id=?", (user, group))
+                out.append({"user": user, "group": group, **done})
+            return out
+
+        return await self.tx(q)
+
     async def get_task(self, task_id: str, user_id: str) -> dict[str, Any] | None:
         def q() -> dict[str, Any] | None:
             row = self._conn().execute(
@@ -967,6 +1040,54 @@ def pending_migrations(current: int | None, where: object) -> list[tuple[int, st
     if current > latest:
         raise StoreError(f"{where}: database schema v{current} is newer than this hub (v{latest})")
     return [(v, sql) for v, sql in MIGRATIONS if v > current]
+
+
+class UnknownTask(KeyError):
+    """A cancel named a task that is not the caller's (or no task at all); nothing was changed."""
+
+    def __init__(self, task_id: str) -> None:
+        super().__init__(task_id)
+        self.task_id = task_id
+
+    def __str__(self) -> str:
+        return f"unknown task {self.task_id}"
+
+
+def cancel_in(db: Any, user_id: str, ids: Sequence[str] | None, group: str | None, why: str, now: float) -> dict[str, Any]:
+    """The body of :meth:`SqliteStore.cancel_tasks`, also run for an expired lease."""
+    from mesh_agent.protocol import cancelled_error, serialize
+
+    rows: list[tuple[Any, ...]] = []
+    if group is not None:
+        rows = db.execute("SELECT id, state, endpoint_id, cancelled FROM tasks WHERE user_id=? AND task_group_id=? AND state != 'done'",
+                          (user_id, group)).fetchall()
+    else:
+        want = list(dict.fromkeys(ids or ()))
+        for chunk in _chunks(want):
+            rows.extend(db.execute(f"SELECT id, state, endpoint_id, cancelled FROM tasks WHERE user_id=? "
+                                   f"AND id IN ({','.join('?' * len(chunk))})", (user_id, *chunk)).fetchall())
+        found = {r[0] for r in rows}
+        for i in want:
+            if i not in found:
+                raise UnknownTask(i)
+    cancelled: list[str] = []
+    done: list[str] = []
+    fresh: list[tuple[str, str, bytes]] = []
+    marks: list[tuple[float, int | None, str]] = []
+    endpoints: set[str] = set()
+    for tid, state, ep, was in rows:
+        if state == "done":
+            (cancelled if was is not None else done).append(tid)
+            continue
+        cancelled.append(tid)
+        fresh.append((tid, user_id, serialize(cancelled_error(tid, why))))
+        sent = state in ("leased", "acked") and ep is not None
+        marks.append((now, 1 if sent else None, tid))
+        if sent:
+            endpoints.add(ep)
+    fail_tasks(db, fresh, now)
+    db.executemany("UPDATE tasks SET cancelled=?, cancel_pending=? WHERE id=?", marks)
+    return {"cancelled": cancelled, "done": done, "fresh": [t for t, _, _ in fresh], "endpoints": endpoints}
 
 
 def fail_tasks(db: Any, rows: Sequence[tuple[str, str, bytes]], now: float) -> None:

@@ -32,6 +32,11 @@ Design, and why:
   is the prewarmed "stem cell" pool, a kind with queued tasks and no free slot evicts an idle
   worker of another kind, and workers of an environment stay warm for ``env_idle_s`` after their
   last task, then are reaped (and, in a warm pool, the default workers come back).
+* **Cancellation** (:meth:`LocalEngine.cancel`). A queued task is dropped; a running one ends
+  the way a timeout does: its worker is killed, its other tasks go back to the front of the
+  queue, and a fresh worker takes its place. A task already sent to a worker behind the one it
+  runs is ended the same way once it comes to run (the timeout timer checks it). Every cancelled
+  task the engine held gets one ``mesh_agent.TaskCancelled`` result.
 * **Crash isolation.** A dead worker shows up as EOF on its pipe: its current task fails with
   ``WorkerDied``, the rest of its tasks go back to the front of the queue, and a fresh worker
   takes its place. Nothing a task does can take the engine down.
@@ -64,6 +69,7 @@ from mesh_agent.protocol.serialize import serialize
 
 __all__ = [
     "ENVIRONMENT_ERROR",
+    "TASK_CANCELLED",
     "TASK_TIMEOUT",
     "WORKER_DIED",
     "EngineResult",
@@ -79,6 +85,9 @@ log = logging.getLogger(__name__)
 TASK_TIMEOUT = "mesh_agent.engine.TaskTimeout"
 WORKER_DIED = "mesh_agent.engine.WorkerDied"
 ENVIRONMENT_ERROR = "mesh_agent.engine.EnvError"
+#: A task its submitter cancelled (mesh_agent.protocol.bodies.TASK_CANCELLED; a test checks they agree:
+#: the engine does not import the envelope code for it).
+TASK_CANCELLED = "mesh_agent.TaskCancelled"
 
 _TICK = 0.1  # seconds between timeout checks, only while tasks are running
 _READ_SIZE = 1 << 18
@@ -277,7 +286,11 @@ class LocalEngine:
             "protocol_violations": 0,
             "started_now_extra": 0,
             "refused_now": 0,
+            "cancelled": 0,
+            "cancelled_running": 0,
         }
+        #: cancelled tasks already sent to a worker behind the one it runs: ended when they come to run
+        self._cancelling: set[str] = set()
 
     # ------------------------------------------------------------------ public interface
 
@@ -463,6 +476,71 @@ class LocalEngine:
     def _pool(self) -> list[_Worker]:
         """The pool's workers (not the extra ones started for tasks that must start now)."""
         return [w for w in self._workers if not w.extra]
+
+    def cancel(self, task_ids: "Sequence[str] | set[str]") -> list[str]:
+        """Cancel tasks this engine holds: queued ones (or waiting for their environment) are
+        dropped; a running one's worker is killed and replaced, as for a timeout (its other
+        tasks go back to the front of the queue). Each gets one ``mesh_agent.TaskCancelled``
+        result. Returns the ids found here (running, queued, or sent to a worker behind another
+        task: that one is ended when it comes to run). Call from the loop thread."""
+        want = set(task_ids)
+        if not want or self._stopping:
+            return []
+        found: list[str] = []
+        out: list[EngineResult] = []
+        for w in list(self._workers):
+            if not w.alive or not any(t.task_id in want for t in w.inflight):
+                continue
+            if w.inflight[0].task_id in want:
+                self._on_readable(w)  # its result may already be waiting in the pipe
+            if w.alive and w.inflight and w.inflight[0].task_id in want:
+                head = w.inflight[0]
+                found.append(head.task_id)
+                out.extend(self._kill_for_cancel(w, head))  # the rest of its tasks went back to the queue
+            elif w.alive:
+                for t in w.inflight:
+                    if t.task_id in want:
+                        found.append(t.task_id)
+                        self._cancelling.add(t.task_id)
+        for queue in list(self._queues.values()) + list(self._parked.values()):
+            gone = [t for t in queue if t.task_id in want]
+            if not gone:
+                continue
+            keep = [t for t in queue if t.task_id not in want]
+            queue.clear()
+            queue.extend(keep)
+            for t in gone:
+                found.append(t.task_id)
+                out.append(error_result(t.task_id, TASK_CANCELLED, f"task {t.task_id} was cancelled by its submitter before it ran"))
+        self.stats["cancelled"] += len(out)
+        self._pump()
+        if out:
+            self._deliver(out)
+        return found
+
+    def _kill_for_cancel(self, w: _Worker, task: EngineTask) -> list[EngineResult]:
+        """End the worker running a cancelled task (the timeout path): its other tasks go back to
+        the front of the queue (less those cancelled too), a fresh worker takes its place. Returns
+        the cancelled tasks' results."""
+        started = time.time() - (time.monotonic() - w.head_started)
+        self._retire(w)
+        self._cancelling.discard(task.task_id)
+        self.stats["cancelled_running"] += 1
+        message = f"task {task.task_id} was cancelled by its submitter while it ran; worker {w.pid} was killed"
+        log.info("%s", message, extra={"task_id": task.task_id, "function_id": task.function_id})
+        out = [error_result(task.task_id, TASK_CANCELLED, message, started=started, worker_pid=w.pid)]
+        queue = self._queues.get(w.kind.key)
+        if self._cancelling and queue:
+            gone = [t for t in queue if t.task_id in self._cancelling]
+            if gone:
+                keep = [t for t in queue if t.task_id not in self._cancelling]
+                queue.clear()
+                queue.extend(keep)
+                for t in gone:
+                    self._cancelling.discard(t.task_id)
+                    out.append(error_result(t.task_id, TASK_CANCELLED, f"task {t.task_id} was cancelled by its submitter before it ran"))
+        self._replace(w)
+        return out
 
     # ------------------------------------------------------------------ environments
 
@@ -879,6 +957,7 @@ class LocalEngine:
                 self._protocol_violation(w, f"result for task {task_id[:80]!r}, which is not the one it runs", results)
                 return
             task = w.inflight.popleft()
+            self._cancelling.discard(task_id)  # it finished before its turn to be ended came
             results.append(EngineResult(task_id, ok, data, started, finished, w.pid))
         elif kind == "ready":
             w.is_ready = True
@@ -980,16 +1059,26 @@ class LocalEngine:
     def _check_timeouts(self) -> None:
         """Kill any worker whose current task has run past its timeout."""
         self._timer = None
+        cancelled: list[EngineResult] = []
         for w in list(self._workers):
             if not w.alive or not w.inflight:
                 continue
             task = w.inflight[0]
+            if task.task_id in self._cancelling:  # a cancelled task came to run: end it as cancel() would have
+                self._on_readable(w)
+                if w.alive and w.inflight and w.inflight[0] is task:
+                    cancelled.extend(self._kill_for_cancel(w, task))
+                continue
             limit = task.timeout if task.timeout is not None else self._task_timeout
             if limit is None or time.monotonic() - w.head_started <= limit:
                 continue
             self._on_readable(w)  # its result may already be waiting in the pipe
             if w.alive and w.inflight and w.inflight[0] is task:
                 self._kill_for_timeout(w, task, limit)
+        if cancelled:
+            self.stats["cancelled"] += len(cancelled)
+            self._pump()
+            self._deliver(cancelled)
         self._arm_timer()
 
     def _kill_for_timeout(self, w: _Worker, task: EngineTask, limit: float) -> None:

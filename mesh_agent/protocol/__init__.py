@@ -23,7 +23,7 @@ from mesh_agent.protocol.serialize import (
 )
 
 if TYPE_CHECKING:
-    from mesh_agent.protocol.bodies import validate_body
+    from mesh_agent.protocol.bodies import TASK_CANCELLED, cancelled_error, validate_body
     from mesh_agent.protocol.envelope import (
         DOWN_KINDS,
         KIND_CODES,
@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 
 _WHERE = {
     "validate_body": "bodies",
+    "TASK_CANCELLED": "bodies",
+    "cancelled_error": "bodies",
     **{n: "envelope" for n in (
         "DOWN_KINDS", "KIND_CODES", "UP_KINDS", "Sealed", "open_frame", "MAX_FRAME_BYTES", "PROTOCOL_VERSION",
         "BadFrame", "BadSignature", "Envelope", "Kind", "ProtocolError", "Replayed", "ReplayGuard", "Stale",

@@ -15,7 +15,17 @@ from typing import Any, Callable
 
 from mesh_agent.protocol.envelope import BadFrame, Kind
 
-__all__ = ["validate_body", "MAX_IDS"]
+__all__ = ["validate_body", "MAX_IDS", "TASK_CANCELLED", "cancelled_error"]
+
+#: The error type of a cancelled task's one result (docs/protocol.md, "Cancellation"): written by
+#: the hub when the submitter cancels (``POST /v1/tasks/{id}/cancel``), by the engine for a task it
+#: dropped or whose worker it ended; the SDK turns it into a cancelled future.
+TASK_CANCELLED = "mesh_agent.TaskCancelled"
+
+
+def cancelled_error(task_id: str, why: str = "cancelled by its submitter") -> dict[str, Any]:
+    """The error dict (section 3, "error blob") of a cancelled task."""
+    return {"type": TASK_CANCELLED, "message": f"task {task_id} was {why}", "traceback": "", "exception": None}
 
 #: Upper bound for any id list (``have`` in a hello is capped at 100,000 by the agent).
 MAX_IDS = 200_000
@@ -107,10 +117,18 @@ def _tasks(k: Kind, b: dict[str, Any]) -> None:
             raise _fail(k, f"tasks[{i}].env", f"null or an environment spec of at most {_MAX_ENV} characters", t["env"])
     if b.get("allow") is not None:
         _id_list(k, b, "allow")
+    if "cancel" in b:  # task ids the submitter cancelled (optional; an agent that predates it ignores it)
+        _id_list(k, b, "cancel")
 
 
 def _ids(k: Kind, b: dict[str, Any]) -> None:
     _id_list(k, b, "ids")
+
+
+def _ack(k: Kind, b: dict[str, Any]) -> None:
+    _id_list(k, b, "ids")
+    if "c" in b:  # cancels the agent applied (stored): the hub stops re-sending them
+        _id_list(k, b, "c")
 
 
 def _results(k: Kind, b: dict[str, Any]) -> None:
@@ -167,7 +185,7 @@ _RULES: dict[Kind, Callable[[Kind, dict[str, Any]], None]] = {
     Kind.WELCOME: _welcome,
     Kind.FETCH: _fetch,
     Kind.TASKS: _tasks,
-    Kind.ACK: _ids,
+    Kind.ACK: _ack,
     Kind.RESULTS: _results,
     Kind.RESULT_ACK: _ids,
     Kind.HEARTBEAT: _heartbeat,

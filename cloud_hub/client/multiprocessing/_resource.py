@@ -123,9 +123,16 @@ class Resource:
     def __init__(self, *, _prefix: str | None = None, _url: str | None = None, _ttl: float | None = None) -> None:
         from cloud_hub.client.multiprocessing._state import redis_url, settings
 
+        from cloud_hub.client.multiprocessing._state import in_task, lease
+
         s = settings()
         self._url = _url or redis_url()  # a copy unpickled on a worker keeps the program's store
         self._ttl = int(_ttl or s["ttl_s"])
+        # Made in the program (not a copy, not in a task): its keys live as long as the program's
+        # lease, renewed with it, and expire within lease_s once the program is gone (_state.Lease).
+        held = lease() if _prefix is None and not in_task() else None
+        if held is not None:
+            self._ttl = int(min(self._ttl, held.lease_s))
         self._prefix = _prefix or f"mesh:mp:{uuid.uuid4().hex}"
         self._r = connection(self._url)
         pipe = self._r.pipeline()
@@ -133,6 +140,8 @@ class Resource:
         pipe.expire(self._prefix + ":ref", self._ttl)
         self.call(pipe.execute)
         self._finalizer = weakref.finalize(self, _release, self._url, self._prefix, tuple(self._keys()), self._members)
+        if held is not None:
+            held.track(self)
 
     def _keys(self) -> list[str]:
         return [f"{self._prefix}:{s}" for s in self._suffixes]

@@ -9,11 +9,16 @@ where work runs and where shared state lives, once, before the program's own cod
 from __future__ import annotations
 
 import atexit
+import logging
 import os
+import sys
 import threading
+import weakref
 from typing import Any
 
-__all__ = ["config", "settings", "executor", "redis_url", "shutdown_executor"]
+__all__ = ["config", "settings", "executor", "redis_url", "shutdown_executor", "lease", "in_task"]
+
+log = logging.getLogger("cloud_hub.client.multiprocessing")
 
 _lock = threading.Lock()
 _settings: dict[str, Any] = {
@@ -23,23 +28,31 @@ _settings: dict[str, Any] = {
     "client": None,
     "task_timeout_s": None,
     "start_timeout_s": 60.0,  # Process.start() raises when the target has not started within this
+    "lease_s": None,          # MESH_MP_LEASE_S, else 60: a dead program's tasks and state go within this
 }
+#: Default of ``lease_s`` (docs/multiprocessing.md, "Lease").
+DEFAULT_LEASE_S = 60.0
 _executor: Any = None
 
 
 def config(*, endpoint: Any = None, redis_url: str | None = None, ttl_s: float | None = None, client: Any = None,
-           task_timeout_s: float | None = None, start_timeout_s: float | None = None) -> dict[str, Any]:
+           task_timeout_s: float | None = None, start_timeout_s: float | None = None, lease_s: float | None = None) -> dict[str, Any]:
     """Set where Pools and Processes run (``endpoint``: ``"auto"``, an id, a list of ids or
     ``{"tags": [...]}``), the Redis that holds Queues, Locks, Values... (``redis_url``, reachable
-    from the endpoints too), the expiry of shared resources, and how long ``Process.start()``
-    waits for its target to start (``start_timeout_s``). Returns the settings in force."""
+    from the endpoints too), the expiry of shared resources, how long ``Process.start()`` waits
+    for its target to start (``start_timeout_s``), and the bound on a dead program's work
+    (``lease_s``: its tasks are cancelled and its shared state deleted within it once it stops
+    renewing; docs/multiprocessing.md, "Lease"). Returns the settings in force."""
     global _executor
     with _lock:
         given = [(k, v) for k, v in (("endpoint", endpoint), ("redis_url", redis_url), ("ttl_s", ttl_s), ("client", client),
-                                     ("task_timeout_s", task_timeout_s), ("start_timeout_s", start_timeout_s)) if v is not None]
+                                     ("task_timeout_s", task_timeout_s), ("start_timeout_s", start_timeout_s),
+                                     ("lease_s", lease_s)) if v is not None]
         for k, v in given:  # all checked before any is set: a bad value changes nothing
-            if k in ("ttl_s", "start_timeout_s") and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
+            if k in ("ttl_s", "start_timeout_s", "lease_s") and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
                 raise ValueError(f"{k} must be a positive number of seconds, not {v!r}")
+            if k == "lease_s" and not 4 <= v <= 86_400:
+                raise ValueError(f"lease_s must be between 4 and 86400 seconds, not {v!r}")
         _settings.update(given)
         if _executor is not None and (endpoint is not None or client is not None or task_timeout_s is not None):
             old, _executor = _executor, None
@@ -54,6 +67,13 @@ def settings() -> dict[str, Any]:
         out["endpoint"] = ([e for e in env.split(",") if e] if env and "," in env else env) or "auto"
     if out["redis_url"] is None:
         out["redis_url"] = os.environ.get("MESH_REDIS_URL")  # None: the hub's store, asked for by redis_url()
+    if out["lease_s"] is None:
+        env_lease = os.environ.get("MESH_MP_LEASE_S")
+        try:
+            out["lease_s"] = min(86_400.0, max(4.0, float(env_lease))) if env_lease else DEFAULT_LEASE_S
+        except ValueError:
+            log.error("MESH_MP_LEASE_S=%r is not a number of seconds; using %g", env_lease, DEFAULT_LEASE_S)
+            out["lease_s"] = DEFAULT_LEASE_S
     return out
 
 
@@ -95,28 +115,171 @@ def executor() -> Any:
 
             s = settings()
             _executor = Executor(client=s["client"], endpoint=s["endpoint"], task_timeout_s=s["task_timeout_s"])
+            lease().hold(_executor)  # its tasks live while this program renews the lease
         return _executor
 
 
 def shutdown_executor() -> None:
-    global _executor
+    """This program is done with the mesh: what it submitted and is unfinished is cancelled
+    (Pool chunks, daemon or unjoined Processes), the hub leases are dropped, the renewing stops."""
+    global _executor, _lease
     with _lock:
         ex, _executor = _executor, None
+    with _lease_lock:
+        held, _lease = _lease, None
     if ex is not None:
         ex.shutdown(wait=False, cancel_futures=True)
+        ex._submitter.join(10)  # a batch on its way is accepted first, then cancelled with its group
+    if held is not None:
+        held.end()
 
 
-atexit.register(shutdown_executor)
+def _at_exit() -> None:
+    """At exit, as the standard library's ``multiprocessing.util._exit_function``: daemon
+    Processes are terminated (their tasks cancelled), the others are joined; then everything
+    left of this program (Pool chunks) is cancelled and its leases dropped."""
+    pool = sys.modules.get("cloud_hub.client.multiprocessing.pool")
+    if pool is not None:
+        try:
+            for p in list(pool._children):
+                if p.daemon and p.is_alive():
+                    p.terminate()
+            for p in list(pool._children):
+                if not p.daemon and p.is_alive():
+                    p.join()
+        except BaseException as exc:  # an interrupted join (Ctrl-C at exit): cancel the rest below
+            log.warning("at exit: %s", exc)
+    shutdown_executor()
+
+
+def run_first_at_exit() -> None:
+    """Make :func:`_at_exit` the next exit handler to run: before the weakref finalizers (also an
+    exit handler) drop the shared objects that non-daemon Processes still use while joined."""
+    atexit.unregister(_at_exit)
+    atexit.register(_at_exit)
+
+
+atexit.register(_at_exit)
+
+
+def in_task() -> bool:
+    """Whether this code runs inside a task on an agent's worker (not in the driver program)."""
+    w = sys.modules.get("mesh_agent.engine._worker")
+    return w is not None and getattr(w, "CURRENT_TASK_ID", None) is not None
+
+
+class Lease:
+    """The driver's lease on its work (docs/multiprocessing.md, "Lease"). A daemon thread renews,
+    every ``lease_s / 4``: the hub lease of each task group this program submitted to, for
+    ``3/4 lease_s`` (the hub cancels a group's unfinished tasks once it runs out: two renewals may
+    fail in a row), and the expiry of every shared object made here, ``lease_s`` (later than the
+    cancel, so a task waiting on an object is cancelled rather than failing because its object
+    vanished). A program that exits drops them at once (:func:`shutdown_executor`); one that dies
+    stops renewing, and within ``lease_s`` its tasks are cancelled and its state is gone. Other
+    programs are not touched."""
+
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = float(lease_s)
+        self._groups: dict[str, Any] = {}  # task group id -> its Executor (whose client renews it)
+        self._resources: dict[int, "weakref.ref[Any]"] = {}  # id -> the object (proxies may be unhashable)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mesh-mp-lease", daemon=True)
+        self._thread.start()
+        self.renewals = 0
+
+    @property
+    def period_s(self) -> float:
+        return self.lease_s / 4
+
+    @property
+    def hub_ttl_s(self) -> float:
+        return self.lease_s * 3 / 4
+
+    def hold(self, ex: Any) -> None:
+        """Lease ``ex``'s task group now (before any of its tasks is submitted), then keep renewing."""
+        with self._lock:
+            self._groups[ex.task_group_id] = ex
+        self._renew_group(ex.task_group_id, ex)
+
+    def track(self, resource: Any) -> float:
+        """A shared object made in this program: its keys are renewed with the lease. Returns the
+        expiry its keys get (the lease's bound)."""
+        key = id(resource)
+
+        def gone(_ref: Any, key: int = key) -> None:
+            with self._lock:
+                if self._resources.get(key) is _ref:
+                    del self._resources[key]
+
+        with self._lock:
+            self._resources[key] = weakref.ref(resource, gone)
+        return self.lease_s
+
+    def _renew_group(self, group: str, ex: Any) -> None:
+        try:
+            ex.client.renew_task_group_lease(group, self.hub_ttl_s)
+        except Exception as exc:  # the hub unreachable for a while: tried again next period
+            log.warning("could not renew the lease of task group %s (%s); retrying in %.0f s", group, exc, self.period_s)
+
+    def renew(self) -> None:
+        with self._lock:
+            groups = list(self._groups.items())
+            resources = [r for ref in self._resources.values() if (r := ref()) is not None]
+        for group, ex in groups:
+            self._renew_group(group, ex)
+        by_url: dict[str, list[Any]] = {}
+        for r in resources:
+            by_url.setdefault(r._url, []).append(r)
+        for url, rs in by_url.items():
+            try:
+                from cloud_hub.client.multiprocessing._resource import connection
+
+                pipe = connection(url).pipeline(transaction=False)
+                for r in rs:
+                    r.touch(pipe)
+                pipe.execute()
+            except Exception as exc:
+                log.warning("could not renew the expiry of %d shared objects at %s (%s)", len(rs), url.split("@")[-1], exc)
+        self.renewals += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.renew()
+            except Exception:  # never let the renewing thread die
+                log.exception("lease renewal failed")
+
+    def end(self) -> None:
+        """Stop renewing; cancel every unfinished task of this program's groups and drop their leases."""
+        self._stop.set()
+        with self._lock:
+            groups = list(self._groups.items())
+            self._groups.clear()
+        for group, ex in groups:
+            try:
+                ex.cancel_group(group)
+                ex.client.release_task_group_lease(group)
+            except Exception as exc:  # the hub unreachable: the lease runs out and the hub cancels them then
+                log.warning("could not cancel task group %s at exit (%s); the hub does within lease_s", group, exc)
+
+
+_lease: Lease | None = None
+
+
+def lease() -> Lease:
+    """This program's lease, started on first use."""
+    global _lease
+    with _lease_lock:
+        if _lease is None:
+            _lease = Lease(settings()["lease_s"])
+        return _lease
+
+
+_lease_lock = threading.Lock()
 
 
 def cancel(future: Any) -> bool:
-    """Cancel a task of this program: the future at once, and the task wherever it is when the
-    Executor can say so to the hub (``Executor.cancel``); True when the future is cancelled."""
-    ex = _executor
-    fn = getattr(ex, "cancel", None) if ex is not None else None
-    if fn is not None:
-        try:
-            return bool(fn(future))
-        except Exception:  # the hub unreachable: the future is still cancelled here
-            pass
-    return bool(future.cancel())
+    """Cancel a task of this program wherever it is (``Executor.cancel``: not sent, queued at the
+    hub or an agent, or running: its worker is ended); True when the task ends cancelled."""
+    return bool(future.cancel())  # a MeshFuture asks its Executor; the hub unreachable: False, logged

@@ -301,11 +301,12 @@ class Pool:
             self._state = CLOSE
 
     def terminate(self) -> None:
-        """Cancels what has not been sent; tasks already on an agent run to their end there."""
+        """Cancels every unfinished chunk wherever it is (one request): queued ones never run,
+        running ones are ended (their workers killed and replaced), as the stdlib kills its pool."""
         self._state = TERMINATE
         with self._lock:
-            for f in self._futures:
-                f.cancel()
+            futures = [f for f in self._futures if not f.done()]
+        _cancel_all(futures)
 
     def join(self) -> None:
         if self._state == RUN:
@@ -323,6 +324,23 @@ class Pool:
 
     def __repr__(self) -> str:
         return f"<mesh Pool state={('RUN', 'CLOSE', 'TERMINATE')[self._state]} processes={self._processes}>"
+
+
+def _cancel_all(futures: list["Future[Any]"]) -> None:
+    """Cancel these tasks, one request per Executor; the hub unreachable: logged, the lease (or the
+    program's exit) cancels them later."""
+    by_ex: dict[int, tuple[Any, list[Future[Any]]]] = {}
+    for f in futures:
+        ex = getattr(f, "_mesh_executor", None)
+        if ex is None:
+            f.cancel()
+            continue
+        by_ex.setdefault(id(ex), (ex, []))[1].append(f)
+    for ex, fs in by_ex.values():
+        try:
+            ex.cancel_futures(fs)
+        except Exception as exc:
+            _state.log.warning("could not cancel %d task(s): %s", len(fs), exc)
 
 
 # ---------------------------------------------------------------- Process
@@ -431,6 +449,7 @@ class Process:
         self._started_key, self._started_url = f"mesh:mp:started:{uuid.uuid4().hex}", _state.redis_url()
         self._future = _state.executor().submit_now(_run_process, self)
         _children.add(self)
+        _state.run_first_at_exit()  # at exit: join it (terminate a daemon one) before shared objects are dropped
         try:
             self._wait_started(float(_state.settings()["start_timeout_s"]))
         except BaseException:
@@ -473,7 +492,8 @@ class Process:
         if f is None or not f.done() or self._exitcode is not None:
             return
         if f.cancelled():
-            self._exitcode = -15
+            self._exitcode = self._exitcode if self._exitcode is not None else -15  # terminated (SIGTERM), as the stdlib reports it
+            _children.discard(self)
             return
         exc = f.exception()
         if exc is not None:
@@ -511,11 +531,19 @@ class Process:
     ident = pid
 
     def terminate(self) -> None:
-        """Cancels the task if it has not been sent; a running one runs to its end on the agent."""
-        if self._future is not None and self._future.cancel():
-            self._exitcode = -15
+        """Cancels its task wherever it is: not started, it never runs; running, its worker is
+        killed (and replaced). ``exitcode`` is then -15, as for a child ended by SIGTERM. A task
+        that had ended keeps its exit code."""
+        self._end(-15)
 
-    kill = terminate
+    def kill(self) -> None:
+        """As :meth:`terminate`; ``exitcode`` -9 (SIGKILL)."""
+        self._end(-9)
+
+    def _end(self, code: int) -> None:
+        if self._future is not None and not self._future.done() and _state.cancel(self._future):
+            self._exitcode = code
+            _children.discard(self)
 
     def close(self) -> None:
         if self.is_alive():
