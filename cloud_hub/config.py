@@ -35,6 +35,8 @@ class HubConfig(BaseModel):
     # sha256 goes out with every enrollment token, for `mesh-agent init --ca-hash`), HTTPS for the API.
     mqtt_public_url: str | None = Field(None, pattern=r"^(mqtt|mqtts|ws|wss)://[^/\s:]+(:\d{1,5})?(/\S*)?$")
     mqtt_tls: bool = Field(False, description="the hub's own broker link uses TLS (verified with tls_ca_file, else the system's CAs)")
+    insecure_plaintext: bool = Field(False, description="allow the hub's broker login over plain MQTT to a broker that is not "
+                                     "on this machine (its password would cross the network in clear)")
     tls_ca_file: Path | None = Field(None, description="PEM CA that signs the broker's (and API's) certificate; sent to agents at enrollment")
     tls_cert_file: Path | None = Field(None, description="HTTPS for the REST API: certificate chain (PEM)")
     tls_key_file: Path | None = Field(None, description="HTTPS for the REST API: its private key (PEM)")
@@ -140,6 +142,21 @@ class HubConfig(BaseModel):
         for item in items if isinstance(items, list) else []:
             parse_hostport(str(item), 1883)
         return items
+
+    @model_validator(mode="after")
+    def _no_password_in_clear(self) -> "HubConfig":
+        """The hub's own broker login never crosses a network in clear (docs/security.md, "Every
+        address is checked"): a broker node off this machine needs ``mqtt_tls``, or the operator's
+        explicit ``insecure_plaintext``, whenever the hub logs in with a password."""
+        if self.mqtt_tls or self.insecure_plaintext or not self.mqtt_password or not self.mqtt_host:
+            return self
+        from mesh_agent.tls import is_loopback
+
+        for host, port in self.broker_nodes():
+            if not is_loopback(host):
+                raise ValueError(f"the hub would send its broker password in clear to {host}:{port}: set MESH_HUB_MQTT_TLS=1 "
+                                 "(TLS to the broker), or MESH_HUB_INSECURE_PLAINTEXT=1 on a network you trust")
+        return self
 
     def broker_nodes(self) -> list[tuple[str, int]]:
         """The hub's own link's brokers, in order: ``mqtt_host:mqtt_port``, then ``mqtt_hosts`` (a port left out is ``mqtt_port``)."""

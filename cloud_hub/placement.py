@@ -162,6 +162,34 @@ def error_type(data: bytes | None) -> str | None:
     return t.rsplit(".", 1)[-1]
 
 
+#: The longest run time a result may claim (a week): beyond it, or negative, or not finite, the
+#: timings are not a run's (a forged or broken frame) and the scheduler learns nothing from them.
+_MAX_RUNTIME_S = 7 * 86400.0
+
+
+def _runtime(started: Any, finished: Any) -> float | None:
+    """A result's run time, or None where its stamps could not come from a run (pure)."""
+    if not (isinstance(started, (int, float)) and isinstance(finished, (int, float))):
+        return None
+    if isinstance(started, bool) or isinstance(finished, bool):
+        return None
+    runtime = float(finished) - float(started)
+    if not math.isfinite(runtime) or not 0.0 <= runtime <= _MAX_RUNTIME_S:
+        return None
+    return runtime
+
+
+def _tenant_of(env: Any) -> bool:
+    """Whether a stored spec (``tasks.env``, JSON) is another user's sandboxed one."""
+    if not env:
+        return False
+    try:
+        spec = json.loads(env) if isinstance(env, (str, bytes)) else env
+    except ValueError:
+        return False
+    return isinstance(spec, dict) and bool(spec.get("tenant"))
+
+
 def _int(v: Any, default: int = 0) -> int:
     try:
         return int(v)
@@ -442,18 +470,21 @@ class PlacementService(DispatchObserver):
             if tid not in fresh:
                 continue
             ok = bool(r.get("ok"))
-            started, finished = r.get("started"), r.get("finished")
-            runtime = None
-            if isinstance(started, (int, float)) and isinstance(finished, (int, float)) and finished >= started:
-                runtime = float(finished - started)
+            runtime = _runtime(r.get("started"), r.get("finished"))
             data = r.get("data") or b""
             err = None if ok else error_type(data)
             done.append((now, runtime, int(ok), tid))
-            if runtime is None:  # nothing to learn from; it still leaves its queue
+            if runtime is None:  # nothing to learn from (or timings no run could have): it still leaves its queue
                 self.sched.retract([tid])
                 continue
             pid = r.get("pid")  # the worker: its first call of a function is a cold call (Scheduler.task_completed)
             pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+            if err is not None:
+                # A failure may block the function on this endpoint (scheduler BLOCKING_ERRORS): decided
+                # once the task's stored spec is read, so another user's sandboxed failure, which may
+                # be of their own making, never blocks the function for the owner or anyone else.
+                unknown.append((tid, runtime, len(data), ok, err))
+                continue
             try:
                 self.sched.task_completed(tid, now, runtime, result_bytes=len(data), ok=ok, error=err, worker=pid)
             except KeyError:  # not placed by this scheduler (an explicit endpoint, or before a restart)
@@ -469,21 +500,30 @@ class PlacementService(DispatchObserver):
                 "WHERE task_id=?4 AND state='placed'",
                 done,
             )
-            fns: dict[str, str] = {}
+            fns: dict[str, tuple[str, str | None]] = {}
             ids = [u[0] for u in unknown]
             for i in range(0, len(ids), 500):
                 chunk = ids[i:i + 500]
-                fns.update(db.execute(f"SELECT id, function_id FROM tasks WHERE id IN ({','.join('?' * len(chunk))})", chunk).fetchall())
+                for tid, fid, env in db.execute(f"SELECT id, function_id, env FROM tasks WHERE id IN ({','.join('?' * len(chunk))})",
+                                                chunk).fetchall():
+                    fns[tid] = (fid, env)
             return fns
 
         fns = await self.store.tx(q, durable=False)
         if endpoint_id not in self.sched.fleet:
+            for tid, *_rest in unknown:
+                self.sched.retract([tid])
             return
         for tid, runtime, nbytes, ok, err in unknown:
-            f = fns.get(tid)
-            if f is not None:
-                self.sched.task_completed(tid, now, runtime, result_bytes=nbytes, ok=ok, error=err,
-                                          endpoint_id=endpoint_id, function_id=f, payload_bytes=0)
+            found = fns.get(tid)
+            if found is None:
+                self.sched.retract([tid])
+                continue
+            f, env = found
+            if err is not None and _tenant_of(env):
+                err = None  # another user's sandboxed failure teaches nothing about the endpoint (and blocks nothing)
+            self.sched.task_completed(tid, now, runtime, result_bytes=nbytes, ok=ok, error=err,
+                                      endpoint_id=endpoint_id, function_id=f, payload_bytes=0)
 
     # ------------------------------------------------------------------ placement at submit
     @staticmethod

@@ -608,7 +608,7 @@ class Agent:
         now = time.time()
         sent = self._hello_nonces.get(body["reply_to"], now)
         self._hello_nonces.clear()
-        hold = body.get("hold")  # how long our hello waited in the hub (a hub that predates it: 0)
+        hold: Any = body.get("hold")  # how long our hello waited in the hub (a hub that predates it: 0)
         again = self._clock.sample(sent, now, float(body["hub_time"]),
                                    float(hold) if type(hold) in (int, float) and 0 <= hold < 60 else 0.0)
         hub_beat = body.get("heartbeat_s")
@@ -658,7 +658,7 @@ class Agent:
         reconnecting at once (MQTT fixes it at CONNECT)."""
         self._hub_reads_z = bool(body.get("z"))
         self._last_beat, self._beat_state, self._confirm_beat = {}, None, False  # a new session gets a full beat
-        bm = body.get("beat_max_s")
+        bm: Any = body.get("beat_max_s")
         ok = isinstance(bm, (int, float)) and not isinstance(bm, bool) and bm > 0
         self._beat_max = float(bm) if ok and self.footprint.adaptive else None
         ka = body.get("keepalive_s")
@@ -704,7 +704,7 @@ class Agent:
             # Called inside the store's transaction, before its commit: tasks whose function came
             # with this frame start now; the rest wait for their stored body (below).
             self.stats["tasks_received"] += len(fresh)
-            ready = []
+            ready: list[tuple[str, str, bytes, float | None, float | None, str | None, Any]] = []
             for i in fresh:
                 t = by_id[i]
                 row = (i, t["fn"], t["args"], t.get("timeout"), t.get("exp"), t.get("env"), t.get("now"))

@@ -107,6 +107,7 @@ class SiteStore:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             op, n = _HDR.unpack(await asyncio.wait_for(reader.readexactly(_HDR.size), 30))
+            blob: bytes | None
             if op == b"PUT ":
                 if n > self.max_blob:
                     self.stats["refused"] += 1

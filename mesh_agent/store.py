@@ -75,10 +75,13 @@ class StoreFull(StoreError):
     """The disk holding the queue (or ``queue_max_mb``) is full: the write was rolled back whole."""
 
 
+_SQLITE_FULL = 13  # sqlite3.SQLITE_FULL, which Python 3.10's sqlite3 module does not define
+
+
 def _write_error(path: Path, exc: sqlite3.Error) -> StoreError:
     """Turn SQLite's error into one that names the file and, for a full disk, says so plainly."""
     code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
-    if code == sqlite3.SQLITE_FULL or "full" in str(exc).lower():
+    if code == _SQLITE_FULL or "full" in str(exc).lower():
         return StoreFull(f"{path}: disk full ({exc}); free space on that filesystem (or raise queue_max_mb)")
     return StoreError(f"{path}: cannot write the queue database ({exc})")
 

@@ -25,7 +25,7 @@ from .events import EndpointOffline, Event, Heartbeat, MessageTiming, TaskComple
 from .environments import ENV_ERROR, block_key
 from .estimators import TermError
 from .fleet import Fleet
-from .model import Decision, EndpointState, Placement, TaskInfo
+from .model import Decision, EndpointState, Placement, Prediction, TaskInfo
 from .policies import BasePolicy, Policy, make_policy
 from .profiles import Profiles
 
@@ -288,7 +288,7 @@ class Scheduler:
         dec = Decision(pl, now, actual, runtime_s, ok)
         p = pl.raw_predicted
         if ok and p is not None:
-            if type(p) is not tuple:
+            if isinstance(p, Prediction):  # else already a tuple in its field order
                 p = (p.endpoint_id, p.total, p.transfer_in, p.queue, p.cold, p.run, p.transfer_out, p.outage)
             err = actual - p[1]
             if err < 0.0:

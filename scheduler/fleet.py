@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 from .model import Constraints, EndpointState
 
 if TYPE_CHECKING:
+    from .availability import Availability, BehindGateway
+    from .estimators import DecayedMean, RuntimeStats, Throughput
     from .profiles import Profiles
 
 INF = float("inf")
@@ -74,8 +76,8 @@ class Node:
         self.hot: set[str] = set(ep.warm_functions)  # warm, or about to be (a task was sent)
         self.dev: dict[str, float] = {}  # function -> deviation factor, only where != 1
         self.blocked: set[str] = set()  # functions that failed here with a missing module / OOM
-        self.avail = None  # the endpoint's Availability (set by the fleet)
-        self.tp = None  # the endpoint's measured Throughput (set by the fleet)
+        self.avail: Availability | BehindGateway | None = None  # the endpoint's Availability (set by the fleet)
+        self.tp: Throughput | None = None  # the endpoint's measured Throughput (set by the fleet)
         self.cold_est: dict[str, float] = {}  # function -> this endpoint's own cold-start estimate
         self.fn_out: dict[str, int] = {}  # function -> its tasks in the ledger here (they make it warm)
         self.bias = 0.0  # calibration: seconds added to transfer + queue (Scheduler, bounded)
@@ -130,8 +132,8 @@ class GroupFn:
         self.dev_min = 1.0
         self.cold_min = INF
         self.sv = -1
-        self.stats = None
-        self.cold = None
+        self.stats: RuntimeStats | None = None
+        self.cold: DecayedMean | None = None
         self.cold_const = 0.0  # cold-start fallback when the group has no estimate of its own
 
 
@@ -386,6 +388,7 @@ class Fleet:
             return
         g = node.group
         node.hot = new
+        assert g is not None  # every node in self.nodes is indexed
         for f in old - new:
             gf = g.fn[f]
             gf.count -= 1
@@ -407,6 +410,7 @@ class Fleet:
         old_bw = node.bw
         self._read_link(node)
         g = node.group
+        assert g is not None  # every node in self.nodes is indexed
         if node.bw > g.bw_max:
             g.bw_max = node.bw
         elif old_bw >= g.bw_max and node.bw < old_bw:
@@ -427,6 +431,7 @@ class Fleet:
             self._eligible_cache.clear()
             return
         g = node.group
+        assert g is not None  # every node in self.nodes is indexed
         m = 1.0
         for n in g.nodes.values():
             v = n.dev.get(function_id, 1.0)
@@ -439,6 +444,7 @@ class Fleet:
         c = self.profiles.cold_pair.get((function_id, endpoint_id))
         if c is not None:
             node.cold_est[function_id] = c.mean
+            assert node.group is not None  # every node in self.nodes is indexed
             gf = node.group.fn_of(function_id)
             if c.mean < gf.cold_min:
                 gf.cold_min = c.mean
@@ -468,6 +474,7 @@ class Fleet:
             node.extra -= 1
         if function_id not in node.hot:
             node.hot.add(function_id)
+            assert node.group is not None  # a node placed on is indexed
             self._warm_add(node.group, function_id, node)
         if node.n_out + node.extra >= node.ep.workers:  # below capacity the key stays the same
             self._rekey(node)

@@ -269,7 +269,8 @@ class FastestEndpointPolicy(_Exploring):
         p = self.profiles
         f = task.function_id
         ids = task.endpoints
-        best, best_r = None, INF
+        best: Node | None = None
+        best_r = INF
         for g in groups:
             r, _ = p.group_runtime(f, g.hardware, task.payload_bytes, g.speed)  # type: ignore[union-attr]
             gf = g.fn.get(f)

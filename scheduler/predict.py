@@ -109,6 +109,7 @@ class Predictor:
             b = b + mv
         outage = 0.0
         if outage_aware:
+            assert node.avail is not None  # set by the fleet when it adds the endpoint
             outage = node.avail.expected_delay(now, now + node.wait + node.one_way + b / bw, cold + run)
             total += outage
         if source == "group" and node.dev and task.function_id in node.dev:

@@ -30,7 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 __all__ = ["LocalStore", "local_store", "endpoint_id", "LocalFull", "ensure_stager", "STAGE_LIST"]
 

@@ -144,7 +144,7 @@ class AccessStore:
             sites: dict[str, list[str]] = {}  # a gateway's login also relays its devices' topics
             for dev, gw in db.execute("SELECT id, gateway_id FROM endpoints WHERE gateway_id IS NOT NULL AND revoked IS NULL ORDER BY created"):
                 sites.setdefault(gw, []).append(dev)
-            return [BrokerAccount(*r, relays=tuple(sites.get(r[2], ()))) for r in rows]
+            return [BrokerAccount(user, pw_hash, ep, relays=tuple(sites.get(ep, ()))) for user, pw_hash, ep in rows]
 
         return await self.store.read(q)
 

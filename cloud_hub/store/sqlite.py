@@ -300,6 +300,7 @@ class SqliteStore:
             if exact is not None:
                 rows = db.execute("SELECT hash, name, revoked FROM api_tokens WHERE hash=?", (exact,)).fetchall()
             else:
+                assert prefix is not None  # exact is None only for an id
                 rows = db.execute("SELECT hash, name, revoked FROM api_tokens WHERE hash LIKE ?", (prefix + "%",)).fetchall()
             if not rows:
                 raise StoreError(f"no API token {which!r} (see `mesh-hub token ls`)")
@@ -980,7 +981,8 @@ class SqliteStore:
 
     async def task_counts(self, user_id: str | None = None) -> dict[str, int]:
         def q() -> dict[str, int]:
-            sql, args = "SELECT state, COUNT(*) FROM tasks", ()
+            sql = "SELECT state, COUNT(*) FROM tasks"
+            args: tuple[str, ...] = ()
             if user_id:
                 sql, args = sql + " WHERE user_id=?", (user_id,)
             return dict(self._conn().execute(sql + " GROUP BY state", args).fetchall())

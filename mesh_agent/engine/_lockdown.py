@@ -1,6 +1,7 @@
 """The first program inside a sandbox: give up every privilege, then exec the worker.
 
-Run by bubblewrap as ``python -S -I _lockdown.py '<json>' <worker argv...>``: ``-S -I`` so that no
+Run by bubblewrap as ``python -S -I _lockdown.py <worker argv...>`` with its settings as JSON in
+``MESH_LOCKDOWN``: ``-S -I`` so that no
 ``site`` hook, ``.pth`` file or environment variable of anyone's runs before the lockdown is in
 place. Stdlib only; it imports the filter module by its file path.
 
@@ -78,7 +79,7 @@ def _limits(opts: dict) -> None:
 
 def main(argv: list[str]) -> None:
     try:
-        opts = json.loads(argv[1])
+        opts = json.loads(os.environ.pop("MESH_LOCKDOWN"))  # not on the command line: ps shows that to everyone
         if os.getuid() == 0 or os.geteuid() == 0:
             _drop_root(int(opts.get("uid", 65534)), int(opts.get("gid", 65534)))
         _limits(opts)
@@ -86,7 +87,7 @@ def main(argv: list[str]) -> None:
         seccomp.install(seccomp.program(network=bool(opts.get("network"))))
         env = dict(os.environ)
         env.update({str(k): str(v) for k, v in (opts.get("env") or {}).items()})
-        os.execve(argv[2], argv[2:], env)
+        os.execve(argv[1], argv[1:], env)
     except BaseException as exc:  # noqa: BLE001 - never run unconfined
         sys.stderr.write(f"sandbox lockdown failed: {type(exc).__name__}: {exc}\n")
         sys.stderr.flush()

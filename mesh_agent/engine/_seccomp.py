@@ -93,7 +93,7 @@ def program(machine: str | None = None, *, network: bool = False) -> bytes:
         raise OSError(f"no seccomp filter for {machine} (supported: {', '.join(_TABLES)})")
     arch, nr = found
     # Instructions as (code, true-label, false-label, k); labels are resolved to jump offsets below.
-    ins: list[tuple[int, object, object, int]] = [
+    ins: list[tuple[int, int | str, int | str, int]] = [
         (_LD_W_ABS, 0, 0, _OFF_ARCH),
         (_JEQ_K, 0, "kill", arch),
         (_LD_W_ABS, 0, 0, _OFF_NR),
@@ -110,7 +110,7 @@ def program(machine: str | None = None, *, network: bool = False) -> bytes:
     ins.append((_RET_K, 0, 0, _ALLOW))
     labels: dict[str, int] = {}
 
-    def label(name: str, *body: tuple[int, object, object, int]) -> None:
+    def label(name: str, *body: tuple[int, int | str, int | str, int]) -> None:
         labels[name] = len(ins)
         ins.extend(body)
 
@@ -124,7 +124,7 @@ def program(machine: str | None = None, *, network: bool = False) -> bytes:
     for i, (code, jt, jf, k) in enumerate(ins):
         jumps = []
         for target in (jt, jf):
-            off = labels[target] - i - 1 if isinstance(target, str) else int(target)  # type: ignore[arg-type]
+            off = labels[target] - i - 1 if isinstance(target, str) else int(target)
             if not 0 <= off <= 255:
                 raise AssertionError("seccomp jump out of range")
             jumps.append(off)

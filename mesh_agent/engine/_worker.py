@@ -71,8 +71,9 @@ def make_error(exc: BaseException, exc_type: str | None = None) -> dict[str, Any
     except Exception:
         message = f"<unprintable {type(exc).__name__}>"
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    blob: bytes | None
     try:
-        blob: bytes | None = pickle.dumps(exc, protocol=5)
+        blob = pickle.dumps(exc, protocol=5)
         pickle.loads(blob)
     except Exception:
         blob = None

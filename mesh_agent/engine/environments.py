@@ -45,7 +45,7 @@ from typing import Any, Iterable, Mapping, Sequence
 # hashlib, shutil, sysconfig and mesh_agent.environment are imported where used: the agent loads
 # this module at start, and those cost it about 1.3 MB of RSS on an endpoint that never builds one.
 
-__all__ = ["EnvError", "WorkerKind", "DEFAULT_KIND", "Environments", "bwrap_argv", "lockdown_argv", "system_binds", "code_binds",
+__all__ = ["EnvError", "WorkerKind", "DEFAULT_KIND", "Environments", "bwrap_argv", "lockdown_argv", "lockdown_env", "system_binds", "code_binds",
            "container_argv", "container_refusal", "image_form", "channel_prefix", "abi_tag"]
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,11 @@ def bwrap_argv(binds: Iterable[tuple[str, str, str]], hidden: Iterable[Path] = (
         argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
     else:
         argv += ["--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
-    argv += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+    # --as-pid-1: no bubblewrap init inside. That init is unfiltered and, under an unprivileged agent,
+    # of the task's own uid: a task wrote code into it through /proc/1/mem and made its system calls
+    # around the filter (issue 25). The lockdown, then the worker, is PID 1; it reaps no orphans.
+    argv += ["--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent",
+             "--new-session"]
     if not network:
         argv.append("--unshare-net")
     # /tmp first: the agent's own code may live under /tmp (a checkout in a temp dir) and is bound on top.
@@ -218,14 +222,24 @@ def bwrap_argv(binds: Iterable[tuple[str, str, str]], hidden: Iterable[Path] = (
     return argv
 
 
-def lockdown_argv(python: str, *, network: bool, uid: int = SANDBOX_UID, nproc: int = SANDBOX_NPROC,
-                  env: Iterable[tuple[str, str]] = ()) -> list[str]:
+def lockdown_argv(python: str) -> list[str]:
     """What bubblewrap runs first (pure): ``_lockdown.py`` under ``python -S -I``, which drops every
-    privilege, installs the seccomp filter and then execs the argv that follows with ``env`` (the
-    spec's variables) added. The spec's variables never reach bubblewrap or the lockdown itself: a
-    loader variable (LD_AUDIT) there would load the tenant's library before the sandbox exists."""
+    privilege, installs the seccomp filter and then execs the argv that follows. Its settings come in
+    the variable :func:`lockdown_env` names, not on the command line, which any local user can read."""
+    return [python, "-S", "-I", str(Path(__file__).with_name("_lockdown.py"))]
+
+
+LOCKDOWN_VAR = "MESH_LOCKDOWN"
+
+
+def lockdown_env(*, network: bool, uid: int = SANDBOX_UID, nproc: int = SANDBOX_NPROC,
+                 env: Iterable[tuple[str, str]] = ()) -> tuple[str, str]:
+    """The lockdown's settings as one variable of bubblewrap's environment (pure). ``env``, the
+    spec's variables, are data inside it: the lockdown adds them to the worker's environment only
+    as it execs the worker, so they never reach bubblewrap or the lockdown itself (a loader variable
+    such as LD_AUDIT there would load a tenant's library before the sandbox exists)."""
     opts = {"network": network, "uid": uid, "gid": uid, "nproc": nproc, "nofile": 1024, "env": dict(env)}
-    return [python, "-S", "-I", str(Path(__file__).with_name("_lockdown.py")), json.dumps(opts, separators=(",", ":"))]
+    return LOCKDOWN_VAR, json.dumps(opts, separators=(",", ":"))
 
 
 #: Schemes of registry references the runtime pulls (anything else names a file or directory staged here).
@@ -565,12 +579,13 @@ class Environments:
                 path = (str(self._site_packages(Path(SANDBOX_VENV))),)
             uid = tenant_uid(str(tenant) if tenant else None, self.sandbox_uid)
             wrap = (*bwrap_argv(binds, self.hidden, network, bwrap, privileged=os.geteuid() == 0, tmp_mb=self.sandbox_tmp_mb),
-                    *lockdown_argv(sys.executable, network=network, uid=uid, nproc=self.sandbox_nproc, env=env))
-            env = ()  # given to the worker by the lockdown, after it: never to bubblewrap
+                    *lockdown_argv(sys.executable))
+            # The spec's variables go to the worker through the lockdown, after it: never to bubblewrap.
+            env = (lockdown_env(network=network, uid=uid, nproc=self.sandbox_nproc, env=env),)
             # Start the sandbox once, lockdown and filter included: a kernel that refuses namespaces or
             # seccomp, or a unit that forbids them, fails the spec here in bubblewrap's own words, not in
             # a respawn loop, and the task never runs unsandboxed.
-            await self._probe([*wrap, python, "-c", "print('ok')"], "sandbox (bubblewrap)", env=sandbox_environ(os.environ))
+            await self._probe([*wrap, python, "-c", "print('ok')"], "sandbox (bubblewrap)", env=sandbox_environ(os.environ, env))
             return WorkerKind(sid, python, path, env, wrap, "/tmp", venv_key, clean_env=True)
         return WorkerKind(sid, python, path, env, (), None, venv_key)
 
@@ -763,8 +778,8 @@ class Environments:
             for r, k in list(self._requests.items()):
                 if k == v.key:
                     del self._requests[r]
-            for sid, k in list(self.specs.items()):
-                if k == v.key:
+            for sid, vk in list(self.specs.items()):
+                if vk == v.key:
                     del self.specs[sid]
             total -= v.bytes
             evicted += 1

@@ -207,6 +207,7 @@ class _Worker:
     alive: bool = True
     inflight: deque[EngineTask] = field(default_factory=deque)  # dispatched, in run order
     head_started: float = 0.0  # time.monotonic() by which inflight[0] had started, at the latest
+    spawned_at: float = field(default_factory=time.time)  # wall clock when the agent started it
     cached: set[str] = field(default_factory=set)  # function ids whose body this worker got
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
@@ -956,8 +957,14 @@ class LocalEngine:
             if not w.inflight or w.inflight[0].task_id != task_id:
                 self._protocol_violation(w, f"result for task {task_id[:80]!r}, which is not the one it runs", results)
                 return
-            task = w.inflight.popleft()
+            w.inflight.popleft()
             self._cancelling.discard(task_id)  # it finished before its turn to be ended came
+            # The worker's stamps are its word, and a function may write its own frame: keep them
+            # within the worker's life as the agent saw it, so no forged span reaches the hub's
+            # scheduler (issue 25).
+            now = time.time()
+            started = min(max(started, w.spawned_at), now)
+            finished = min(max(finished, started), now)
             results.append(EngineResult(task_id, ok, data, started, finished, w.pid))
         elif kind == "ready":
             w.is_ready = True

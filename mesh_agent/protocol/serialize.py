@@ -199,6 +199,7 @@ class _SafeData(pickle._Unpickler):  # type: ignore[name-defined,misc]
     structured dtypes, subclasses and everything else are refused naming what they hold."""
 
     dispatch: ClassVar[dict[int, Callable[..., Any]]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    stack: list[Any]  # pickle._Unpickler's, set by load()
 
     def __init__(self, file: Any) -> None:
         super().__init__(file)
@@ -255,7 +256,8 @@ class _SafeData(pickle._Unpickler):  # type: ignore[name-defined,misc]
         np = _numpy()
         if not isinstance(dt, np.dtype) or self._made.get(id(dt)) is not dt:
             raise SerializationError("it holds a numpy array whose dtype is not a numpy dtype")
-        if dt.hasobject or dt.kind not in _NUMPY_KINDS or dt.fields is not None or dt.subdtype is not None:
+        # (mypy narrows dt to Any | None from the identity test above; it is a dtype here)
+        if dt.hasobject or dt.kind not in _NUMPY_KINDS or dt.fields is not None or dt.subdtype is not None:  # type: ignore[union-attr]
             raise SerializationError(f"it holds a numpy array of dtype {dt!r}, which only a trusted sender may send "
                                      "(only arrays of numbers, booleans, strings and dates are data)")
         self._pending.pop(id(dt), None)  # used: a later BUILD may no longer change it

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, cast
 
 import zmq
 import zmq.asyncio
@@ -170,7 +170,7 @@ class ZmqHubLink:
                     sock.close(linger=0)
                     raise
                 await asyncio.sleep(0.1)
-        self.bind = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.bind = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
         self._tasks.append(asyncio.create_task(self._run(on_frame), name="zmq-hub-link"))
 
@@ -186,7 +186,7 @@ class ZmqHubLink:
             if len(parts) != 2:
                 continue
             try:
-                endpoint = parts[1].get("User-Id")  # set by our ZAP handler from the CURVE key
+                endpoint = cast(str, parts[1].get("User-Id"))  # set by our ZAP handler from the CURVE key
             except zmq.ZMQError:
                 continue
             if not endpoint:

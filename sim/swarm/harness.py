@@ -252,7 +252,7 @@ def run_swarm(cfg: SwarmConfig, workdir: Path, echo: Callable[[str], None] = lam
         assert mesh._hub_proc is not None
         hub, broker = _Proc(mesh._hub_proc.pid), _Proc(mesh.broker.proc.pid)  # type: ignore[union-attr]
         time.sleep(2.0)
-        base_rss, base_cpu = hub.rss(), hub.cpu()
+        base_rss = hub.rss()
         report["hub_baseline"] = {"rss_mb": round(base_rss / 2**20, 1)}
         report["broker_baseline"] = {"rss_mb": round(broker.rss() / 2**20, 2)}
 

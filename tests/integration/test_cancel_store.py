@@ -17,14 +17,14 @@ from tests.pg import pg_url  # noqa: F401  (fixture)
 pytestmark = pytest.mark.integration
 
 
-async def _setup(store: SqliteStore) -> tuple[str, str]:
+async def _setup(store: SqliteStore) -> tuple[str, str]:  # noqa: F811  (shadows the imported fixture)
     uid = await store.create_user("alice")
     ep = await _endpoint(store, uid)
     await store.put_function(uid, FID, b"source\nf\ndef f(): pass\n", "f")
     return uid, ep
 
 
-async def test_cancel_by_id_writes_one_result_and_a_cancel_only_for_sent_tasks(store: SqliteStore) -> None:
+async def test_cancel_by_id_writes_one_result_and_a_cancel_only_for_sent_tasks(store: SqliteStore) -> None:  # noqa: F811  (shadows the imported fixture)
     uid, ep = await _setup(store)
     await store.insert_tasks(_tasks(uid, ep, 3))
     sent, _ = await store.lease(ep, 2, 30.0, 1 << 20)  # t00000, t00001 on their way to the agent
@@ -45,7 +45,7 @@ async def test_cancel_by_id_writes_one_result_and_a_cancel_only_for_sent_tasks(s
     assert await store.pending_cancels(ep) == [] and await store.cancel_endpoints() == set()
 
 
-async def test_cancel_is_all_or_nothing_and_only_for_the_submitter(store: SqliteStore) -> None:
+async def test_cancel_is_all_or_nothing_and_only_for_the_submitter(store: SqliteStore) -> None:  # noqa: F811  (shadows the imported fixture)
     uid, ep = await _setup(store)
     other = await store.create_user("mallory")
     await store.insert_tasks(_tasks(uid, ep, 2))
@@ -58,7 +58,7 @@ async def test_cancel_is_all_or_nothing_and_only_for_the_submitter(store: Sqlite
     assert done["cancelled"] == ["t00000"]
 
 
-async def test_an_expired_group_lease_cancels_the_group_and_nothing_else(store: SqliteStore) -> None:
+async def test_an_expired_group_lease_cancels_the_group_and_nothing_else(store: SqliteStore) -> None:  # noqa: F811  (shadows the imported fixture)
     uid, ep = await _setup(store)
     mine = [{**t, "task_group_id": "driver-1"} for t in _tasks(uid, ep, 2)]
     others = [{**t, "task_group_id": "driver-2"} for t in _tasks(uid, ep, 2, start=10)]

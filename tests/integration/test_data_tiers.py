@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -306,7 +305,7 @@ def test_hub_restart_loses_the_hub_store_and_says_so_local_refs_survive(mesh: Lo
     mesh.stop_hub()
     mesh.start_hub()
     mesh.wait_online(timeout=90)
-    with pytest.raises(refs.RefError, match=f"put by program .* was deleted or lost"):
+    with pytest.raises(refs.RefError, match="put by program .* was deleted or lost"):
         refs.get(shared)
     assert _run(mesh, a.endpoint_id, where, local) == (BIG, 9, a.endpoint_id)
     assert _run(mesh, b.endpoint_id, where, local) == (BIG, 9, b.endpoint_id)

@@ -8,7 +8,6 @@ run in file order and leave every agent running.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, Dict, Iterator, List
 
 import numpy as np

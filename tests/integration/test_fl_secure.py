@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
 
 from cloud_hub.client import HubError

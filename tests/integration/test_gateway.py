@@ -149,7 +149,6 @@ def test_work_continues_through_uplink_outage_and_kills(mesh: LocalMesh, tmp_pat
         dev.kill()
         dev2.kill()
         ids = [c.submit(d.endpoint_id, fid, str(out), f"{d.cfg.name}-{i}") for d in (dev, dev2) for i in range(6)]
-        disp = mesh.hub.hub.dispatcher  # type: ignore[union-attr]
         wait_for(lambda: held_at_site(mesh) >= len(ids), 30, "the gateway confirmed it holds the site's work", [gw])
         # The uplink goes down; then the gateway loses power, comes back, still without an uplink.
         proxy.cut()

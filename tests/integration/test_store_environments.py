@@ -14,7 +14,7 @@ from tests.pg import pg_url  # noqa: F401  (fixture)
 pytestmark = pytest.mark.integration
 
 
-async def test_env_is_stored_with_the_task_and_leased_with_it(store: SqliteStore) -> None:
+async def test_env_is_stored_with_the_task_and_leased_with_it(store: SqliteStore) -> None:  # noqa: F811  (shadows the imported fixture)
     uid = await store.create_user("alice")
     other = await store.create_user("bob")
     ep = await _endpoint(store, uid)

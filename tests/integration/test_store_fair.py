@@ -29,7 +29,7 @@ def _named(rows: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]]:
     return rows
 
 
-async def _two_users(store: SqliteStore) -> tuple[str, str, str]:
+async def _two_users(store: SqliteStore) -> tuple[str, str, str]:  # noqa: F811  (shadows the imported fixture)
     a, b = await store.create_user("alice"), await store.create_user("bob")
     await store.put_function(a, FID, b"body", "fn")
     await store.put_function(b, FID, b"body", "fn")
@@ -39,7 +39,7 @@ async def _two_users(store: SqliteStore) -> tuple[str, str, str]:
     return a, b, ep
 
 
-async def test_a_fair_lease_takes_turns_between_users(store: SqliteStore) -> None:
+async def test_a_fair_lease_takes_turns_between_users(store: SqliteStore) -> None:  # noqa: F811  (shadows the imported fixture)
     a, b, ep = await _two_users(store)
     first, _ = await store.lease(ep, 10, 30.0, 1 << 20, policy=parse_policy())
     ids = [t["id"] for t in first]
@@ -54,7 +54,7 @@ async def test_a_fair_lease_takes_turns_between_users(store: SqliteStore) -> Non
     assert [t["id"] for t in fifo] == sorted(t["id"] for t in fifo)
 
 
-async def test_shares_and_concurrency_limits_shape_a_lease(store: SqliteStore) -> None:
+async def test_shares_and_concurrency_limits_shape_a_lease(store: SqliteStore) -> None:  # noqa: F811  (shadows the imported fixture)
     a, b, ep = await _two_users(store)
     got, _ = await store.lease(ep, 20, 30.0, 1 << 20, policy=parse_policy(shares={"alice": 3}))
     assert sum(t["id"].startswith("a") for t in got) == 15
@@ -65,7 +65,7 @@ async def test_shares_and_concurrency_limits_shape_a_lease(store: SqliteStore) -
     assert none == [], "the function already runs more than 10: nothing more goes out"
 
 
-async def test_memo_rows_remember_answer_evict_and_expire(store: SqliteStore) -> None:
+async def test_memo_rows_remember_answer_evict_and_expire(store: SqliteStore) -> None:  # noqa: F811  (shadows the imported fixture)
     a = await store.create_user("alice")
     await store.put_function(a, FID, b"body", "fn")
     ep = await _endpoint(store, a)
@@ -100,7 +100,7 @@ async def test_memo_rows_remember_answer_evict_and_expire(store: SqliteStore) ->
     assert await store.tx(lambda db: memo_rows.prune(db, time.time() + 61)) == 2
 
 
-async def test_a_user_with_many_functions_does_not_hide_the_next_user(store: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_user_with_many_functions_does_not_hide_the_next_user(store: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811  (shadows the imported fixture)
     from cloud_hub.store import fair
 
     # Small caps, so that a handful of functions shows it: without the per-user cap, the first
@@ -124,7 +124,7 @@ async def test_a_user_with_many_functions_does_not_hide_the_next_user(store: Sql
     assert sum(t["id"].startswith("b") for t in got) == 3
 
 
-async def test_a_pending_cached_task_is_found_until_it_is_done(store: SqliteStore) -> None:
+async def test_a_pending_cached_task_is_found_until_it_is_done(store: SqliteStore) -> None:  # noqa: F811  (shadows the imported fixture)
     a = await store.create_user("alice")
     bob = await store.create_user("bob")
     await store.put_function(a, FID, b"body", "fn")

@@ -255,11 +255,12 @@ def test_loader_and_mesh_variables_are_refused(name: str) -> None:
 def test_the_specs_variables_reach_the_worker_only_after_the_lockdown() -> None:
     import json
 
-    from mesh_agent.engine.environments import lockdown_argv
+    from mesh_agent.engine.environments import lockdown_argv, lockdown_env
 
-    argv = lockdown_argv("/usr/bin/python3", network=False, env=[("OMP_NUM_THREADS", "1")])
-    assert argv[1:3] == ["-S", "-I"] and argv[3].endswith("_lockdown.py")
-    assert json.loads(argv[4])["env"] == {"OMP_NUM_THREADS": "1"}
+    argv = lockdown_argv("/usr/bin/python3")
+    assert argv[1:3] == ["-S", "-I"] and argv[3].endswith("_lockdown.py") and len(argv) == 4  # nothing for ps to show
+    name, value = lockdown_env(network=False, env=[("OMP_NUM_THREADS", "1")])
+    assert name == "MESH_LOCKDOWN" and json.loads(value)["env"] == {"OMP_NUM_THREADS": "1"}
 
 
 def test_each_tenant_has_a_host_uid_of_its_own() -> None:

@@ -6,7 +6,6 @@ test that takes ``rs`` runs twice: against redis-server and against the hub's em
 from __future__ import annotations
 
 import gc
-import os
 import queue
 import shutil
 import subprocess

@@ -19,8 +19,6 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from mesh_agent.protocol import (
     DOWN_KINDS,

@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 import uuid
-from concurrent.futures import FIRST_EXCEPTION, Future, as_completed, wait
+from concurrent.futures import Future, as_completed, wait
 from multiprocessing import TimeoutError
 from typing import Any, Callable, Iterable, Iterator
 
