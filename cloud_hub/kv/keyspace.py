@@ -232,19 +232,29 @@ class Keyspace:
         return sum(1 for k in a if self._get(user, k) is not None)
 
     def c_expire(self, user: str, a: list[bytes]) -> int:
-        return self._expire(user, a[0], _int(a[1]) * 1000)
+        return self._expire(user, a[0], _int(a[1]) * 1000, a[2:])
 
     def c_pexpire(self, user: str, a: list[bytes]) -> int:
-        return self._expire(user, a[0], _int(a[1]))
+        return self._expire(user, a[0], _int(a[1]), a[2:])
 
-    def _expire(self, user: str, key: bytes, ms: int) -> int:
+    def _expire(self, user: str, key: bytes, ms: int, opts: list[bytes] = ()) -> int:  # type: ignore[assignment]
+        """Redis 7's EXPIRE, with its NX / XX / GT / LT options (a key without expiry counts as an
+        infinite one for GT and LT, as in Redis)."""
         e = self._get(user, key)
         if e is None:
+            return 0
+        flags = {bytes(o).upper() for o in opts}
+        if not flags <= {b"NX", b"XX", b"GT", b"LT"}:
+            raise KVError("ERR Unsupported option " + b" ".join(sorted(flags)).decode(errors="replace"))
+        new = self.clock() + ms / 1000
+        cur = e.expires
+        if (b"NX" in flags and cur is not None) or (b"XX" in flags and cur is None) \
+                or (b"GT" in flags and (cur is None or new <= cur)) or (b"LT" in flags and cur is not None and new >= cur):
             return 0
         if ms <= 0:
             self._drop(self._space(user), key)
         else:
-            e.expires = self.clock() + ms / 1000
+            e.expires = new
         return 1
 
     def c_ttl(self, user: str, a: list[bytes]) -> int:

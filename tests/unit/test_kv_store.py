@@ -34,6 +34,24 @@ def test_keyspace_expiry_is_exact_with_the_clock() -> None:
     assert ks.used == 0 and ks.dbsize("u") == 0
 
 
+def test_expire_takes_redis_7s_options() -> None:
+    """LT only shortens (a task's copy of a program's object never keeps it alive), GT only
+    lengthens, NX only where there is no expiry, XX only where there is; a key without one counts
+    as an infinite expiry."""
+    c = Clock()
+    ks = Keyspace(clock=c)
+    ks.execute("u", [b"SET", b"k", b"v"])
+    assert ks.execute("u", [b"EXPIRE", b"k", b"10", b"LT"]) == 1  # none yet: infinite, so 10 s is less
+    assert ks.execute("u", [b"EXPIRE", b"k", b"20", b"LT"]) == 0 and ks.execute("u", [b"TTL", b"k"]) == 10
+    assert ks.execute("u", [b"EXPIRE", b"k", b"5", b"lt"]) == 1 and ks.execute("u", [b"TTL", b"k"]) == 5
+    assert ks.execute("u", [b"EXPIRE", b"k", b"3", b"GT"]) == 0 and ks.execute("u", [b"EXPIRE", b"k", b"30", b"GT"]) == 1
+    assert ks.execute("u", [b"EXPIRE", b"k", b"9", b"NX"]) == 0 and ks.execute("u", [b"EXPIRE", b"k", b"9", b"XX"]) == 1
+    assert ks.execute("u", [b"TTL", b"k"]) == 9
+    with pytest.raises(KVError):
+        ks.execute("u", [b"EXPIRE", b"k", b"9", b"SOON"])
+    assert ks.execute("u", [b"TTL", b"k"]) == 9  # a bad option changes nothing
+
+
 def test_keyspace_users_are_separate_and_types_are_checked() -> None:
     ks = Keyspace(clock=Clock())
     ks.execute("alice", [b"RPUSH", b"q", b"1", b"2"])

@@ -120,7 +120,8 @@ class Resource:
     #: are the resource's too (made as it is used; each carries its own expiry)
     _members: tuple[str, str] | None = None
 
-    def __init__(self, *, _prefix: str | None = None, _url: str | None = None, _ttl: float | None = None) -> None:
+    def __init__(self, *, _prefix: str | None = None, _url: str | None = None, _ttl: float | None = None,
+                 _leased: bool = False) -> None:
         from cloud_hub.client.multiprocessing._state import redis_url, settings
 
         from cloud_hub.client.multiprocessing._state import in_task, lease
@@ -133,11 +134,14 @@ class Resource:
         held = lease() if _prefix is None and not in_task() else None
         if held is not None:
             self._ttl = int(min(self._ttl, held.lease_s))
+        #: kept alive by the program's lease: a copy in a task never pushes its expiry out (only the
+        #: program's renewals do), so its keys go within lease_s of the program's last renewal
+        self._leased = held is not None or _leased
         self._prefix = _prefix or f"mesh:mp:{uuid.uuid4().hex}"
         self._r = connection(self._url)
         pipe = self._r.pipeline()
         pipe.incr(self._prefix + ":ref")
-        pipe.expire(self._prefix + ":ref", self._ttl)
+        pipe.expire(self._prefix + ":ref", self._ttl, **({"lt": True} if self._leased and in_task() else {}))
         self.call(pipe.execute)
         self._finalizer = weakref.finalize(self, _release, self._url, self._prefix, tuple(self._keys()), self._members)
         if held is not None:
@@ -153,10 +157,15 @@ class Resource:
         return retrying(self._url, fn)
 
     def touch(self, pipe: Any) -> Any:
-        """Add expiry refreshes for every key to ``pipe`` (sent with the write, one round trip)."""
-        pipe.expire(self._prefix + ":ref", self._ttl)
+        """Add expiry refreshes for every key to ``pipe`` (sent with the write, one round trip). A
+        leased object's copy in a task only ever shortens an expiry (``EXPIRE ... LT``): a task
+        that keeps writing after its program died must not keep the program's state alive."""
+        from cloud_hub.client.multiprocessing._state import in_task
+
+        lt = {"lt": True} if self._leased and in_task() else {}
+        pipe.expire(self._prefix + ":ref", self._ttl, **lt)
         for k in self._keys():
-            pipe.expire(k, self._ttl)
+            pipe.expire(k, self._ttl, **lt)
         return pipe
 
     def _state(self) -> dict[str, Any]:
@@ -166,14 +175,14 @@ class Resource:
         pass
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (type(self), self._prefix, self._url, self._ttl, self._state()))
+        return (_rebuild, (type(self), self._prefix, self._url, self._ttl, self._state(), self._leased))
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._prefix} at {self._url}>"
 
 
-def _rebuild(cls: type, prefix: str, url: str, ttl: float, state: dict[str, Any]) -> Any:
+def _rebuild(cls: type, prefix: str, url: str, ttl: float, state: dict[str, Any], leased: bool = False) -> Any:
     obj = cls.__new__(cls)
-    Resource.__init__(obj, _prefix=prefix, _url=url, _ttl=ttl)
+    Resource.__init__(obj, _prefix=prefix, _url=url, _ttl=ttl, _leased=leased)
     obj._restore(state)
     return obj

@@ -254,6 +254,13 @@ class Array(_Synchronized):
     def get_obj(self) -> "Array":
         return self
 
+    def __bytes__(self) -> bytes:
+        """``bytes()`` as the standard library gives it: a ``RawArray`` is a ctypes array, so its
+        buffer; a synchronized one is a sequence, so its items (each an int), as ``bytes(list)``."""
+        if self._lock is None:
+            return bytes(self._all())
+        return bytes(list(self))
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {_typename(self._layout[0])!r}[{self._len}] {self._prefix} at {self._url}>"
 
