@@ -321,7 +321,7 @@ class SharedEndpoint:
 
     def host_secrets(self) -> dict[str, Path]:
         assert self.agent is not None and self.mesh is not None
-        return {
+        paths = {
             "hub_db": self.hub_db,
             "agent_config": self.agent.config_path,
             "agent_credentials": Path(self.agent.cfg.credentials_file),
@@ -344,6 +344,11 @@ class SharedEndpoint:
             "mnt": Path("/mnt"),
             "media": Path("/media"),
         }
+        # A directory on the way to the agent's own code (a checkout under /var/tmp or /home, say) is
+        # recreated in the sandbox as the path to that code and nothing else (docs/environments.md):
+        # it is not a host directory in sight.
+        ancestors = {str(p) for p in [*REPO.parents, *VENV.resolve().parents]}
+        return {k: v for k, v in paths.items() if not (str(v) in ancestors and v.is_dir())}
 
     def credentials(self) -> dict[str, Any]:
         assert self.agent is not None

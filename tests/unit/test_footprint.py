@@ -88,11 +88,18 @@ def test_workers_are_not_multiprocessing_children() -> None:
     async def main() -> None:
         import psutil
 
+        before = {c.pid for c in psutil.Process().children(recursive=True)}  # other tests' meshes (session fixtures)
         eng = LocalEngine(lambda r: None, workers=1)
         await eng.start()
         try:
-            kids = psutil.Process().children(recursive=True)
-            cmds = [" ".join(k.cmdline()) for k in kids]
+            cmds = []
+            for k in psutil.Process().children(recursive=True):
+                if k.pid in before:
+                    continue
+                try:
+                    cmds.append(" ".join(k.cmdline()))
+                except psutil.Error:  # gone, or a zombie, meanwhile
+                    continue
             assert not any("resource_tracker" in c for c in cmds), cmds
             assert any("mesh_agent.engine._worker" in c for c in cmds), cmds
         finally:
