@@ -4,7 +4,6 @@ credentials. Today the SDK and the hub refuse LD_* (the pytest module also tries
 
     .venv/bin/python tests/outsider_issue25/repro_f1_ld_audit.py root|nobody
 """
-import os
 import sys
 import tempfile
 from pathlib import Path

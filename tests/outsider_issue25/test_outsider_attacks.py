@@ -23,7 +23,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ import pytest
 from cloud_hub.client._results import decode_row
 from tests.outsider_issue25 import attacks, payloads
 from tests.outsider_issue25.harness import (
-    NOBODY, REPO, RUN, SharedEndpoint, runner_variant, build_sdist_with_backend, build_wheel, compile_audit_lib, nobody_processes, wait_for,
+    REPO, RUN, SharedEndpoint, runner_variant, build_sdist_with_backend, build_wheel, compile_audit_lib, nobody_processes, wait_for,
 )
 
 pytestmark = [pytest.mark.timeout(300)]
