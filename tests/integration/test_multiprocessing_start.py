@@ -147,3 +147,52 @@ def test_start_raises_when_the_endpoint_has_no_slot_and_its_cap_is_reached(mesh:
     second.join(300)
     assert second.exitcode == 0
     ex.shutdown()
+
+
+def meet_in_pool(barrier: Any, i: int) -> tuple[int, str]:
+    """A Pool task that waits for its siblings: passes only when all parties run at once."""
+    barrier.wait(300)
+    return i, os.environ["MESH_ENDPOINT_ID"]
+
+
+def test_pool_tasks_meeting_at_a_barrier_start_now_while_other_work_runs(mesh: tuple[LocalMesh, RedisServer], mp: Any) -> None:
+    """A Pool(4) pinned to the agent whose 2 workers run another program's tasks, with 3 more
+    queued behind them: its 4 tasks meet at a Barrier(4). Each is sent with ``start: "now"``, so
+    all 4 run at once (on extra workers) and the map returns in order; then a map of 12 items
+    through the same Pool (never more than 4 on the mesh) and the other program's work finish."""
+    import redis as redis_lib
+
+    m, redis = mesh
+    busy = _agent(m, "busy")
+    ex, other, gate = _fill(m, redis, busy, running=2, queued=3)
+    try:
+        mp.config(endpoint=busy.endpoint_id)
+        barrier = mp.Barrier(4)
+        with mp.Pool(4) as pool:
+            got = pool.starmap(meet_in_pool, [(barrier, i) for i in range(4)], chunksize=1)
+            assert [i for i, _ in got] == [0, 1, 2, 3]
+            assert {e for _, e in got} == {busy.endpoint_id}
+            assert pool.map(abs, range(-6, 6)) == [abs(i) for i in range(-6, 6)]
+    finally:
+        redis_lib.Redis.from_url(redis.url).rpush(gate, *[b"1"] * len(other))
+    assert all(isinstance(f.result(300), int) for f in other)
+    ex.shutdown()
+
+
+def test_pool_larger_than_the_cap_waits_for_room_and_finishes(mesh: tuple[LocalMesh, RedisServer], mp: Any) -> None:
+    """The ``capped`` agent (1 worker, at most 1 extra) with its worker busy: a Pool(4) of 6
+    tasks is refused beyond what the agent can start now; refused tasks wait in the program (the
+    window shrinks to what runs) instead of failing, and all 6 results come back in order."""
+    import redis as redis_lib
+
+    m, redis = mesh
+    capped = _agent(m, "capped")
+    ex, other, gate = _fill(m, redis, capped, running=1, queued=0)
+    try:
+        mp.config(endpoint=capped.endpoint_id)
+        with mp.Pool(4) as pool:
+            assert pool.map(abs, range(-3, 3), chunksize=1) == [3, 2, 1, 0, 1, 2]
+    finally:
+        redis_lib.Redis.from_url(redis.url).rpush(gate, b"1")
+    assert isinstance(other[0].result(300), int)
+    ex.shutdown()

@@ -833,10 +833,12 @@ def test_p2_pool_map_terminated_midway(mesh: Mesh) -> None:
     assert not late_starts, f"chunks started after terminate() returned: {late_starts}"
     assert not any(i in ended for i in running), "a chunk running at terminate() ran to its end"
     rows = mesh.rows(group=gid)
-    assert len(rows) == 10 and all(r["n_results"] == 1 for r in rows)
+    # A Pool(2) keeps at most 2 chunks on the mesh (each started at once); the chunks still
+    # waiting in the program at terminate() never reach the hub.
+    assert len(ended) + len(running) <= len(rows) <= 10 and all(r["n_results"] == 1 for r in rows)
     oks = sorted(json.loads(bytes(r["data"]).split(b"\n", 1)[1])[0] for r in rows if r["ok"] == 1)
     assert oks == sorted(i * i for i in ended), (oks, ended)
-    assert sum(r["is_cancelled"] for r in rows) == 10 - len(ended)
+    assert sum(r["is_cancelled"] for r in rows) == len(rows) - len(ended)
     print(f"terminate() took {term['secs']:.3f} s; {len(ended)} chunks done, {len(running)} killed running, "
           f"{10 - len(ended) - len(running)} never ran; AsyncResult.get after terminate: {get}")
     mesh.idle("gen")
@@ -845,7 +847,7 @@ def test_p2_pool_map_terminated_midway(mesh: Mesh) -> None:
 # =========================================================================== promise 3: lease
 def test_p3_sigkilled_driver_tasks_cancelled_and_state_gone_within_lease_others_go_on(mesh: Mesh) -> None:
     """lease_s=6 (env). Another program's 22 s task runs on 'gen'. The driver holds a Lock, has two
-    Processes in a Barrier(3), one Process blocked on the held Lock, a Pool task queued behind, a
+    Processes in a Barrier(3), one Process blocked on the held Lock, a Pool task (started at once, sleeping), a
     Queue with an item, a Value, an Array and a managed dict. SIGKILL: every task of its group has
     one cancelled result within lease_s, the workers are killed, every Redis key of its objects is
     gone within lease_s, and the other program's task finishes with its result."""
@@ -908,7 +910,8 @@ def test_p3_sigkilled_driver_tasks_cancelled_and_state_gone_within_lease_others_
                                                                 f"{mesh.keys(ready['prefixes'])}")
         rows = mesh.rows(group=ready["group"])
         assert all(r["n_results"] == 1 for r in rows)
-        assert not mesh.marks("k-pool") and not any(mesh.ended(t) for t in ("k-p1", "k-p2", "k-p3"))
+        # the Pool task started at once (start: "now", an extra worker) and was killed, never ended
+        assert not mesh.ended("k-pool") and not any(mesh.ended(t) for t in ("k-p1", "k-p2", "k-p3"))
         assert by.result(40) == "by", "another program's task did not go on"
     mesh.idle("gen")
 

@@ -21,6 +21,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections import deque
 from concurrent.futures import Future, as_completed, wait
 from multiprocessing import TimeoutError
 from typing import Any, Callable, Iterable, Iterator
@@ -235,6 +236,7 @@ class Pool:
         if initializer is not None:
             _picklable((initializer, self._initargs))
         self._id = uuid.uuid4().hex
+        self._window = _Window(self._ex, processes, float(_state.settings()["start_timeout_s"]))
         self._state = RUN
         self._futures: list[Future[Any]] = []
         self._lock = threading.Lock()
@@ -244,7 +246,7 @@ class Pool:
             raise ValueError("Pool not running")
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> "Future[Any]":
-        f = self._ex.submit(fn, *args)
+        f = self._window.submit(fn, args)
         with self._lock:
             self._futures.append(f)
             if len(self._futures) > 4096:
@@ -304,9 +306,7 @@ class Pool:
         """Cancels every unfinished chunk wherever it is (one request): queued ones never run,
         running ones are ended (their workers killed and replaced), as the stdlib kills its pool."""
         self._state = TERMINATE
-        with self._lock:
-            futures = [f for f in self._futures if not f.done()]
-        _cancel_all(futures)
+        _cancel_all(self._window.terminate())
 
     def join(self) -> None:
         if self._state == RUN:
@@ -324,6 +324,124 @@ class Pool:
 
     def __repr__(self) -> str:
         return f"<mesh Pool state={('RUN', 'CLOSE', 'TERMINATE')[self._state]} processes={self._processes}>"
+
+
+class _PoolFuture(Future):  # type: ignore[type-arg]
+    """The program's future of one Pool task; ``task_id`` is its mesh task's once it is sent."""
+
+    _inner: "Future[Any] | None" = None
+
+    @property
+    def task_id(self) -> str | None:
+        return getattr(self._inner, "task_id", None)
+
+
+class _Window:
+    """At most ``processes`` of a Pool's tasks on the mesh at once, each started now.
+
+    Why: a stdlib Pool has ``processes`` live processes, and a mapped function may wait for its
+    siblings (a Barrier across chunks, a Queue another chunk fills). An ordinary task can sit in
+    an agent's queue behind busy workers, so such a map could deadlock. Each chunk therefore goes
+    with ``start: "now"`` (``Executor.submit_now``: a free worker slot, or an extra worker up to
+    the agent's cap), and the rest wait here, in the program, as a stdlib Pool's tasks wait in its
+    task queue. A chunk the fleet refuses (EAGAIN: every slot and extra worker in use) goes back
+    to the head of the line and the window shrinks to what is running; it grows back by one per
+    finished chunk. With nothing running, a refused chunk is retried with backoff for
+    ``start_timeout_s``, then fails with ``BlockingIOError`` as ``Process.start()`` does."""
+
+    def __init__(self, ex: Any, processes: int, start_timeout_s: float) -> None:
+        self._ex, self._max, self._size = ex, processes, processes
+        self._timeout = start_timeout_s
+        self._pending: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._inflight: dict[Future[Any], Future[Any]] = {}  # mesh future -> the caller's
+        self._refused_since: float | None = None
+        self._retry: threading.Timer | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> "Future[Any]":
+        outer: Future[Any] = _PoolFuture()
+        with self._lock:
+            self._pending.append((outer, fn, args))
+        self._pump()
+        return outer
+
+    def _pump(self) -> None:
+        """Send what fits in the window (outside the lock: a done callback may run at once)."""
+        while True:
+            with self._lock:
+                if self._closed or not self._pending or len(self._inflight) >= self._size or self._retry is not None:
+                    return
+                outer, fn, args = self._pending.popleft()
+                if outer.cancelled():
+                    continue
+                try:
+                    inner = self._ex.submit_now(fn, *args)
+                except Exception as exc:  # the Executor shut down: this task fails, as apply_async after close would
+                    failed: BaseException | None = exc
+                else:
+                    failed = None
+                    self._inflight[inner] = outer
+                    outer._inner = inner  # type: ignore[attr-defined]
+            if failed is not None:
+                if not outer.done():
+                    outer.set_exception(failed)
+                continue
+            inner.add_done_callback(lambda f, o=outer, a=(fn, args): self._done(f, o, a))
+
+    def _done(self, inner: "Future[Any]", outer: "Future[Any]", job: tuple[Callable[..., Any], tuple[Any, ...]]) -> None:
+        exc = None if inner.cancelled() else inner.exception()
+        refused = isinstance(exc, OSError) and exc.errno == errno.EAGAIN
+        with self._lock:
+            self._inflight.pop(inner, None)
+            if refused and not self._closed and not outer.done():
+                self._pending.appendleft((outer, job[0], job[1]))
+                now = time.monotonic()
+                if self._inflight:  # the fleet runs this many of ours now: wait for one of them
+                    self._size = max(1, len(self._inflight))
+                    self._refused_since = None
+                elif self._refused_since is not None and now - self._refused_since > self._timeout:
+                    self._pending.popleft()
+                    refused = False
+                    exc = BlockingIOError(errno.EAGAIN, f"a Pool task could not start within start_timeout_s={self._timeout:g} s: "
+                                          f"{exc.strerror or exc}")
+                else:
+                    if self._refused_since is None:
+                        self._refused_since = now
+                    delay = min(5.0, 0.25 * 2 ** min(5, int(now - self._refused_since)))
+                    self._retry = threading.Timer(delay, self._retry_now)
+                    self._retry.daemon = True
+                    self._retry.start()
+            elif not refused:
+                self._refused_since = None
+                self._size = min(self._max, self._size + 1)
+        if not refused and not outer.done():
+            if inner.cancelled():
+                outer.cancel()
+            elif exc is not None:
+                outer.set_exception(exc)
+            else:
+                outer.set_result(inner.result())
+        self._pump()
+
+    def _retry_now(self) -> None:
+        with self._lock:
+            self._retry = None
+        self._pump()
+
+    def terminate(self) -> list["Future[Any]"]:
+        """Stop sending; the caller's futures not sent are cancelled here, and the mesh futures
+        of the rest are returned for one cancel request."""
+        with self._lock:
+            self._closed = True
+            if self._retry is not None:
+                self._retry.cancel()
+                self._retry = None
+            pending, self._pending = list(self._pending), deque()
+            inflight = [f for f in self._inflight if not f.done()]
+        for outer, _fn, _args in pending:
+            outer.cancel()
+        return inflight
 
 
 def _cancel_all(futures: list["Future[Any]"]) -> None:
