@@ -86,6 +86,9 @@ class HubConfig(BaseModel):
     metrics_endpoint_detail: Literal["alerts", "full"] = Field("alerts", description="alerts: per-endpoint series only for what the shipped alerts need; full: also bytes and device counters per endpoint")
     metrics_max_functions: int = Field(100, ge=1, description="distinct function labels on task counters; the rest count as function='other'")
     scheduler_policy: str = Field("delta-outage-aware", description="placement policy for endpoint 'auto' / lists / tag selectors")
+    late_binding: bool = Field(True, description="send an endpoint only a few scheduler-placed tasks beyond its workers and keep the "
+                               "rest in the hub, where an endpoint that runs out of work takes them over (docs/scheduler.md, "
+                               "'Late binding'); false: each endpoint gets its whole share at once, up to its prefetch")
     scheduler_save_s: float = Field(30.0, gt=0, description="how often learned scheduler profiles are saved (and at shutdown)")
     # Globus Auth (cloud_hub/globus_auth.py): accept Globus access tokens issued for this client.
     globus_client_id: str | None = None

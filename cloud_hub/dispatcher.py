@@ -175,6 +175,10 @@ class _Session:
     # and when each recent one left (hub clock), to match the agent's echo against.
     echo_seq: int = 0
     echo_sent: dict[int, float] = field(default_factory=dict)
+    # Tasks the scheduler placed that this session was sent and that have no result yet (id ->
+    # when sent): what counts against the endpoint's lookahead (docs/scheduler.md, "Late binding").
+    placed_out: dict[str, float] = field(default_factory=dict)
+    metered: bool = False  # the agent runs the metered profile (adaptive beats): every frame costs it money
 
 
 def per_day(t: list[float], now: float | None = None) -> dict[str, float]:
@@ -614,9 +618,17 @@ class Dispatcher:
             while True:
                 s.again = False
                 while s.credit > 0 and self._sessions.get(s.endpoint_id) is s and not self.served_by_site(s.endpoint_id):
-                    tasks, bodies = await self.store.lease(s.endpoint_id, min(s.credit, _LEASE_BATCH), self.cfg.lease_s, _LEASE_BYTES)
+                    room = self._placed_room(s)
+                    tasks, bodies = await self.store.lease(s.endpoint_id, min(s.credit, _LEASE_BATCH), self.cfg.lease_s, _LEASE_BYTES,
+                                                           placed_max=room)
                     if not tasks:
+                        if room is None or room > 0:  # it could take work and the hub has none for it
+                            self._observe("endpoint_starving", s.endpoint_id, time.time())
                         break
+                    sent_at = time.time()
+                    for t in tasks:
+                        if t.pop("_placed", None):
+                            s.placed_out[t["id"]] = sent_at
                     s.credit -= len(tasks)
                     try:
                         await self._send(s, Kind.TASKS, {"tasks": tasks, "functions": bodies, "allow": self._allow_field(s.endpoint_id)})
@@ -640,6 +652,23 @@ class Dispatcher:
             log.exception("dispatch to %s failed", s.endpoint_id)
         finally:
             s.pumping = False
+
+    def _placed_room(self, s: _Session) -> int | None:
+        """How many more scheduler-placed tasks this session may be sent now: the endpoint's
+        lookahead (the placement service's, None: no cap) minus what it holds without a result.
+        Entries older than the lease are dropped (a result lost with a session, a cancel): that
+        errs towards sending, as without a cap. A metered agent is never capped: its share goes
+        in as few frames as its credit allows, since every frame costs it bytes."""
+        if s.metered:
+            return None
+        ahead = self.observer.lookahead(s.endpoint_id, s.capacity)
+        if ahead is None:
+            return None
+        if len(s.placed_out) >= ahead:
+            old = time.time() - self.cfg.lease_s
+            for tid in [t for t, at in s.placed_out.items() if at < old]:
+                del s.placed_out[tid]
+        return max(0, ahead - len(s.placed_out))
 
     async def _send_now(self, s: _Session) -> None:
         """Tasks that must start at once (``start: "now"``, a multiprocessing Process) go to the
@@ -840,10 +869,12 @@ class Dispatcher:
         s.conn = conn if isinstance(conn, str) else None
         s.compress = b.get("z") == 1
         adaptive = b.get("beats") == "adaptive" and link.name == "mqtt" and s.conn is not None
+        s.metered = b.get("beats") == "adaptive"
         s.bound = self.silence_bound(adaptive)
         old = self._sessions.get(env.endpoint)
         if old is not None:
             s.credit = old.credit  # a repeated (or replayed) hello must not starve the agent
+            s.placed_out = old.placed_out  # what it holds still counts against its lookahead
         s.info = {k: b.get(k) for k in ("host", "version", "engine", "pid", "prefetch", "tags", "hardware", "gpu", "gpus", "memory_mb")}
         if self._site_of.get(env.endpoint):  # behind a site gateway: the scheduler models its uplink apart (docs/sites.md)
             s.info["gateway"] = self._site_of[env.endpoint]
@@ -981,6 +1012,12 @@ class Dispatcher:
         if self.bus._early:
             recent = self._recent_cancels
             self.bus.early(s.endpoint_id, [r for r in results if r["id"] not in recent] if recent else results)
+        if s.placed_out:
+            held = len(s.placed_out)
+            for r in results:
+                s.placed_out.pop(r["id"], None)
+            if len(s.placed_out) < held:
+                self.kick(s.endpoint_id)  # room in its lookahead: the next placed tasks go now
         fresh = await self.store.store_results(s.endpoint_id, results)
         self.stats["results_stored"] += len(fresh)
         self.stats["duplicate_results"] += len(results) - len(fresh)

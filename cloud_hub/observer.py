@@ -41,5 +41,13 @@ class DispatchObserver:
         (the others were duplicates from a re-execution). Each result has id, ok, data,
         started, finished."""
 
+    def lookahead(self, endpoint_id: str, capacity: int) -> int | None:
+        """How many scheduler-placed tasks the endpoint may hold without a result (running and
+        queued on the agent); None: no cap, it takes what its credit allows."""
+        return None
+
+    def endpoint_starving(self, endpoint_id: str, now: float) -> None:
+        """The endpoint could take more work and the hub has none queued for it."""
+
     def tasks_expired(self, task_ids: Sequence[str], now: float) -> None:
         """These tasks passed their expiry without running; each got an error result."""

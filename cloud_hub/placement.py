@@ -70,6 +70,10 @@ MAX_COMPARED = 8  # predictions kept per decision (best first)
 _TAG = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _MOVE_LIMIT = 50_000  # stranded tasks re-placed per lost endpoint in one pass
 _PLACE_CHUNK = 500  # tasks placed between two yields to the event loop
+_STEAL_EVERY_S = 0.05  # an endpoint that runs out of work looks for more at most this often
+_LOOKAHEAD_MAX = 32  # placed tasks per worker an endpoint may hold, at most (a slow link, short tasks)
+_LOOKAHEAD_MIN = 3  # and at least: the one running, and two ready for when it ends
+_TURN_S = 0.05  # the hub's own turn-around from a result to the next lease, allowed for (2 loaded cores)
 
 
 def owner_tag(user_id: str) -> str:
@@ -211,7 +215,9 @@ class PlacementService(DispatchObserver):
         self._bg: set[asyncio.Task[Any]] = set()
         self._saver: asyncio.Task[None] | None = None
         self._changes = 0  # observations since the last save
-        self.stats = {"placed": 0, "moved": 0, "refused": 0, "saves": 0}
+        self.stats = {"placed": 0, "moved": 0, "rebalanced": 0, "refused": 0, "saves": 0}
+        self._stealing = False  # one look for work to move at a time
+        self._starved_at: dict[str, float] = {}  # endpoint -> when it last looked (monotonic)
         self.env_costs = EnvCosts()  # environment id -> build seconds and bytes, learned from agents' heartbeats
         self._builds_seen: dict[tuple[str, str], Any] = {}  # (endpoint, environment) -> last figure folded in
         self.hub_lag: dict[str, float] = {}  # endpoint -> moving mean of the time its frames wait in the hub before handling
@@ -598,9 +604,14 @@ class PlacementService(DispatchObserver):
             raise PlacementError(409, f"no eligible endpoint for task {index.get(exc.task_id, '?')}: "
                                       "the function failed with a missing module or out of memory on every endpoint it may use") from None
         by_id = {r["id"]: r for r in rows}
+        # Late binding moves a task on run-time predictions alone: one whose inputs lie on some
+        # endpoints (locality) or that needs an environment built is placed once, as before.
+        movable = {row["id"] for t, row in zip(tasks, rows) if not getattr(t, "inputs", None) and not getattr(t, "environment", None)}
         out = []
         for pl in placements:
             by_id[pl.task_id]["endpoint_id"] = pl.endpoint_id
+            if pl.task_id in movable:
+                by_id[pl.task_id]["placed"] = 1  # may move while it waits in the hub (late binding)
             out.append(self._decision_row(user_id, pl, reqs[pl.task_id]))
             pl.raw_compared = ()  # stored with the decision; the hub need not keep it in memory
         self.stats["placed"] += len(out)
@@ -737,25 +748,80 @@ class PlacementService(DispatchObserver):
                 why = f"none of your {len(mine)} endpoints satisfies {want.describe()}"
             raise PlacementError(409, f"no eligible endpoint for task {index[info.task_id]} (endpoint_id {req.kind}): {why}")
 
+    # ------------------------------------------------------------------ late binding
+    def lookahead(self, endpoint_id: str, capacity: int) -> int | None:
+        """Placed tasks an endpoint may hold without a result: enough per worker to cover one
+        turn-around (link both ways and the hub's own time) at its measured task rate, so late
+        binding costs no throughput, at least ``_LOOKAHEAD_MIN`` per worker, at most
+        ``_LOOKAHEAD_MAX``. The rest wait in the hub, where they can still move."""
+        if not self.cfg.late_binding:
+            return None
+        workers = max(1, capacity)
+        node = self.sched.fleet.nodes.get(endpoint_id)
+        if node is None:
+            return 2 * workers
+        task_s = node.mean_work(workers) if (node.n_out or node.tp is not None) else 1.0
+        # a result's way back and the next task's way out: the link both ways, the time frames
+        # wait in this hub, and the lease itself (its transaction, the frame's signature)
+        turn = 2.0 * node.one_way + self.hub_lag.get(endpoint_id, 0.0) + _TURN_S
+        per_worker = 1 + math.ceil(turn / max(task_s, 1e-3))
+        return workers * min(_LOOKAHEAD_MAX, max(_LOOKAHEAD_MIN, per_worker))
+
+    def endpoint_starving(self, endpoint_id: str, now: float) -> None:
+        """An endpoint ran out of work: look (at most every ``_STEAL_EVERY_S``, one look at a
+        time) for placed tasks still in the hub on the endpoints with the longest predicted
+        queues, and place the newest of them again; those that now finish sooner here move."""
+        if not self.cfg.late_binding or self._stealing:
+            return
+        node = self.sched.fleet.nodes.get(endpoint_id)
+        if node is None or not node.ep.online:
+            return
+        mono = time.monotonic()
+        if mono - self._starved_at.get(endpoint_id, 0.0) < _STEAL_EVERY_S:
+            return
+        self._starved_at[endpoint_id] = mono
+        donors = sorted((n for n in self.sched.fleet.nodes.values() if n is not node and n.ep.online and n.wait > 0),
+                        key=lambda n: n.wait, reverse=True)[:3]
+        if donors:
+            self._stealing = True
+            self._spawn(self._steal(endpoint_id, [d.id for d in donors]))
+
+    async def _steal(self, endpoint_id: str, donors: list[str]) -> None:
+        try:
+            limit = self.lookahead(endpoint_id, self.sched.fleet.nodes[endpoint_id].ep.workers) or 2
+            for donor in donors:
+                if await self._replace(donor, "rebalanced", limit=limit, newest=True):
+                    return
+        finally:
+            self._stealing = False
+
     # ------------------------------------------------------------------ outages
     async def _replace_stranded(self, endpoint_id: str) -> None:
         """Tasks placed on a lost endpoint that never left the hub go where they can run now."""
+        await self._replace(endpoint_id, "lost")
+
+    async def _replace(self, endpoint_id: str, why: str, *, limit: int = _MOVE_LIMIT, newest: bool = False) -> int:
+        """Place again the scheduler's tasks of ``endpoint_id`` that never left the hub (the
+        oldest ``limit``, or the newest: the tail of its queue); move those placed elsewhere.
+        ``why``: "lost" (only while the endpoint is offline) or "rebalanced" (another endpoint ran
+        out of work). Returns how many moved."""
 
         def find(db: sqlite3.Connection) -> list[tuple[str, str, str, str, int, str | None]]:
             return db.execute(
                 "SELECT t.id, t.user_id, t.function_id, d.detail, LENGTH(t.args), t.env FROM tasks t "
                 "JOIN scheduler_decisions d ON d.task_id = t.id AND d.state = 'placed' "
                 "WHERE t.endpoint_id = ? AND t.state = 'queued' AND t.dispatched IS NULL "
-                "ORDER BY t.created LIMIT ?",
-                (endpoint_id, _MOVE_LIMIT),
+                + ("AND t.placed IS NOT NULL AND t.start_now IS NULL ORDER BY t.created DESC " if newest else "ORDER BY t.created ")
+                + "LIMIT ?",
+                (endpoint_id, limit),
             ).fetchall()
 
         rows = await self.store.tx(find, durable=False)
         if not rows:
-            return
+            return 0
         node = self.sched.fleet.nodes.get(endpoint_id)
-        if node is None or node.ep.online:  # it came back meanwhile: leave them
-            return
+        if node is None or (why == "lost" and node.ep.online):  # it came back meanwhile: leave them
+            return 0
         now = time.time()
         infos, reqs, users, envs = [], {}, {}, {}
         for tid, uid, fid, detail, nbytes, env in rows:
@@ -769,10 +835,13 @@ class PlacementService(DispatchObserver):
         try:
             placements = await self._place(infos, now)
         except NoEligibleEndpoint:
-            return  # nowhere else allowed (the function is blocked elsewhere): they wait
+            if why != "lost":  # they stay where they were: back in the ledger there
+                for info in infos:
+                    self.sched.assign(info, endpoint_id, now)
+            return 0  # nowhere else allowed (the function is blocked elsewhere): they wait
         moves = [pl for pl in placements if pl.endpoint_id != endpoint_id]
         if not moves:
-            return
+            return 0
         decisions = [self._decision_row(users[pl.task_id], pl, reqs[pl.task_id]) for pl in moves]
         # The sandbox rule of the submit path holds on the new endpoint too: a task that ran
         # unsandboxed on its submitter's own endpoint is sandboxed on an endpoint someone else owns.
@@ -801,12 +870,16 @@ class PlacementService(DispatchObserver):
 
         moved = set(await self.store.tx(move))
         lost = [pl.task_id for i, pl in enumerate(moves) if i not in moved]
-        if lost:  # leased meanwhile (the endpoint came back): those placements never happened
+        if lost:  # leased meanwhile (the endpoint came back, or took them): those placements never happened
             self.sched.retract(lost)
-        self.stats["moved"] += len(moved)
-        log.info("endpoint %s lost: %d queued tasks placed again elsewhere", endpoint_id, len(moved), extra={"endpoint_id": endpoint_id})
+        self.stats["moved" if why == "lost" else "rebalanced"] += len(moved)
+        if why == "lost":
+            log.info("endpoint %s lost: %d queued tasks placed again elsewhere", endpoint_id, len(moved), extra={"endpoint_id": endpoint_id})
+        else:
+            log.debug("%d queued tasks of %s placed again elsewhere (%s)", len(moved), endpoint_id, why, extra={"endpoint_id": endpoint_id})
         for ep in {moves[i].endpoint_id for i in moved}:
             self.kick(ep)
+        return len(moved)
 
     # ------------------------------------------------------------------ state API
     def state(self, user_id: str) -> dict[str, Any]:
@@ -861,8 +934,9 @@ class PlacementService(DispatchObserver):
             rows = db.execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit + 1)).fetchall()
             more = len(rows) > limit
             rows = rows[:limit]
-            n, n_done, mae, mre = db.execute(
-                "SELECT COUNT(*), COUNT(actual_s), AVG(CASE WHEN ok=1 THEN ABS(actual_s - predicted_s) END), "
+            n, n_done, n_moved, mae, mre = db.execute(
+                "SELECT COUNT(*), COUNT(actual_s), COUNT(CASE WHEN state='moved' THEN 1 END), "
+                "AVG(CASE WHEN ok=1 THEN ABS(actual_s - predicted_s) END), "
                 "AVG(CASE WHEN ok=1 AND actual_s > 0 THEN ABS(actual_s - predicted_s) / actual_s END) "
                 "FROM scheduler_decisions WHERE user_id=?",
                 (user_id,),
@@ -870,7 +944,8 @@ class PlacementService(DispatchObserver):
             return {
                 "decisions": [_decision_out(r) for r in rows],
                 "next_before": rows[-1][0] if more and rows else None,
-                "summary": {"decisions": n, "completed": n_done, "mean_abs_error_s": _finite(mae), "mean_rel_error": _finite(mre)},
+                "summary": {"decisions": n, "completed": n_done, "moved": n_moved, "mean_abs_error_s": _finite(mae),
+                            "mean_rel_error": _finite(mre)},
             }
 
         return await self.store.tx(q, durable=False)

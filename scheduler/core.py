@@ -18,6 +18,7 @@ Typical hub wiring::
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Any, Iterable, Sequence
 
@@ -72,6 +73,7 @@ class Scheduler:
         # correction of the endpoint's transfer + queue key (Fleet.set_bias).
         self.calibrate = calibrate
         self.calibration: dict[str, dict[str, TermError]] = {}
+        self._qacc: dict[str, list[float]] = {}  # endpoint -> [decayed measured queue, decayed modelled queue, samples]
 
     # ------------------------------------------------------------------ endpoints
     def add_endpoint(self, ep: EndpointState, now: float | None = None) -> None:
@@ -305,6 +307,10 @@ class Scheduler:
     #: The correction of an endpoint's transfer + queue terms stays within these seconds: it
     #: may add up to this much, and take away at most its predicted round trip.
     MAX_BIAS_S = 2.0
+    #: The factor on an endpoint's modelled queue wait stays within these bounds, and follows
+    #: about the last 1 / (1 - QSCALE_DECAY) queued tasks.
+    QSCALE_BOUNDS = (0.5, 2.5)
+    QSCALE_DECAY = 0.9
 
     def _calibrate(self, node: Any, p: tuple, actual: float, run_act: float, now: float, started_at: float | None) -> None:
         """Compare one completed prediction's terms with what happened."""
@@ -332,6 +338,7 @@ class Scheduler:
                 if t is None:
                     t = cal[name] = TermError()
                 t.observe(pred, act)
+            self._scale_queue(node, p[3] - bias, start_act - p[2])
         t = cal.get("transfer")
         b = t.bias() if t is not None else 0.0
         lo = -2.0 * node.one_way
@@ -339,12 +346,37 @@ class Scheduler:
         if b != bias:
             self.fleet.set_bias(eid, b)
 
+    def _scale_queue(self, node: Any, pred_q: float, act_q: float) -> None:
+        """The queue model counts only the tasks' own run and cold times; per-task overheads
+        (dispatch, results, a CPU shared with the hub) make a backlog drain slower than that, by
+        a factor that is the endpoint's, not the moment's. So: a decayed ratio of measured to
+        modelled queue wait over the tasks that did queue, bounded (``QSCALE_BOUNDS``)."""
+        if pred_q <= 0.0 or not math.isfinite(act_q):
+            return
+        raw = pred_q / node.qscale  # as modelled, before the factor in force
+        acc = self._qacc.get(node.id)
+        if acc is None:
+            acc = self._qacc[node.id] = [0.0, 0.0, 0]
+        d = self.QSCALE_DECAY
+        acc[0] = d * acc[0] + max(0.0, act_q)
+        acc[1] = d * acc[1] + raw
+        acc[2] += 1
+        if acc[2] < 5 or acc[1] <= 0.0:
+            return
+        lo, hi = self.QSCALE_BOUNDS
+        s = acc[0] / acc[1]
+        s = lo if s < lo else hi if s > hi else s
+        if abs(s - node.qscale) > 0.02:
+            self.fleet.set_qscale(node.id, s)
+
     def calibration_report(self, endpoint_id: str) -> dict[str, Any]:
         """Per term: mean error (actual - predicted), its spread, mean absolute and relative
-        error, samples, and the correction in force (``applied_bias_s``, from ``transfer``)."""
+        error, samples, and the corrections in force (``applied_bias_s``, from ``transfer``;
+        ``applied_queue_scale``, the factor on the modelled queue wait)."""
         out = {k: t.to_dict() for k, t in self.calibration.get(endpoint_id, {}).items()}
         node = self.fleet.nodes.get(endpoint_id)
         out["applied_bias_s"] = node.bias if node is not None else 0.0  # type: ignore[assignment]
+        out["applied_queue_scale"] = node.qscale if node is not None else 1.0  # type: ignore[assignment]
         return out
 
     def _first_in_worker(self, endpoint_id: str, worker: Any, function_id: str) -> bool:

@@ -56,7 +56,7 @@ class Node:
 
     __slots__ = (
         "ep", "id", "idx", "group", "n_out", "work_out", "extra", "wait", "key", "skey",
-        "one_way", "bw", "hot", "dev", "blocked", "avail", "cold_est", "tp", "fn_out", "bias",
+        "one_way", "bw", "hot", "dev", "blocked", "avail", "cold_est", "tp", "fn_out", "bias", "qscale",
     )
 
     def __init__(self, ep: EndpointState, idx: int) -> None:
@@ -81,6 +81,7 @@ class Node:
         self.cold_est: dict[str, float] = {}  # function -> this endpoint's own cold-start estimate
         self.fn_out: dict[str, int] = {}  # function -> its tasks in the ledger here (they make it warm)
         self.bias = 0.0  # calibration: seconds added to transfer + queue (Scheduler, bounded)
+        self.qscale = 1.0  # calibration: measured / modelled queue wait (per-task overheads), bounded
 
     def compute_wait(self) -> float:
         """Predicted seconds before a newly placed task gets a worker (fluid model).
@@ -93,7 +94,7 @@ class Node:
         n = self.n_out + self.extra
         if n < workers:
             return 0.0
-        return (n - workers + 1) * self.mean_work(workers) / workers
+        return (n - workers + 1) * self.mean_work(workers) / workers * self.qscale
 
     def mean_work(self, workers: int) -> float:
         """Mean seconds of work per task ahead: from the ledger's predictions, or for backlog
@@ -456,6 +457,13 @@ class Fleet:
             node.bias = bias
             self._rekey(node)
 
+    def set_qscale(self, endpoint_id: str, scale: float) -> None:
+        """Calibration's factor on this endpoint's modelled queue wait."""
+        node = self.nodes[endpoint_id]
+        if scale != node.qscale:
+            node.qscale = scale
+            self._rekey(node)
+
     def block(self, function_id: str, endpoint_id: str) -> None:
         """Never place this function here again (it failed with a missing module / OOM)."""
         self.nodes[endpoint_id].blocked.add(function_id)
@@ -517,7 +525,7 @@ class Fleet:
         if n < workers:
             w = 0.0
         else:
-            w = (n - workers + 1) * (node.work_out / node.n_out if node.n_out else node.mean_work(workers)) / workers
+            w = (n - workers + 1) * (node.work_out / node.n_out if node.n_out else node.mean_work(workers)) / workers * node.qscale
         node.wait = w
         k = w + 2.0 * node.one_way + node.bias
         node.key = k

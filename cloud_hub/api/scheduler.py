@@ -72,6 +72,8 @@ class DecisionOut(BaseModel):
 class DecisionSummary(BaseModel):
     decisions: int
     completed: int
+    moved: int = Field(0, description="decisions superseded: the task was placed again while it waited in the hub (its "
+                                      "endpoint lost, or another ran out of work: late binding)")
     mean_abs_error_s: float | None
     mean_rel_error: float | None
 

@@ -639,6 +639,8 @@ class Executor(_Executor):
         if f.done():
             return
         f.started, f.finished = row.get("started"), row.get("finished")  # type: ignore[attr-defined]
+        if row.get("endpoint_id"):  # where it ran: the hub may have moved it since the submit answered (late binding)
+            f.endpoint_id = row["endpoint_id"]  # type: ignore[attr-defined]
         try:
             ok, value = decode_row(row, self.client.trusted_endpoints)
         except Exception as exc:  # a result that does not deserialize here (missing module, ...)

@@ -53,7 +53,7 @@ def _register(router: APIRouter, h: Helpers) -> None:
         calibration: list[dict[str, Any]] = []
         if placement is not None:
             data = await placement.decisions(viewer.user_id, _PAGE_SIZE, cursor)
-            calibration = [e for e in placement.state(viewer.user_id)["endpoints"] if len(e["calibration"]) > 1]
+            calibration = [e for e in placement.state(viewer.user_id)["endpoints"] if len(e["calibration"]) > 2]  # more than the two corrections in force
         eps, fns = await hub.store.read_parallel(queries.names, viewer.user_id)
         ep_names, fn_names = dict(eps), dict(fns)
         points = [

@@ -105,5 +105,5 @@ def frame_order(picked: Mapping[str, list[Any]], fair: bool, created: Callable[[
 
 def select_sql(extra: str = "") -> str:
     """One flow's oldest tasks (``extra``: PostgreSQL's row locks)."""
-    return ("SELECT id, function_id, args, timeout, expires, created, user_id FROM tasks WHERE endpoint_id=? AND state='queued' "
+    return ("SELECT id, function_id, args, timeout, expires, created, user_id, placed FROM tasks WHERE endpoint_id=? AND state='queued' "
             f"AND user_id=? AND function_id=? ORDER BY created, rowid LIMIT ?{extra}")

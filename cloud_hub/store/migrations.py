@@ -274,4 +274,14 @@ MIGRATIONS: list[tuple[int, str]] = [
         CREATE INDEX task_group_leases_expires ON task_group_leases (expires);
         """,
     ),
+    (
+        18,
+        """
+        -- 1 when the scheduler chose the task's endpoint (a selector: "auto", a list, tags), else
+        -- NULL. The dispatcher sends an endpoint only a few such tasks ahead of its workers (its
+        -- lookahead) and keeps the rest in the hub, where they can still move to an endpoint
+        -- that runs out of work (docs/scheduler.md, "Late binding").
+        ALTER TABLE tasks ADD COLUMN placed INTEGER
+        """,
+    ),
 ]

@@ -192,30 +192,33 @@ class PostgresStore(SqliteStore):
 
     # ------------------------------------------------------------------ hot path without SSI conflicts
     async def lease(self, endpoint_id: str, n: int, lease_s: float, max_bytes: int,
-                    policy: Any = None, *, only_now: bool = False) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
+                    policy: Any = None, *, only_now: bool = False,
+                    placed_max: int | None = None) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
         """As SqliteStore.lease; ``FOR UPDATE SKIP LOCKED`` keeps two replicas off the same rows."""
+        from cloud_hub.store.lookahead import PLACED_SKIP, keep_placed
 
         def q(db: _PgConn) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
             now = time.time()
             pol = policy if policy is not None else getattr(self, "admission", None)
             if pol is None or only_now:
                 rows = db.raw.execute(
-                    "SELECT t.id, t.function_id, t.args, t.timeout, t.expires, LENGTH(f.body) FROM tasks t JOIN functions f ON f.id = t.function_id "
+                    "SELECT t.id, t.function_id, t.args, t.timeout, t.expires, LENGTH(f.body), t.placed FROM tasks t JOIN functions f ON f.id = t.function_id "
                     "WHERE t.endpoint_id = %s AND t.state = 'queued' " + ("AND t.start_now IS NOT NULL " if only_now else "")
                     + "ORDER BY t.created, t.rowid LIMIT %s FOR UPDATE OF t SKIP LOCKED",
-                    (endpoint_id, n),
+                    (endpoint_id, n if placed_max is None else n + PLACED_SKIP),
                 ).fetchall()
+                rows = keep_placed(rows, n, placed_max)
             else:  # fair between users (cloud_hub/store/fair.py), the same row locks per flow
                 from cloud_hub.store.sqlite import _fair_rows
 
                 picked = _fair_rows(db, endpoint_id, n, pol, lock=" FOR UPDATE SKIP LOCKED")
                 fids = sorted({r[1] for r in picked})
                 lens = dict(db.raw.execute("SELECT id, LENGTH(body) FROM functions WHERE id = ANY(%s)", (fids,)).fetchall()) if fids else {}
-                rows = [(*r, lens.get(r[1], 0)) for r in picked]
+                rows = keep_placed([(*r[:5], lens.get(r[1], 0), r[5]) for r in picked], n, placed_max)
             tasks: list[dict[str, Any]] = []
             seen: set[str] = set()
             size = 0
-            for tid, fid, args, timeout, exp, body_len in rows:
+            for tid, fid, args, timeout, exp, body_len, placed in rows:
                 if fid not in seen:  # each body travels once per frame: count it once
                     seen.add(fid)
                     size += body_len
@@ -223,6 +226,8 @@ class PostgresStore(SqliteStore):
                 if tasks and size > max_bytes:
                     break
                 tasks.append({"id": tid, "fn": fid, "args": args, "timeout": timeout, "exp": exp})
+                if placed:
+                    tasks[-1]["_placed"] = 1
             if tasks:
                 from cloud_hub.store.sqlite import attach_envs
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
 from cloud_hub.store.group import GroupCommitter
+from cloud_hub.store.lookahead import PLACED_SKIP as _PLACED_SKIP, keep_placed
 from cloud_hub.store.migrations import MIGRATIONS
 
 if TYPE_CHECKING:
@@ -555,9 +556,10 @@ class SqliteStore:
                 r.setdefault("memo_key", None)  # type: ignore[attr-defined]
                 r.setdefault("env", None)  # type: ignore[attr-defined]
                 r.setdefault("start_now", None)  # type: ignore[attr-defined]
+                r.setdefault("placed", None)  # type: ignore[attr-defined]
             db.executemany(
-                "INSERT INTO tasks (id, user_id, endpoint_id, function_id, args, state, created, expires, timeout, attempts, task_group_id, memo_key, env, start_now) "
-                "VALUES (:id, :user_id, :endpoint_id, :function_id, :args, 'queued', :created, :expires, :timeout, 0, :task_group_id, :memo_key, :env, :start_now)",
+                "INSERT INTO tasks (id, user_id, endpoint_id, function_id, args, state, created, expires, timeout, attempts, task_group_id, memo_key, env, start_now, placed) "
+                "VALUES (:id, :user_id, :endpoint_id, :function_id, :args, 'queued', :created, :expires, :timeout, 0, :task_group_id, :memo_key, :env, :start_now, :placed)",
                 rows,
             )
             if also is not None:
@@ -582,26 +584,31 @@ class SqliteStore:
                    (user_id, key, request_hash, json.dumps(task_ids), json.dumps(endpoint_ids), now))
 
     async def lease(self, endpoint_id: str, n: int, lease_s: float, max_bytes: int,
-                    policy: "AdmissionPolicy | None" = None, *, only_now: bool = False) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
+                    policy: "AdmissionPolicy | None" = None, *, only_now: bool = False,
+                    placed_max: int | None = None) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
         """Take up to ``n`` queued tasks of an endpoint and the function bodies they need: oldest
         first, or with a ``policy`` fair between users under its limits (cloud_hub/store/fair.py).
-        ``only_now``: only tasks that must start at once (sent outside the agent's credit)."""
+        ``only_now``: only tasks that must start at once (sent outside the agent's credit).
+        ``placed_max``: at most this many of the tasks the scheduler placed (the endpoint's
+        lookahead, docs/scheduler.md "Late binding"); each of those comes marked ``"_placed": 1``,
+        which the caller removes before sending."""
 
         def q(db: sqlite3.Connection) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
             now = time.time()
             pol = policy if policy is not None else self.admission
             if pol is None or only_now:
                 rows = db.execute(
-                    "SELECT id, function_id, args, timeout, expires FROM tasks WHERE endpoint_id=? AND state='queued' "
+                    "SELECT id, function_id, args, timeout, expires, placed FROM tasks WHERE endpoint_id=? AND state='queued' "
                     + ("AND start_now IS NOT NULL " if only_now else "") + "ORDER BY created, rowid LIMIT ?",
-                    (endpoint_id, n),
+                    (endpoint_id, n if placed_max is None else n + _PLACED_SKIP),
                 ).fetchall()
             else:
                 rows = _fair_rows(db, endpoint_id, n, pol)
+            rows = keep_placed(rows, n, placed_max)
             tasks: list[dict[str, Any]] = []
             sizes: dict[str, int] = {}
             size = 0
-            for tid, fid, args, timeout, exp in rows:
+            for tid, fid, args, timeout, exp, placed in rows:
                 if fid not in sizes:  # each body travels once per frame: count it once
                     sizes[fid] = db.execute("SELECT LENGTH(body) FROM functions WHERE id=?", (fid,)).fetchone()[0]
                     size += sizes[fid]
@@ -609,6 +616,8 @@ class SqliteStore:
                 if tasks and size > max_bytes:
                     break
                 tasks.append({"id": tid, "fn": fid, "args": args, "timeout": timeout, "exp": exp})
+                if placed:
+                    tasks[-1]["_placed"] = 1
             attach_envs(db, tasks)
             db.executemany(
                 "UPDATE tasks SET state='leased', leased_until=?, attempts=attempts+1, dispatched=?, site=NULL WHERE id=?",
@@ -1124,7 +1133,8 @@ def _result_rows(rows: Iterable[tuple[Any, ...]]) -> list[dict[str, Any]]:
 
 
 def _fair_rows(db: Any, endpoint_id: str, n: int, policy: "AdmissionPolicy", lock: str = "") -> list[tuple[Any, ...]]:
-    """The tasks a fair lease takes, in the order the agent should run them (cloud_hub/store/fair.py)."""
+    """The tasks a fair lease takes, in the order the agent should run them (cloud_hub/store/fair.py):
+    ``(id, function_id, args, timeout, expires, placed)``."""
     from cloud_hub.store import fair
 
     picked: dict[str, list[tuple[Any, ...]]] = {}
@@ -1132,7 +1142,7 @@ def _fair_rows(db: Any, endpoint_id: str, n: int, policy: "AdmissionPolicy", loc
         picked.setdefault(user, []).extend(db.execute(fair.select_sql(lock), (endpoint_id, user, fid, k)).fetchall())
     for ts in picked.values():
         ts.sort(key=lambda t: t[5])
-    return [r[:5] for r in fair.frame_order(picked, policy.fair, lambda t: t[5])]
+    return [(*r[:5], r[7]) for r in fair.frame_order(picked, policy.fair, lambda t: t[5])]  # ..., placed
 
 
 def check_results(results: Any) -> None:

@@ -57,8 +57,12 @@ def test_auto_learns_the_faster_endpoint_explains_itself_and_survives_restart_an
     # The decisions explain each placement, predicted against actual.
     page = mesh.client.scheduler_decisions(limit=40)
     assert len(page["decisions"]) == 40 and page["next_before"] is not None
-    assert page["summary"]["decisions"] == 86 and page["summary"]["completed"] == 86
+    # a task placed again while it waited in the hub (late binding) has a "moved" row too
+    moved_early = page["summary"]["moved"]
+    assert page["summary"]["decisions"] == 86 + moved_early and page["summary"]["completed"] == 86
     for d in page["decisions"]:
+        if d["state"] == "moved":
+            continue
         assert d["state"] == "done" and d["ok"] is True
         assert d["policy"] == "delta-outage-aware" and d["selector"]["kind"] == "auto"
         assert d["predicted"]["endpoint_id"] == d["endpoint_id"] == d["compared"][0]["endpoint_id"]
@@ -68,12 +72,12 @@ def test_auto_learns_the_faster_endpoint_explains_itself_and_survives_restart_an
     # The run-time estimates are what each endpoint measured (sleep 0.05 vs 0.2; the bounds are
     # generous because other work shares the machine).
     for who, (lo, hi) in {"fast": (0.03, 0.2), "slow": (0.15, 0.8)}.items():
-        mine = [d for d in page["decisions"] if name[d["endpoint_id"]] == who]
+        mine = [d for d in page["decisions"] if name[d["endpoint_id"]] == who and d["state"] == "done"]
         assert mine, who
         assert lo < statistics.median(d["runtime_s"] for d in mine) < hi, (who, mine)
         assert lo < mine[0]["predicted"]["run"] < hi, (who, mine[0])
     older = mesh.client.scheduler_decisions(limit=200, before=page["next_before"])
-    assert len(older["decisions"]) == 46 and older["next_before"] is None
+    assert len(older["decisions"]) == 46 + moved_early and older["next_before"] is None
     assert not {d["seq"] for d in older["decisions"]} & {d["seq"] for d in page["decisions"]}
     one = mesh.client.scheduler_decisions(task_id=page["decisions"][5]["task_id"])["decisions"]
     assert [d["seq"] for d in one] == [page["decisions"][5]["seq"]]
@@ -82,7 +86,7 @@ def test_auto_learns_the_faster_endpoint_explains_itself_and_survives_restart_an
     mesh.stop_hub()
     mesh.start_hub()
     mesh.wait_online()
-    assert mesh.client.scheduler_decisions(limit=1)["summary"]["decisions"] == 86
+    assert mesh.client.scheduler_decisions(limit=1)["summary"]["decisions"] == 86 + moved_early
     with Executor(mesh.client, endpoint="auto") as ex:
         futs = [ex.submit(work, i) for i in range(40)]
         assert [f.result(60) for f in futs] == list(range(40))
@@ -95,23 +99,27 @@ def test_auto_learns_the_faster_endpoint_explains_itself_and_survives_restart_an
         futs = [ex.submit(work, i) for i in range(40)]
         _wait_submitted(futs)
         slow.kill()
-        on_slow = sum(f.endpoint_id == slow.endpoint_id for f in futs)
+        placed = [f.endpoint_id for f in futs]  # where each was placed (a result says where it ran)
+        on_slow = sum(e == slow.endpoint_id for e in placed)
         assert on_slow >= 3  # 2 go to its workers (prefetch 0), the rest wait at the hub
-        done_fast = [f.result(60) for f in futs if f.endpoint_id == fast.endpoint_id]
+        done_fast = [f.result(60) for f, e in zip(futs, placed) if e == fast.endpoint_id]
         deadline = time.monotonic() + 30
         while mesh.hub.hub.placement.stats["moved"] == 0:  # type: ignore[union-attr]
             assert time.monotonic() < deadline, "nothing re-placed after the endpoint was lost"
             time.sleep(0.1)
         slow.start()
-        assert sorted(done_fast + [f.result(60) for f in futs if f.endpoint_id == slow.endpoint_id]) == list(range(40))
+        assert sorted(done_fast + [f.result(60) for f, e in zip(futs, placed) if e == slow.endpoint_id]) == list(range(40))
     moved = mesh.hub.hub.placement.stats["moved"]  # type: ignore[union-attr]
-    assert 1 <= moved <= on_slow - 1
+    # late binding: an endpoint that ran out of work also took tasks still waiting in the hub
+    reb = mesh.hub.hub.placement.stats["rebalanced"]  # type: ignore[union-attr]
+    assert 1 <= moved <= on_slow - 1 + reb
     with sqlite3.connect(mesh.hub_cfg.db_path) as db:
         states = dict(db.execute("SELECT state, COUNT(*) FROM scheduler_decisions GROUP BY state").fetchall())
-        assert states == {"done": 166, "moved": moved}
-        # each moved task ran exactly once, on the live endpoint
+        assert states == {"done": 166, "moved": moved_early + moved + reb}  # the stats count since the hub's restart
+        # each moved task ran exactly once, and the tasks moved off the lost endpoint ran on the live one
         rows = db.execute(
             "SELECT d.task_id, d.endpoint_id FROM scheduler_decisions d WHERE d.state='done' AND d.task_id IN "
             "(SELECT task_id FROM scheduler_decisions WHERE state='moved')").fetchall()
-        assert len(rows) == moved and {e for _, e in rows} == {fast.endpoint_id}
+        assert len(rows) == len({t for t, _ in rows}) and moved <= len(rows) <= moved_early + moved + reb
+        assert sum(e == fast.endpoint_id for _, e in rows) >= moved
         assert db.execute("SELECT COUNT(*) FROM results").fetchone()[0] == 166
