@@ -37,7 +37,7 @@ import psutil
 
 from mesh_agent.engine import LocalEngine
 from mesh_agent.engine.environments import Environments
-from mesh_agent.environment import encode, normalize
+from mesh_agent.protocol.environment import encode, normalize
 from mesh_agent.protocol.serialize import deserialize, function_id, serialize, serialize_function
 from tests.fixtures.wheels import build_wheel
 

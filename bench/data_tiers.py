@@ -202,7 +202,7 @@ def main() -> None:
             out["agent_local_store_bytes_on_disk"] = {
                 a.cfg.name: sum(p.stat().st_size for p in Path(a.cfg.data_dir).glob("refs.sqlite3*")) for a in m.agents}
         finally:
-            mesh_mp._state.shutdown_executor()
+            mesh_mp._runner.shutdown_executor()
             m.stop()
             redis.stop()
     base = out["ways"]["through_sdk"]

@@ -295,7 +295,7 @@ def main() -> None:
                                                                  "redis": out["queue_throughput_MBps"][_label(*queue_small)]["mesh"]},
             }
         finally:
-            mesh._state.shutdown_executor()
+            mesh._runner.shutdown_executor()
             m.stop()
             redis.stop()
     text = json.dumps(out, indent=2)

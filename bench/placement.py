@@ -30,7 +30,7 @@ from pathlib import Path
 import _common as c
 
 
-from cloud_hub.api.schemas import TaskIn  # noqa: E402
+from cloud_hub.service.schemas import TaskIn  # noqa: E402
 from cloud_hub.config import HubConfig  # noqa: E402
 from cloud_hub.placement import PlacementService  # noqa: E402
 from cloud_hub.store import SqliteStore  # noqa: E402

@@ -72,7 +72,7 @@ class HubConfig(BaseModel):
                                    '"function": {...}, "functions": {function id: {...}}}; MESH_HUB_LIMITS takes the JSON')
     shares: dict[str, float] = Field(default_factory=dict, description="user name -> weight on shared endpoints (default 1); MESH_HUB_SHARES=alice=3,bob=1")
     fair_dispatch: bool = Field(True, description="take turns between users on an endpoint; off: plain arrival order (FIFO)")
-    # Memoization (cloud_hub/memo.py, docs/sdk.md "Memoization").
+    # Memoization (mesh_agent/protocol/memo.py, docs/sdk.md "Memoization").
     memo_ttl_s: float = Field(86400.0, gt=0, description="how long a cached result answers repeats (at most result_ttl_s: results are pruned then)")
     memo_max_entries: int = Field(100_000, ge=1, description="cached results kept per user; the least recently used go first")
     memo_max_result_bytes: int = Field(2**20, ge=0, description="larger results are not cached")

@@ -369,7 +369,7 @@ class Dispatcher:
         """Silence after which an endpoint is offline: ``lost_after_s``, or for an MQTT agent that
         beats on change (it announced ``beats: adaptive``) ``beat_max_s + mqtt_lost_after_s`` (its will
         normally ends the session much sooner). One rule for the replica that holds the session and
-        for the others, which judge from the shared row (cloud_hub/api/hub.py endpoint_out)."""
+        for the others, which judge from the shared row (cloud_hub/service/hub.py endpoint_out)."""
         return self.cfg.mqtt_lost_after_s + self.cfg.beat_max_s if adaptive else self.cfg.lost_after_s
 
     # ------------------------------------------------------------------ outgoing
@@ -536,7 +536,7 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ cancellation
     def note_cancelled(self, task_ids: list[str], endpoints: set[str] | list[str]) -> None:
-        """Tasks were cancelled (cloud_hub/api/cancel.py, an expired lease): send the cancel to the
+        """Tasks were cancelled (cloud_hub/service/cancel.py, an expired lease): send the cancel to the
         agents that hold them now, or on their next session."""
         for t in task_ids:
             self._recent_cancels[t] = None

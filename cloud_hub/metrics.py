@@ -1,4 +1,5 @@
-"""``GET /metrics``: the hub in Prometheus's text format (``prometheus-client``).
+"""The hub's metrics in Prometheus's text format (``prometheus-client``): what ``GET /metrics``
+(``cloud_hub/api/metrics.py``) serves. Collection only; no HTTP here.
 
 Why it is built the way it is:
 
@@ -35,16 +36,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
-import hmac
-
-from fastapi import APIRouter, HTTPException, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, GCCollector, Histogram, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from cloud_hub.api.deps import HubDep
-
 if TYPE_CHECKING:
-    from cloud_hub.api.hub import Hub
+    from cloud_hub.service.hub import Hub
 
 __all__ = ["HubMetrics", "CONTENT_TYPE_LATEST", "device_counters"]
 
@@ -484,26 +480,3 @@ def _not_after(path: str) -> float | None:
             log.warning("metrics: cannot read certificate %s: %s", path, exc)
             _CERT_CACHE[key] = None
     return _CERT_CACHE[key]
-
-
-def make_router() -> Any:
-    """``GET /metrics``: no user token (Prometheus has none), but ``metrics_token`` can require a
-    bearer token of its own, since the series name endpoints."""
-    router = APIRouter()
-
-    @router.get("/metrics", include_in_schema=False)
-    async def metrics(request: Request, h: HubDep) -> Response:
-        if not h.cfg.metrics:
-            raise HTTPException(404, "metrics are off on this hub (metrics: false)")
-        want = h.cfg.metrics_token
-        if want:
-            got = request.headers.get("authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {want}".encode()):
-                raise HTTPException(401, "metrics need 'Authorization: Bearer <metrics_token>'")
-        body = await h.metrics.render()
-        if "gzip" in request.headers.get("accept-encoding", ""):  # Prometheus asks for it: 1.8 MB -> 0.25 MB at 10k endpoints
-            body = await h.metrics.compress(body)
-            return Response(body, media_type=CONTENT_TYPE_LATEST, headers={"Content-Encoding": "gzip"})
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
-
-    return router

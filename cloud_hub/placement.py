@@ -56,7 +56,7 @@ from scheduler.model import Placement, Prediction
 from scheduler.profiles import Profiles
 
 if TYPE_CHECKING:
-    from cloud_hub.api.schemas import TaskIn
+    from cloud_hub.service.schemas import TaskIn
     from cloud_hub.config import HubConfig
     from cloud_hub.store import SqliteStore
 
@@ -391,7 +391,7 @@ class PlacementService(DispatchObserver):
     def _with_environment(self, info: TaskInfo, environment: dict[str, Any]) -> None:
         """A task whose environment must be built (pip) or pulled (container) costs an endpoint
         that lacks it that build, and the bytes on its link (scheduler/environments.py)."""
-        from mesh_agent.environment import env_id, normalize
+        from mesh_agent.protocol.environment import env_id, normalize
 
         spec = normalize(environment)
         if not spec or not (spec.get("pip") or spec.get("container")):
@@ -845,8 +845,8 @@ class PlacementService(DispatchObserver):
         decisions = [self._decision_row(users[pl.task_id], pl, reqs[pl.task_id]) for pl in moves]
         # The sandbox rule of the submit path holds on the new endpoint too: a task that ran
         # unsandboxed on its submitter's own endpoint is sandboxed on an endpoint someone else owns.
-        from cloud_hub.api.environments import env_for
-        from mesh_agent.environment import decode
+        from cloud_hub.service.environments import env_for
+        from mesh_agent.protocol.environment import decode
 
         owners = await self.store.endpoint_owners_of({pl.endpoint_id for pl in moves})
         new_env = [env_for(decode(envs[pl.task_id]), users[pl.task_id], owners.get(pl.endpoint_id)) for pl in moves]

@@ -15,7 +15,7 @@ from typing import Any
 import uvicorn
 
 from cloud_hub.api.app import create_app
-from cloud_hub.api.hub import Hub
+from cloud_hub.service.hub import Hub
 from cloud_hub.config import HubConfig
 
 __all__ = ["serve", "HubThread", "HubStartError", "listen_summary"]

@@ -65,7 +65,7 @@ def architecture_blob(model: nn.Module) -> bytes:
     next to it travels by value. Weights travel separately, compressed (``fl.wire``)."""
     from mesh_agent.protocol.serialize import serialize
 
-    return serialize(copy.deepcopy(model).to("meta"))
+    return serialize(copy.deepcopy(model).to("meta"), user_modules=True)  # the driver's own modules by value
 
 
 def model_from_blob(blob: bytes, weights: Optional[Sequence[np.ndarray]], device: torch.device) -> nn.Module:

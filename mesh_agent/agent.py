@@ -811,7 +811,7 @@ class Agent:
 
     def _env_refusal(self, env_text: str) -> str | None:
         """Why a task's environment spec cannot run here, or None (checked again: a hub is not trusted)."""
-        from mesh_agent.environment import EnvSpecError, decode
+        from mesh_agent.protocol.environment import EnvSpecError, decode
 
         try:
             decode(env_text)
@@ -969,6 +969,6 @@ def _env_spec(env_text: str | None) -> dict[str, Any] | None:
     """The normalized spec of a stored task (already checked by ``_env_refusal``)."""
     if env_text is None:
         return None
-    from mesh_agent.environment import decode
+    from mesh_agent.protocol.environment import decode
 
     return decode(env_text)

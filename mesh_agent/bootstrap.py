@@ -9,16 +9,15 @@ touch the token again, so a single-use token is all a device needs (``mesh-hub f
 exactly that).
 
 Why retries live here: a Pi's first boot often comes before its link does (slow DHCP, a modem
-still attaching). Transport errors and 5xx answers are retried with capped backoff for
-``MESH_ENROLL_WAIT_S`` seconds; a refusal (4xx: a wrong, expired or used-up token) is final and
-reported at once, without writing anything.
+still attaching). Transport errors and 5xx answers are retried with capped backoff (the one
+policy of mesh_agent/backoff.py) for ``MESH_ENROLL_WAIT_S`` seconds; a refusal (4xx: a wrong,
+expired or used-up token) is final and reported at once, without writing anything.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import random
 import socket
 import time
 from pathlib import Path
@@ -27,11 +26,16 @@ from typing import Callable, Literal, Mapping
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from mesh_agent.backoff import Backoff, retry
 from mesh_agent.config import AgentConfig, ConfigError
 
 __all__ = ["EnvEnrollment", "ENV_VARS", "HubUnreachable", "from_env", "ensure_enrolled"]
 
 log = logging.getLogger("mesh_agent.bootstrap")
+
+#: Enrollment retries (mesh_agent/backoff.py): 4 s doubling to 60 s, times 0.5-1.0, for ``wait_s``
+#: (the deadline is set per call). The last wait is cut to end at the deadline, one last try then.
+_ENROLL = Backoff(base=4.0, cap=60.0, jitter=(0.5, 1.0))
 
 #: Environment variable -> field of :class:`EnvEnrollment`; documented in docs/operations.md.
 ENV_VARS: dict[str, str] = {
@@ -124,28 +128,32 @@ def ensure_enrolled(
         return "configured"
     if settings is None:
         return "none"
-    deadline = time.monotonic() + settings.wait_s
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            cfg: AgentConfig = enroll(
-                settings.hub_url, settings.enroll_token, settings.name, config_path,
-                transport=settings.transport, data_dir=settings.data_dir, workers=settings.workers,
-                prefetch=settings.prefetch, task_timeout=settings.task_timeout, mqtt_host=settings.mqtt_host,
-                mqtt_port=settings.mqtt_port, zmq_address=settings.zmq_address, ca_hash=settings.ca_hash,
-            )
-            log.info("enrolled as %s (%s) with %s", cfg.endpoint_id, settings.name, settings.hub_url)
-            return "enrolled"
-        except httpx.TransportError as exc:
-            why = f"hub {settings.hub_url} unreachable: {exc}"
-        except EnrollError as exc:
-            if exc.status < 500:  # 4xx: refused for good; 5xx: the hub is having a bad moment
-                raise
-            why = str(exc)
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise HubUnreachable(f"could not enroll after {attempt} attempt(s) in {settings.wait_s:g} s: {why}")
-        delay = min(left, min(60.0, 2.0 * 2 ** min(attempt, 5)) * random.uniform(0.5, 1.0))
-        log.warning("enrollment attempt %d failed (%s); retrying in %.0f s", attempt, why, delay)
-        sleep(delay)
+    attempts = 0
+
+    def once() -> AgentConfig:
+        nonlocal attempts
+        attempts += 1
+        return enroll(
+            settings.hub_url, settings.enroll_token, settings.name, config_path,
+            transport=settings.transport, data_dir=settings.data_dir, workers=settings.workers,
+            prefetch=settings.prefetch, task_timeout=settings.task_timeout, mqtt_host=settings.mqtt_host,
+            mqtt_port=settings.mqtt_port, zmq_address=settings.zmq_address, ca_hash=settings.ca_hash,
+        )
+
+    def retryable(exc: BaseException) -> bool:  # 4xx: refused for good; 5xx: the hub is having a bad moment
+        return isinstance(exc, httpx.TransportError) or (isinstance(exc, EnrollError) and exc.status >= 500)
+
+    def why(exc: BaseException) -> str:
+        return f"hub {settings.hub_url} unreachable: {exc}" if isinstance(exc, httpx.TransportError) else str(exc)
+
+    def note(attempt: int, exc: BaseException, delay: float) -> None:
+        log.warning("enrollment attempt %d failed (%s); retrying in %.0f s", attempt, why(exc), delay)
+
+    try:
+        cfg = retry(once, retry_on=retryable, policy=_ENROLL.replace(deadline=settings.wait_s), sleep=sleep, on_retry=note)
+    except (httpx.TransportError, EnrollError) as exc:
+        if not retryable(exc):
+            raise
+        raise HubUnreachable(f"could not enroll after {attempts} attempt(s) in {settings.wait_s:g} s: {why(exc)}") from None
+    log.info("enrolled as %s (%s) with %s", cfg.endpoint_id, settings.name, settings.hub_url)
+    return "enrolled"

@@ -196,7 +196,7 @@ class EnvironmentsSettings(_MaskedRepr):
     @field_validator("prewarm")
     @classmethod
     def _specs(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        from mesh_agent.environment import normalize
+        from mesh_agent.protocol.environment import normalize
 
         out = []
         for i, spec in enumerate(v):

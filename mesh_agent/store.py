@@ -42,7 +42,7 @@ CREATE TABLE IF NOT EXISTS tasks (
     started REAL,
     finished REAL,
     worker_pid INTEGER,
-    env TEXT,  -- the environment spec from the signed task (canonical JSON, mesh_agent/environment.py), or NULL
+    env TEXT,  -- the environment spec from the signed task (canonical JSON, mesh_agent/protocol/environment.py), or NULL
     now INTEGER  -- 1: start at once, outside the pool's count (a multiprocessing Process), or NULL
 );
 CREATE INDEX IF NOT EXISTS tasks_state ON tasks (state, received);

@@ -110,7 +110,7 @@ class TaskInfo:
     #: static attributes shared by whole groups of endpoints (the search index prunes by
     #: group), whereas an id list cuts across groups and is checked per member.
     endpoints: frozenset[str] | None = None
-    #: The task's environment spec id (mesh_agent/environment.py) and what building it costs an
+    #: The task's environment spec id (mesh_agent/protocol/environment.py) and what building it costs an
     #: endpoint that lacks it (scheduler/environments.py); None: the agent's own Python.
     env: str | None = None
     env_cost: Any = None

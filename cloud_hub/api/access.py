@@ -16,7 +16,7 @@ from fastapi import APIRouter, HTTPException, Path, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from cloud_hub.api.deps import HubDep, UserDep
-from cloud_hub.api.hub import Hub
+from cloud_hub.service.hub import Hub
 from mesh_agent.protocol import serialize
 
 __all__ = ["router"]

@@ -28,13 +28,12 @@ from cloud_hub.api import task_groups as task_groups_api
 from cloud_hub.api import cancel as cancel_api
 from cloud_hub.api.task_groups import CODE_METHODS, checked_functions
 from cloud_hub.api.deps import ERRORS, HubDep, UserDep
-from cloud_hub.api.submit import accept, check_size
-from cloud_hub.api.hub import Hub, endpoint_out
+from cloud_hub.api.errors import service_error_response
+from cloud_hub.api.metrics import make_router as metrics_router
 from cloud_hub.api.schemas import (
     BatchIn,
     BatchOut,
     CaOut,
-    EndpointOut,
     EnrollBatchIn,
     EnrollBatchOut,
     EnrollIn,
@@ -46,17 +45,20 @@ from cloud_hub.api.schemas import (
     MqttInfo,
     ResultOut,
     ResultsOut,
-    TaskIn,
     TaskOut,
     TaskStatus,
     WaitIn,
 )
 from cloud_hub.config import HubConfig
 from cloud_hub.console import router as console_router
+from cloud_hub.service.errors import ServiceError
+from cloud_hub.service.hub import Hub, endpoint_out
+from cloud_hub.service.schemas import EndpointOut, TaskIn
+from cloud_hub.service.submit import accept, check_size
 from cloud_hub.store import StoreFull
 from mesh_agent.protocol import SerializationError, function_id, method_of, new_key
 
-__all__ = ["create_app", "Hub"]  # Hub: re-exported for callers of the older path
+__all__ = ["create_app"]
 
 log = logging.getLogger("cloud_hub")
 
@@ -109,10 +111,12 @@ def create_app(cfg: HubConfig) -> FastAPI:
         log.error("refused %s %s: %s", request.method, request.url.path, exc)
         return JSONResponse(status_code=507, content={"detail": str(exc)})
 
+    # A refusal of the service layer (cloud_hub/service/errors.py): its status, detail and headers,
+    # as the HTTPException the routes raised when these rules lived here.
+    app.add_exception_handler(ServiceError, service_error_response)
+
     app.include_router(scheduler_api.router)
     app.include_router(console_router)  # web console at /console (docs/console.md)
-    from cloud_hub.metrics import make_router as metrics_router
-
     app.include_router(metrics_router())  # Prometheus at /metrics (docs/operations.md, "Monitoring")
 
     # Health for load balancers and systemd; no token needed (they reveal no user data).

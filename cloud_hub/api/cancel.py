@@ -15,16 +15,15 @@
 from __future__ import annotations
 
 import re
-import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from cloud_hub.api.deps import ERRORS, HubDep, UserDep
-from cloud_hub.api.hub import Hub
+from cloud_hub.service.cancel import cancel
 
-__all__ = ["router", "cancel"]
+__all__ = ["router"]
 
 router = APIRouter(tags=["tasks"])
 
@@ -74,22 +73,6 @@ def _check_ids(ids: list[Any]) -> list[str]:
         if not isinstance(t, str) or not _TASK_ID.match(t):
             raise HTTPException(422, f"task_ids[{i}]: {str(t)[:80]!r} is not a task id (32 hex digits)")
     return ids
-
-
-async def cancel(h: Hub, user: str, ids: list[str] | None = None, group: str | None = None) -> dict[str, Any]:
-    """Cancel by ids (all the caller's, else 404 and nothing changes) or a whole group's unfinished tasks."""
-    from cloud_hub.store.sqlite import UnknownTask
-
-    now = time.time()
-    try:
-        out = await h.store.cancel_tasks(user, ids, group=group, now=now)
-    except UnknownTask as exc:
-        raise HTTPException(404, f"{exc}; nothing was cancelled") from None
-    if out["fresh"]:
-        h.bus.notify({user})
-        h.placement.tasks_ended(out["fresh"], now)
-    h.dispatcher.note_cancelled(out["fresh"], out["endpoints"])
-    return out
 
 
 @router.post("/v1/tasks/cancel", response_model=CancelOut, responses=ERRORS)

@@ -9,9 +9,9 @@ from typing import Annotated, Any
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from cloud_hub.api.hub import Hub
 from cloud_hub.api.schemas import ErrorOut
 from cloud_hub.globus_auth import GlobusUnavailable
+from cloud_hub.service.hub import Hub
 
 __all__ = ["ERRORS", "HubDep", "UserDep", "current_user", "hub_of"]
 

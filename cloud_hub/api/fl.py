@@ -110,7 +110,7 @@ async def get_run(run_id: str, h: HubDep, user: UserDep) -> dict[str, Any]:
 
 @router.put("/runs/{run_id}/rounds/{round}")
 async def put_round(run_id: str, round: int, body: RoundIn, h: HubDep, user: UserDep) -> dict[str, Any]:
-    from fl.wire import WireError, decode_weights
+    from mesh_agent.protocol.weights import WireError, decode_weights  # numpy: loaded with the first checkpoint
 
     if body.record.round != round:
         raise HTTPException(422, f"record.round is {body.record.round} but the path says round {round}")

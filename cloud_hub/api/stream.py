@@ -5,7 +5,7 @@ poll that is re-issued after each answer; on a 2-core box those hops were most o
 of the warm round trip. The stream keeps one authenticated connection open and pushes each result
 as soon as it is stored.
 
-Durability is the REST path's, unchanged: a submit frame goes through the same ``accept`` (cloud_hub/api/submit.py) (same
+Durability is the REST path's, unchanged: a submit frame goes through the same ``accept`` (cloud_hub/service/submit.py) (same
 validation, placement, idempotency key, one transaction) and is answered ``accepted`` only after
 that transaction committed. Results are read from the store after the cursor the client names in
 its ``hello``, so a reconnecting client gets everything it may have missed again (at least once);
@@ -28,10 +28,12 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
-from cloud_hub.api.hub import Hub
+from cloud_hub.api.errors import http_error
 from cloud_hub.api.schemas import BatchIn
-from cloud_hub.api.submit import accept
 from cloud_hub.globus_auth import GlobusUnavailable
+from cloud_hub.service.errors import ServiceError
+from cloud_hub.service.hub import Hub
+from cloud_hub.service.submit import accept
 from cloud_hub.store import StoreFull
 
 __all__ = ["router", "STREAM_VERSION", "MAX_FRAME", "CLOSE_AUTH", "CLOSE_BAD_FRAME", "CLOSE_TRY_LATER"]
@@ -212,9 +214,10 @@ class _Conn:
             ids, eps = await accept(h, self.user, body.tasks, body.idempotency_key, functions=functions, group=body.task_group_id)
         except ValidationError as exc:
             return {"op": "refused", "ref": ref, "status": 422, "detail": _validation_detail(exc)}
-        except HTTPException as exc:
-            out = {"op": "refused", "ref": ref, "status": exc.status_code, "detail": str(exc.detail)}
-            retry = (exc.headers or {}).get("Retry-After")
+        except (HTTPException, ServiceError) as exc:
+            http = http_error(exc) if isinstance(exc, ServiceError) else exc  # the answer REST would give
+            out = {"op": "refused", "ref": ref, "status": http.status_code, "detail": str(http.detail)}
+            retry = (http.headers or {}).get("Retry-After")
             if retry is not None:  # 429 at a queue bound: when to send the same batch (same key) again
                 out["retry_after"] = float(retry)
             return out

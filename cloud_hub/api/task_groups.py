@@ -4,7 +4,7 @@ A batch may carry ``{"functions": {id: {"name", "body"}}}`` for bodies the hub h
 SDK never makes a registration round trip inside ``submit()``. Each id must be the SHA-256 of its
 body and each body serialized code within the payload limit; a bad one refuses the whole batch
 (4xx, one line) before anything is stored. Good ones are stored in the transaction that inserts
-the tasks.
+the tasks (``function_writer``, cloud_hub/service/submit.py).
 
 A batch may also carry a ``task_group_id``; the caller lists that group's tasks later (a new
 process re-attaching futures to tasks an earlier one submitted: ``Executor.reload_tasks``).
@@ -20,7 +20,7 @@ from cloud_hub.api.deps import HubDep, UserDep
 from cloud_hub.api.schemas import BatchFunction, GroupTask, GroupTasksOut
 from mesh_agent.protocol import SerializationError, function_id, method_of
 
-__all__ = ["router", "CODE_METHODS", "checked_functions", "function_writer"]
+__all__ = ["router", "CODE_METHODS", "checked_functions"]
 
 router = APIRouter(prefix="/v1/task-groups", tags=["tasks"])
 
@@ -45,20 +45,6 @@ def checked_functions(h: Any, functions: dict[str, BatchFunction] | None) -> dic
             raise HTTPException(422, f"function {short}: the id is not the SHA-256 of its body (the id is computed, never chosen)")
         out[fid] = (f.name, f.body)
     return out
-
-
-def function_writer(user: str, functions: dict[str, tuple[str, bytes]]) -> Any:
-    """Stores the batch's bodies inside the transaction that inserts its tasks."""
-
-    def q(db: Any) -> None:
-        import time
-
-        now = time.time()
-        for fid, (name, body) in functions.items():
-            db.execute("INSERT OR IGNORE INTO functions (id, body, name, created) VALUES (?, ?, ?, ?)", (fid, body, name, now))
-            db.execute("INSERT OR IGNORE INTO function_owners (function_id, user_id) VALUES (?, ?)", (fid, user))
-
-    return q
 
 
 GroupId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]

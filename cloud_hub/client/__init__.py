@@ -10,19 +10,16 @@
 Globus Compute scripts: ``from cloud_hub.client.globus_compute import Executor, ShellFunction``.
 """
 
-import sys as _sys
-
+# Importing the SDK changes no process-wide setting: arguments that name the user's own modules go
+# by value because the SDK asks for it in each call (``serialize(..., user_modules=True)``,
+# ``Client.task_spec``), not through a flag that would also change an agent's worker that loads
+# the SDK to resolve a ref.
+from cloud_hub.client._async import AsyncExecutor
+from cloud_hub.client._client import AuthError, Client, HubError, HubUnreachable, NotAHub
+from cloud_hub.client._config import ConfigError
+from cloud_hub.client._executor import Executor, SubmitTimeout
+from cloud_hub.client._results import RemoteExecutionError, RemoteTraceback
 from mesh_agent.protocol.serialize import by_value
-
-# The SDK sends arguments that name the user's own modules by value (an agent need not look).
-# (By sys.modules: the package attribute ``serialize`` is the function, not the module.)
-_sys.modules["mesh_agent.protocol.serialize"].detect_user_modules_in_data = True
-
-from cloud_hub.client._async import AsyncExecutor  # noqa: E402
-from cloud_hub.client._client import AuthError, Client, HubError, HubUnreachable, NotAHub  # noqa: E402
-from cloud_hub.client._config import ConfigError  # noqa: E402
-from cloud_hub.client._executor import Executor, SubmitTimeout  # noqa: E402
-from cloud_hub.client._results import RemoteExecutionError, RemoteTraceback  # noqa: E402
 
 __all__ = ["AsyncExecutor", "AuthError", "Client", "ConfigError", "Executor", "HubError", "HubUnreachable", "NotAHub",
            "RemoteExecutionError", "RemoteTraceback", "SubmitTimeout", "by_value"]

@@ -294,8 +294,9 @@ class Client(FLRunsMixin):
                   constraints: dict[str, Any] | None = None) -> dict[str, Any]:
         """One task for ``submit_batch``. ``endpoint_id``: an id, ``"auto"``, a list of ids or
         ``{"tags": [...]}``; ``constraints``: ``{"tags": [...], "gpu": True, "min_memory_mb": N}``."""
+        # user_modules: arguments naming the program's own modules (not installed on endpoints) go by value
         spec: dict[str, Any] = {"endpoint_id": selector(endpoint_id), "function_id": function_id,
-                                "args": _b64(serialize((tuple(args), kwargs or {})))}
+                                "args": _b64(serialize((tuple(args), kwargs or {}), user_modules=True))}
         if timeout_s is not None:
             spec["timeout_s"] = timeout_s
         if ttl_s is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Mapping
 
-from mesh_agent.environment import EnvSpecError, normalize
+from mesh_agent.protocol.environment import EnvSpecError, normalize
 
 __all__ = ["ENV_KEYWORDS", "EnvSpecError", "env_options", "pop_env_options", "merge_env"]
 

@@ -31,6 +31,7 @@ from cloud_hub.client._env import env_options, merge_env, pop_env_options
 from cloud_hub.client._memo import ENV_FIELDS, Inflight, MemoOptions, key_for, pop_options
 from cloud_hub.client._results import decode_row
 from cloud_hub.client._stream import FrameTooBig, HubStream
+from mesh_agent.backoff import Backoff, retry
 from mesh_agent.protocol.bodies import TASK_CANCELLED
 
 __all__ = ["Executor", "SubmitTimeout"]
@@ -42,9 +43,24 @@ _ORPHAN_TTL_S = 300.0
 _RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504, 507})
 
 
-def _backoff(attempt: int, retry_after: float | None = None) -> float:
-    """Full-jitter exponential backoff, 0.1 s doubling to 5 s (at least what the hub asked for)."""
-    return max(retry_after or 0.0, random.uniform(0, min(5.0, 0.1 * 2 ** min(attempt, 8))))
+#: Submits, cancels and the store-URL lookup retried through a hub restart (mesh_agent/backoff.py):
+#: full jitter, up to 0.2 s doubling to 5 s, within a budget set per call (``submit_timeout_s``).
+#: A Retry-After the hub sent is waited at least; one that does not fit in the budget ends it.
+_HUB_RETRY = Backoff(base=0.2, cap=5.0, jitter=(0.0, 1.0))
+#: The REST result reader reconnecting: 0.2 s doubling to 5 s, times 0.5-1.5, back to 0.2 s after
+#: a good poll. No bound: results are durable at the hub and the reader runs until shut down.
+_READ_RETRY = Backoff(base=0.2, cap=5.0, jitter=(0.5, 1.5))
+
+
+def _retry_after(exc: BaseException) -> float | None:
+    """What a HubError asked for (Retry-After), else None."""
+    value = getattr(exc, "retry_after", None)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _retryable(exc: BaseException) -> bool:
+    """The hub is unreachable, or answered with a status worth sending the same request again."""
+    return isinstance(exc, HubUnreachable) or (isinstance(exc, HubError) and exc.status in _RETRY_STATUS)
 
 
 def mark_cancelled(f: "Future[Any]") -> bool:
@@ -327,20 +343,19 @@ class Executor(_Executor):
         now = time.monotonic()
         if self._store_url is not None and now - self._store_url[1] < _STORE_URL_TTL_S:
             return self._store_url[0]
-        attempt = 0
-        while True:
+        tries = _HUB_RETRY.replace(deadline=max(0.0, self.submit_timeout_s)).start()
+        while True:  # bounded: ``tries`` ends it at submit_timeout_s
             try:
                 url = str(self.client.request("GET", "/v1/kv")["url"])
                 break
             except (HubUnreachable, HubError) as exc:
-                if isinstance(exc, HubError) and exc.status not in _RETRY_STATUS:
+                if not _retryable(exc):
                     raise
-                attempt += 1
-                delay = _backoff(attempt, getattr(exc, "retry_after", None))
-                if time.monotonic() - now + delay > self.submit_timeout_s:
+                delay = tries.next_delay(_retry_after(exc) or 0.0)
+                if delay is None:
                     raise SubmitTimeout(f"the hub's store URL, needed to pass a Future as an argument, could not be had within "
-                                        f"submit_timeout_s={self.submit_timeout_s:g} ({attempt} attempts); last error: {exc}") from None
-                time.sleep(delay)
+                                        f"submit_timeout_s={self.submit_timeout_s:g} ({tries.failures} attempts); last error: {exc}") from None
+            time.sleep(delay)
         self._store_url = (url, time.monotonic())
         return url
 
@@ -458,21 +473,10 @@ class Executor(_Executor):
         return out
 
     def _retry_hub(self, call: Callable[[], Any]) -> Any:
-        """A cancel request, retried with backoff through a hub restart (it is idempotent)."""
-        started = time.monotonic()
-        budget = min(self.submit_timeout_s, 30.0)
-        attempt = 0
-        while True:
-            try:
-                return call()
-            except (HubUnreachable, HubError) as exc:
-                if isinstance(exc, HubError) and exc.status not in _RETRY_STATUS:
-                    raise
-                attempt += 1
-                delay = _backoff(attempt, getattr(exc, "retry_after", None))
-                if time.monotonic() - started + delay > budget:
-                    raise
-                time.sleep(delay)
+        """A cancel request, retried with backoff through a hub restart (it is idempotent), for at
+        most ``submit_timeout_s`` or 30 s; then the last error."""
+        policy = _HUB_RETRY.replace(deadline=max(0.0, min(self.submit_timeout_s, 30.0)))
+        return retry(call, retry_on=_retryable, policy=policy, wait_hint=_retry_after)
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
         # Leaving on an error must not block forever on remote tasks that may never finish.
@@ -551,13 +555,13 @@ class Executor(_Executor):
 
     def _post(self, batch: list[_Item]) -> None:
         """One batch, retried with the same idempotency key until accepted, refused for good, or
-        out of ``submit_timeout_s``. Full-jitter exponential backoff (0.1 s doubling to 5 s)."""
+        out of ``submit_timeout_s``. Full-jitter exponential backoff (``_HUB_RETRY``)."""
         key = uuid.uuid4().hex
-        started = time.monotonic()
-        attempt = 0
+        tries = _HUB_RETRY.replace(deadline=max(0.0, self.submit_timeout_s)).start()
         resent_bodies = False
-        throttled = 0.0  # time spent waiting as the hub asked (429): not counted against submit_timeout_s
         refusals = 0
+        # Bounded by ``tries`` (submit_timeout_s), except for 429s: the hub is up and sets the pace
+        # of those itself, as often as it asks (docs/sdk.md, "Over a queue bound").
         while True:
             functions = {it.fid: (it.name, it.body) for it in batch if it.body is not None and not self.client.knows(it.fid)}
             try:
@@ -582,20 +586,19 @@ class Executor(_Executor):
                     delay = (getattr(exc, "retry_after", None) or 1.0) * random.uniform(1.0, 1.25)
                     if refusals == 1 or refusals % 20 == 0:
                         log.info("hub is at a queue bound (%s); resubmitting %d task(s) in %.1f s", exc, len(batch), delay)
-                    throttled += delay
+                    tries.pause(delay)  # not counted against submit_timeout_s
                     time.sleep(delay)
                     continue
-                attempt += 1
-                delay = _backoff(attempt)
-                spent = time.monotonic() - started - throttled
-                if spent + delay > self.submit_timeout_s:
+                spent = tries.elapsed
+                got = tries.next_delay()
+                if got is None:
                     self._fail(batch, SubmitTimeout(f"the hub did not accept {len(batch)} task(s) within submit_timeout_s="
-                                                    f"{self.submit_timeout_s:g} ({attempt} attempts); last error: {exc}"))
+                                                    f"{self.submit_timeout_s:g} ({tries.failures} attempts); last error: {exc}"))
                     return
-                if attempt == 1 or attempt % 10 == 0:
+                if tries.failures == 1 or tries.failures % 10 == 0:
                     log.warning("submit of %d task(s) not accepted yet (%s); retrying for up to %.0f s more",
                                 len(batch), exc, self.submit_timeout_s - spent)
-                time.sleep(delay)
+                time.sleep(got)
             except Exception as exc:  # anything else (a bug, a TLS error) fails the batch with its reason
                 self._fail(batch, exc)
                 return
@@ -689,7 +692,7 @@ class Executor(_Executor):
             if self._stream.run(self):  # served until shutdown
                 return
             self._stream = None  # the hub offers no stream: REST from here on
-        backoff = 0.2
+        failed = 0  # polls failed since the last good one; no bound: the reader runs until shut down
         while True:
             with self._lock:
                 idle = not self._pending
@@ -701,10 +704,10 @@ class Executor(_Executor):
                 continue
             try:
                 rows, cursor = self.client.result_stream(self._cursor, timeout_s=10.0)
-                backoff = 0.2
+                failed = 0
             except Exception as exc:  # hub restarting or link down: keep waiting, results are durable
                 log.warning("result stream interrupted (%s); retrying", exc)
-                time.sleep(backoff * random.uniform(0.5, 1.5))
-                backoff = min(backoff * 2, 5.0)
+                time.sleep(_READ_RETRY.delay(failed))
+                failed += 1
                 continue
             self._deliver(rows, cursor)

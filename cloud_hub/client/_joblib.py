@@ -42,7 +42,7 @@ class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
         if n_jobs is None:
             n_jobs = self.default_n_jobs
         if n_jobs < 0:
-            from cloud_hub.client.multiprocessing import cpu_count
+            from cloud_hub.client.multiprocessing.pool import cpu_count
 
             try:
                 total = cpu_count()
@@ -58,9 +58,9 @@ class MeshBackend(AutoBatchingMixin, ParallelBackendBase):
         return self.effective_n_jobs(n_jobs)
 
     def submit(self, func: Callable[[], Any], callback: Callable[[Any], Any] | None = None) -> Any:
-        from cloud_hub.client.multiprocessing import _state
+        from cloud_hub.client.multiprocessing import _runner
 
-        fut = _state.executor().submit(_call, func)
+        fut = _runner.executor().submit(_call, func)
         self._futures = [f for f in self._futures if not f.done()] + [fut]
         if callback is not None:
             fut.add_done_callback(callback)

@@ -14,7 +14,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from cloud_hub.memo import MemoKeyError, bound_arguments, memo_key
+from mesh_agent.protocol.memo import MemoKeyError, bound_arguments, memo_key
 
 __all__ = ["ENV_FIELDS", "MemoKeyError", "MemoOptions", "pop_options", "Inflight", "key_for"]
 

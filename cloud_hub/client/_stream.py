@@ -19,21 +19,38 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import socket
 import ssl
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cloud_hub.client._client import AuthError, HubError, HubUnreachable
+from mesh_agent.backoff import Backoff
 
 if TYPE_CHECKING:
     from cloud_hub.client._client import Client
-    from cloud_hub.client._executor import Executor
 
 __all__ = ["HubStream", "StreamUnavailable", "FrameTooBig", "stream_url"]
 
 log = logging.getLogger("cloud_hub.client")
+
+#: Opening the stream again after it failed (mesh_agent/backoff.py): 0.1 s doubling to 5 s, times
+#: 0.5-1.5, back to 0.1 s after a good connection. No bound: the reader lives until the Executor's
+#: shutdown (results keep flowing over REST meanwhile).
+_CONNECT_RETRY = Backoff(base=0.1, cap=5.0, jitter=(0.5, 1.5))
+
+class Reader(Protocol):
+    """What the stream needs of the Executor that reads through it (``cloud_hub.client._executor``,
+    which imports this module: named here by what it does, so the import goes one way)."""
+
+    _cursor: int
+
+    def _reading_done(self) -> bool: ...
+
+    def _deliver(self, rows: list[dict[str, Any]], cursor: int) -> None: ...
+
+    def _rest_results_once(self, wait_s: float) -> None: ...
+
 
 CLOSE_AUTH = 4401  # same codes as cloud_hub/api/stream.py (the SDK does not import the hub)
 CLOSE_BAD_FRAME = 4400
@@ -141,10 +158,10 @@ class HubStream:
         return w.answer
 
     # ------------------------------------------------------------------ reader side
-    def run(self, ex: "Executor") -> bool:
+    def run(self, ex: Reader) -> bool:
         """Serve ``ex``'s results until it is shut down and has nothing pending (True), or until it
         is clear the hub has no stream (False: the caller reads over REST from ``ex._cursor``)."""
-        backoff = 0.1
+        failed = 0  # connects failed since the last good one; no bound: the reader runs until shut down
         while True:
             if ex._reading_done():
                 self._drop()
@@ -169,15 +186,15 @@ class HubStream:
                 # not die while futures wait on it (they would never complete); retry with backoff.
                 if not isinstance(exc, (HubUnreachable, AuthError)):
                     log.warning("opening the stream to the hub failed unexpectedly", exc_info=True)
-                delay = backoff * random.uniform(0.5, 1.5)
-                backoff = min(backoff * 2, 5.0)
+                delay = _CONNECT_RETRY.delay(failed)
+                failed += 1
                 if self.connects:
                     log.warning("stream to the hub not connected (%s); retrying in %.1f s", exc, delay)
                 ex._rest_results_once(delay)  # results keep flowing (or this waits out the delay)
                 continue
-            backoff = 0.1
+            failed = 0
 
-    def _serve(self, ex: "Executor") -> None:
+    def _serve(self, ex: Reader) -> None:
         ws = self._ws
         while True:
             if ex._reading_done():

@@ -15,7 +15,8 @@ Tiers (``put(..., tier=)``, docs/data.md):
 * ``local``: the producing agent's own store (memory plus refs.sqlite3 in its data directory).
   A consumer on the same endpoint reads it there: no link crossed. A consumer elsewhere (or
   ``refs.get`` in the program) has it staged through the shared store by the producing
-  endpoint (cloud_hub.client._localrefs). Survives the agent's restart.
+  endpoint (the stager of mesh_agent.refstore; the keys: mesh_agent.protocol.refs). Survives the
+  agent's restart.
 * ``shared``: the shared store, reached by every endpoint: a Redis (``MESH_REDIS_URL``) or, when
   none is configured, the hub's embedded store (``GET /v1/kv``).
 * ``auto`` (default): ``local`` in a task on an agent, ``shared`` in the program.
@@ -43,9 +44,11 @@ import pickle
 import socket
 import sys
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from mesh_agent import refstore
+from mesh_agent.protocol.refs import READY, STAGE_LOST, STAGED, new_ref_key, owner_of, stage_list
 
 __all__ = ["MeshRef", "RefError", "Store", "TaskOutput", "TIERS", "put", "get", "delete", "resolve"]
 
@@ -102,9 +105,7 @@ class Store:
         return (Store, (self.url,))
 
     def _r(self) -> Any:
-        from cloud_hub.client.multiprocessing._resource import connection
-
-        return connection(self.url)
+        return refstore.connection(self.url)
 
     def put(self, value: Any, ttl_s: float = DEFAULT_TTL_S, max_bytes: int | None = None, tier: str = "auto") -> MeshRef:
         """Store ``value``; returns its ref. Refused (nothing stored) past the size limit, with
@@ -116,9 +117,7 @@ class Store:
             raise ValueError(f"tier must be one of {', '.join(TIERS)}, not {tier!r}")
         if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not 0 < ttl_s <= MAX_TTL_S:
             raise ValueError(f"ttl_s must be in (0, {MAX_TTL_S:g}] seconds, not {ttl_s!r}")
-        from cloud_hub.client import _localrefs
-
-        local = _localrefs.local_store() if tier in ("auto", "local") else None
+        local = refstore.local_store() if tier in ("auto", "local") else None
         if tier == "local" and local is None:
             raise ValueError("tier='local' is the producing agent's own store: use it in a task on an agent "
                              "(here, use tier='shared' or 'auto')")
@@ -127,19 +126,19 @@ class Store:
         if len(blob) > limit:
             raise ValueError(f"value is {len(blob)} bytes serialized, over the ref size limit of {limit} bytes "
                              "(max_bytes= or MESH_REF_MAX_BYTES); split it or move it as a file")
-        key = f"mesh:ref:{uuid.uuid4().hex}"
+        key = new_ref_key()
         producer = _producer()
         expires = time.time() + ttl_s
         if local is not None:
             try:
-                local.put(key, blob, producer, expires, _localrefs.owner_of(self.url), self.url)
-            except _localrefs.LocalFull:
+                local.put(key, blob, producer, expires, owner_of(self.url), self.url)
+            except refstore.LocalFull:
                 if tier == "local":
                     raise
             else:
-                _localrefs.ensure_stager(self.url)
+                refstore.ensure_stager(self.url)
                 return MeshRef(key, self.url, len(blob), producer, expires, "local",
-                               {"endpoint": _localrefs.endpoint_id(), "sha256": hashlib.sha256(blob).hexdigest()})
+                               {"endpoint": refstore.endpoint_id(), "sha256": hashlib.sha256(blob).hexdigest()})
         r = self._r()
         pipe = r.pipeline()
         pipe.set(key, blob, px=int(ttl_s * 1000))
@@ -164,14 +163,13 @@ class Store:
     def delete(self, ref: MeshRef) -> None:
         """Delete the value (a local ref: on its own endpoint; elsewhere only its staged copy,
         and the producer's copy goes at its TTL)."""
-        from cloud_hub.client import _localrefs
         from cloud_hub.client.multiprocessing._resource import retrying
 
         if ref.tier == "local":
-            local = _localrefs.local_store()
-            if local is not None and ref.meta.get("endpoint") == _localrefs.endpoint_id():
-                local.delete(ref.key, _localrefs.owner_of(ref.url))
-            retrying(self.url, lambda: self._r().delete(ref.key + ":staged"))
+            local = refstore.local_store()
+            if local is not None and ref.meta.get("endpoint") == refstore.endpoint_id():
+                local.delete(ref.key, owner_of(ref.url))
+            retrying(self.url, lambda: self._r().delete(ref.key + STAGED))
             return
         retrying(self.url, lambda: self._r().delete(ref.key, ref.key + ":by"))
 
@@ -234,27 +232,46 @@ def _via_site(ref: MeshRef, fetch: Any) -> bytes:
 
 def _local_blob(ref: MeshRef) -> bytes:
     """A local-tier ref's bytes: from this endpoint's own store, or staged through the shared one."""
-    from cloud_hub.client import _localrefs
-
     ep = ref.meta.get("endpoint")
-    if ep is not None and ep == _localrefs.endpoint_id():
-        local = _localrefs.local_store()
-        hit = local.get(ref.key, _localrefs.owner_of(ref.url)) if local is not None else None
+    if ep is not None and ep == refstore.endpoint_id():
+        local = refstore.local_store()
+        hit = local.get(ref.key, owner_of(ref.url)) if local is not None else None
         if hit is None:
             raise _gone(ref, f"not in the local store of endpoint {ep}")
-        _localrefs.ensure_stager(ref.url)  # this endpoint holds local refs: serve them to others too
+        refstore.ensure_stager(ref.url)  # this endpoint holds local refs: serve them to others too
         return hit[0]
     if time.time() >= ref.expires:
         raise _gone(ref, f"its TTL ran out (it was in the local store of endpoint {ep})")
 
     def staged() -> bytes:
-        blob, why = _localrefs.stage_in(ref.url, ref.key, str(ep), float(os.environ.get("MESH_REF_STAGE_S", "30")))
+        blob, why = _stage_in(ref.url, ref.key, str(ep), float(os.environ.get("MESH_REF_STAGE_S", "30")))
         if blob is None:
             raise RefError(f"{ref.key} ({ref.size} B, put by {ref.producer}) is in the local store of endpoint {ep} and could not "
                            f"be staged: {why}")
         return blob
 
     return _via_site(ref, staged)
+
+
+def _stage_in(url: str, key: str, producer_ep: str, timeout_s: float) -> tuple[bytes | None, str]:
+    """From another endpoint or the program: the value of a local ref on ``producer_ep``, copied
+    through the shared store by that endpoint's stager (mesh_agent.refstore). Returns (blob, "")
+    or (None, why)."""
+    from cloud_hub.client.multiprocessing._resource import retrying
+
+    r = refstore.connection(url)
+    blob = retrying(url, lambda: r.get(key + STAGED))
+    if blob is not None:
+        return blob, ""
+    retrying(url, lambda: r.rpush(stage_list(producer_ep), key))
+    got = retrying(url, lambda: r.blpop([key + READY], timeout=timeout_s))
+    if got is None:
+        return None, (f"endpoint {producer_ep} did not stage it within {timeout_s:g} s (it is offline, or no worker "
+                      "that used refs is alive there; MESH_REF_STAGE_S)")
+    if got[1] == STAGE_LOST.encode():
+        return None, f"endpoint {producer_ep} no longer has it (expired, deleted, or its data directory was wiped)"
+    blob = retrying(url, lambda: r.get(key + STAGED))
+    return (blob, "") if blob is not None else (None, "its staged copy expired before it was read")
 
 
 @dataclass(frozen=True)
@@ -267,10 +284,10 @@ class TaskOutput:
     url: str
 
     def fetch(self) -> Any:
-        from cloud_hub.client.multiprocessing._resource import connection, retrying
+        from cloud_hub.client.multiprocessing._resource import retrying
         from mesh_agent.protocol.serialize import deserialize
 
-        got = retrying(self.url, lambda: connection(self.url).execute_command("MESH.RESULT", self.task_id))
+        got = retrying(self.url, lambda: refstore.connection(self.url).execute_command("MESH.RESULT", self.task_id))
         if not got:
             raise RefError(f"the result of task {self.task_id} (an argument of this task) is not in the hub: "
                            "it expired (result_ttl_s), or the task is not yours")

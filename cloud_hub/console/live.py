@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 from cloud_hub.console import queries
 
 if TYPE_CHECKING:
-    from cloud_hub.api.hub import Hub
+    from cloud_hub.service.hub import Hub
 
 __all__ = ["Live", "TooManyStreams", "BUCKET_S", "BUCKETS", "endpoint_view"]
 
@@ -48,7 +48,7 @@ class TooManyStreams(RuntimeError):
 def endpoint_view(hub: "Hub", e: dict[str, Any]) -> tuple[bool, dict[str, Any], float | None]:
     """(online, info, last seen) of a store row, exactly as ``GET /v1/endpoints`` reports them
     (the live session when this hub holds it; with replicas, the shared row while it is fresh)."""
-    from cloud_hub.api.hub import endpoint_out as _endpoint_out
+    from cloud_hub.service.hub import endpoint_out as _endpoint_out
 
     out = _endpoint_out(hub, e)
     return out.online, out.info, out.last_seen

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 if TYPE_CHECKING:
     from fastapi import APIRouter
 
-    from cloud_hub.api.hub import Hub
+    from cloud_hub.service.hub import Hub
 
 __all__ = ["OptionalPage", "Helpers", "OPTIONAL_PAGES", "optional_extras", "add_routes"]
 

@@ -19,7 +19,7 @@ from cloud_hub.console.optional import Helpers, OptionalPage
 from cloud_hub.console.views import fmt_duration, render
 
 if TYPE_CHECKING:
-    from cloud_hub.api.hub import Hub
+    from cloud_hub.service.hub import Hub
 
 __all__ = ["PAGE"]
 

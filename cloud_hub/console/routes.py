@@ -27,7 +27,7 @@ from cloud_hub.console.views import HERE, fmt_duration, render, secure
 from cloud_hub.store.availability import events_between
 
 if TYPE_CHECKING:
-    from cloud_hub.api.hub import Hub
+    from cloud_hub.service.hub import Hub
 
 __all__ = ["router"]
 

@@ -172,7 +172,7 @@ MIGRATIONS: list[tuple[int, str]] = [
         -- Fair dispatch (cloud_hub/admission.py): a shared endpoint's queue is read per (user,
         -- function) flow, oldest first within each, so the hub can take turns between users.
         CREATE INDEX tasks_flow ON tasks (endpoint_id, state, user_id, function_id, created);
-        -- Memoization (cloud_hub/memo.py, docs/sdk.md): the client's cache key of a task submitted with
+        -- Memoization (mesh_agent/protocol/memo.py, docs/sdk.md): the client's cache key of a task submitted with
         -- cache=True. A successful result of such a task answers later submits with the same key.
         ALTER TABLE tasks ADD COLUMN memo_key TEXT;
         CREATE TABLE memo (
@@ -191,7 +191,7 @@ MIGRATIONS: list[tuple[int, str]] = [
         11,
         """
         -- Execution environments (docs/environments.md): the task's environment spec as canonical
-        -- JSON (mesh_agent/environment.py), NULL for the agent's own Python. It rides in the signed
+        -- JSON (mesh_agent/protocol/environment.py), NULL for the agent's own Python. It rides in the signed
         -- task frame, so neither a gateway nor the broker can change it.
         ALTER TABLE tasks ADD COLUMN env TEXT;
         """,

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import re
 import threading
 import time
@@ -39,6 +38,7 @@ from functools import lru_cache
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 from cloud_hub.store.sqlite import SqliteStore, StoreError, StoreFull, _statements, pending_migrations
+from mesh_agent.backoff import Backoff, retry
 
 __all__ = ["PostgresStore", "to_pg_sql", "to_pg_ddl"]
 
@@ -46,6 +46,12 @@ log = logging.getLogger("cloud_hub.store.postgres")
 T = TypeVar("T")
 
 _RETRIES = 30
+#: A transaction that lost a serialization conflict or a deadlock (mesh_agent/backoff.py): 2 ms
+#: doubling to 0.25 s, times 0.5-1.5 so replicas that collided do not collide again, 30 tries.
+_TX_RETRY = Backoff(base=0.002, cap=0.25, jitter=(0.5, 1.5), max_tries=_RETRIES)
+#: The LISTEN connection reconnecting after the server went away: 0.2 s doubling to 5 s, no jitter,
+#: back to 0.2 s after a good connection. No bound: the listener lives until the store closes.
+_LISTEN_RETRY = Backoff(base=0.2, cap=5.0, jitter=(1.0, 1.0))
 _RESULTS_LOCK = 0x6D657368  # advisory lock key ("mesh") serializing writes to results
 _MIGRATE_LOCK = 0x6D657369
 
@@ -163,7 +169,9 @@ class PostgresStore(SqliteStore):
     def _tx(self, fn: Callable[..., T], *args: Any, durable: bool = True, isolation: str = "SERIALIZABLE") -> T:
         import psycopg.errors as pe
 
-        for attempt in range(_RETRIES):
+        conflicts = (pe.SerializationFailure, pe.DeadlockDetected)
+
+        def once() -> T:
             db = self._conn()
             db.raw.execute(f"BEGIN ISOLATION LEVEL {isolation}")
             try:
@@ -172,18 +180,24 @@ class PostgresStore(SqliteStore):
                 out = fn(db, *args)
                 db.raw.execute("COMMIT")
                 return out
-            except (pe.SerializationFailure, pe.DeadlockDetected):
+            except conflicts:
                 db.raw.execute("ROLLBACK")
-                self.stats["serialization_retries"] += 1
-                # capped exponential backoff with jitter: replicas that collided must not collide again
-                time.sleep(min(0.25, 0.002 * 2 ** min(attempt, 8)) * random.uniform(0.5, 1.5))
+                raise
             except BaseException as exc:
                 if not db.raw.closed and not db.raw.broken:
                     db.raw.execute("ROLLBACK")
                 if isinstance(exc, pe.DiskFull):
                     raise StoreFull(f"PostgreSQL {_safe(self.url)}: the server's disk is full; nothing was written") from None
                 raise
-        raise StoreError(f"transaction still conflicting after {_RETRIES} attempts")
+
+        def conflicted(_n: int, _exc: BaseException, _delay: float) -> None:
+            self.stats["serialization_retries"] += 1
+
+        try:
+            return retry(once, retry_on=conflicts, policy=_TX_RETRY, on_retry=conflicted)
+        except conflicts:
+            self.stats["serialization_retries"] += 1
+            raise StoreError(f"transaction still conflicting after {_RETRIES} attempts") from None
 
     async def _tx_rc(self, fn: Callable[..., T], *, durable: bool = True) -> T:
         """READ COMMITTED, for statements whose WHERE clauses (re-checked on concurrent updates)
@@ -364,7 +378,7 @@ class PostgresStore(SqliteStore):
         await asyncio.to_thread(self._listening.wait, 10)
 
     def _listen_forever(self, loop: asyncio.AbstractEventLoop, handlers: dict[str, Callable[[str], None]]) -> None:
-        delay = 0.2
+        failed = 0  # tries since the last good connection; no bound on them: it listens until close()
         while not self._stop_listen.is_set():
             try:
                 conn = self._connect()
@@ -372,7 +386,7 @@ class PostgresStore(SqliteStore):
                     for channel in handlers:
                         conn.execute(f"LISTEN {channel}")
                     self._listening.set()
-                    delay = 0.2
+                    failed = 0
                     while not self._stop_listen.is_set():
                         for n in conn.notifies(timeout=0.5):
                             handler = handlers.get(n.channel)
@@ -383,9 +397,10 @@ class PostgresStore(SqliteStore):
             except Exception as exc:  # the server restarted: reconnect; waiters also time out and re-poll
                 if self._stop_listen.is_set() or loop.is_closed():
                     return
+                delay = _LISTEN_RETRY.delay(failed)
                 log.warning("PostgreSQL LISTEN connection lost (%s); retrying in %.1fs", exc, delay)
                 self._stop_listen.wait(delay)
-                delay = min(delay * 2, 5.0)
+                failed += 1
 
 
 def _safe(url: str) -> str:

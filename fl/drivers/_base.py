@@ -47,6 +47,7 @@ from fl.sites import site_stores
 from fl.strategies import ClientInstruction, ClientUpdate, Strategy, Weights
 from fl.wire import WireError, decode_weights, encode_weights
 from mesh_agent._logs import log_context
+from mesh_agent.backoff import Backoff, retry
 
 if TYPE_CHECKING:  # (fl.federation imports this module)
     from fl.compression import Compression
@@ -58,6 +59,17 @@ __all__ = ["FederationError", "RunParams", "Arrival", "Collected", "Aggregate", 
 log = logging.getLogger("fl.federation")
 
 _RECORD_BUDGET = 900 * 1024
+#: Hub calls while the hub is unreachable (mesh_agent/backoff.py): 0.2 s doubling to 2 s, no jitter
+#: (one driver), for ``hub_wait_s`` (the deadline, set per driver). Shared with the Flower grid.
+HUB_WAIT = Backoff(base=0.2, cap=2.0, jitter=(1.0, 1.0))
+
+
+def hub_down(exc: BaseException) -> bool:
+    """Worth waiting out: the hub unreachable (restarting, link down) or answering 5xx. A 4xx is a
+    refusal and raised at once."""
+    if isinstance(exc, HubError):
+        return exc.status >= 500
+    return isinstance(exc, (httpx.TransportError, httpx.TimeoutException, ConnectionError))  # (HubUnreachable)
 _MAX_LATE = 2000  # late tasks still watched for
 _KEEP_VERSIONS = 64  # global models kept to decode delta-encoded updates of async clients
 
@@ -409,23 +421,18 @@ class RoundDriver:
         ``hub_wait_s``. Refusals (4xx) are raised at once. Time spent waiting is added to
         ``self.outage_s`` so deadlines can move by it."""
         start = time.monotonic()
-        delay = 0.2
-        while True:
-            try:
-                return fn(*args, **kw)
-            except HubError as exc:
-                if exc.status < 500:
-                    raise
-                err: BaseException = exc
-            except (httpx.TransportError, httpx.TimeoutException, ConnectionError) as exc:  # (HubUnreachable)
-                err = exc
-            waited = time.monotonic() - start
-            if waited > self.hub_wait_s:
-                raise FederationError(f"hub unreachable for {waited:.0f}s (last error: {err})") from err
+
+        def waiting(_n: int, err: BaseException, delay: float) -> None:
             log.warning("hub unreachable (%s); retrying in %.1fs", err, delay)
-            time.sleep(delay)
             self.outage_s += delay
-            delay = min(delay * 2, 2.0)
+
+        try:
+            return retry(lambda: fn(*args, **kw), retry_on=hub_down, policy=HUB_WAIT.replace(deadline=max(0.0, self.hub_wait_s)),
+                         on_retry=waiting)
+        except BaseException as err:
+            if not hub_down(err):
+                raise
+            raise FederationError(f"hub unreachable for {time.monotonic() - start:.0f}s (last error: {err})") from err
 
     def endpoint_rows(self) -> Dict[str, Dict[str, Any]]:
         return {e["id"]: e for e in self.hub(self.client.list_endpoints)}

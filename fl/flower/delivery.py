@@ -146,7 +146,7 @@ def plan_dependencies(requirements: List[str]) -> Dict[str, List[str]]:
         out["build"].append(str(req))
     if out["build"]:
         try:
-            from mesh_agent.environment import normalize
+            from mesh_agent.protocol.environment import normalize
 
             normalize({"pip": list(out["build"])})
         except Exception as exc:  # the rules every environment spec follows (docs/environments.md)

@@ -32,15 +32,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
-import httpx
 from flwr.app import Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
-from cloud_hub.client import Client, HubError
+from cloud_hub.client import Client
 from cloud_hub.client._results import decode_row
+from fl.drivers._base import HUB_WAIT, hub_down
 from fl.flower.clientapp import PROTOCOL, decode_message, encode_message, node_id_of
+from mesh_agent.backoff import retry
 
 __all__ = ["MeshGrid", "RunFailed", "RoundLog"]
 
@@ -212,22 +213,19 @@ class MeshGrid(Grid):
 
     # ------------------------------------------------------------------ internals
     def _hub(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        """Call the hub; while it is unreachable wait and retry up to ``hub_wait_s``."""
-        start, delay = time.monotonic(), 0.2
-        while True:
-            try:
-                return fn(*args, **kw)
-            except HubError as exc:
-                if exc.status < 500:
-                    raise
-                err: BaseException = exc
-            except (httpx.TransportError, httpx.TimeoutException) as exc:
-                err = exc
-            if time.monotonic() - start > self.hub_wait_s:
-                raise RunFailed(f"hub unreachable for {self.hub_wait_s:.0f}s (last error: {err})") from err
+        """Call the hub; while it is unreachable (or answers 5xx) wait and retry up to ``hub_wait_s``,
+        as the FL driver does (``fl.drivers._base.HUB_WAIT`` and ``hub_down``)."""
+
+        def waiting(_n: int, err: BaseException, delay: float) -> None:
             log.warning("hub unreachable (%s); retrying in %.1fs", err, delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
+
+        try:
+            return retry(lambda: fn(*args, **kw), retry_on=hub_down, policy=HUB_WAIT.replace(deadline=max(0.0, self.hub_wait_s)),
+                         on_retry=waiting)
+        except BaseException as err:
+            if not hub_down(err):
+                raise
+            raise RunFailed(f"hub unreachable for {self.hub_wait_s:.0f}s (last error: {err})") from err
 
     def _online_now(self, max_age_s: float) -> Dict[str, bool]:
         """Which endpoints the hub reports online; cached for ``max_age_s`` only while all are

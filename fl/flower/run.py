@@ -329,7 +329,7 @@ def run_app(app: "str | os.PathLike[str] | AppPackage", client: Client, *, endpo
                                            **({"selection": selection} if selection is not None else {})})
     result.run_id = str(created["id"])
     task = {"app": appref, "run": result.run_id, "run_id": run_int, "dataset": dataset, "run_config": rc}
-    from mesh_agent.environment import normalize
+    from mesh_agent.protocol.environment import normalize
 
     envs: Dict[str, Dict[str, Any]] = {e: normalize(dict(env)) for e, env in (result.delivery.get("environments") or {}).items()}
     for e, env in envs.items():

@@ -277,7 +277,7 @@ def _resume_ref_stagers() -> None:
 
     def go() -> None:
         try:
-            from cloud_hub.client._localrefs import resume_stagers
+            from mesh_agent.refstore import resume_stagers
 
             resume_stagers()
         except Exception:  # noqa: BLE001 - staging is best effort; consumers get a clear timeout

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-# hashlib, shutil, sysconfig and mesh_agent.environment are imported where used: the agent loads
+# hashlib, shutil, sysconfig and mesh_agent.protocol.environment are imported where used: the agent loads
 # this module at start, and those cost it about 1.3 MB of RSS on an endpoint that never builds one.
 
 __all__ = ["EnvError", "WorkerKind", "DEFAULT_KIND", "Environments", "bwrap_argv", "lockdown_argv", "lockdown_env", "system_binds", "code_binds",
@@ -493,7 +493,7 @@ class Environments:
         """The worker kind for a normalized spec, building its venv first if needed.
 
         Raises :class:`EnvError` (and remembers it for this spec id) when it cannot be built."""
-        from mesh_agent.environment import env_id
+        from mesh_agent.protocol.environment import env_id
 
         self._load()
         sid = env_id(spec)
@@ -789,7 +789,7 @@ class Environments:
 
     def _explain(self, reqs: list[str], out: str, step: str, wheels_only: bool = False) -> str:
         """uv's error, led by the requirement(s) it names: what a user needs to fix their spec."""
-        from mesh_agent.environment import requirement_name
+        from mesh_agent.protocol.environment import requirement_name
 
         low = out.lower()
         named = [r for r in reqs if requirement_name(r) in low.replace("_", "-")]

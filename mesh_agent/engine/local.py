@@ -119,7 +119,7 @@ class EngineTask:
     function_body: bytes  # output of serialize_function(fn)
     args: bytes  # output of serialize((args_tuple, kwargs_dict))
     timeout: float | None = None  # seconds; None -> engine default (which may be None: no limit)
-    env: dict | None = None  # normalized environment spec (mesh_agent.environment); None: the agent's Python
+    env: dict | None = None  # normalized environment spec (mesh_agent.protocol.environment); None: the agent's Python
     now: bool = False  # start at once: a free pool worker or one more, never behind the queue (a multiprocessing Process)
 
 
@@ -263,7 +263,7 @@ class LocalEngine:
         self._start_failures: dict[str, int] = {}  # environment kind -> workers that died starting, in a row
         self._prewarm: dict[str, dict] = {}  # spec id -> spec: one worker each, never reaped
         if prewarm:
-            from mesh_agent.environment import env_id
+            from mesh_agent.protocol.environment import env_id
 
             self._prewarm = {env_id(s): s for s in prewarm}
         self._exits: dict[_Proc, asyncio.Future[int | None]] = {}
@@ -286,6 +286,7 @@ class LocalEngine:
             "env_failures": 0,
             "protocol_violations": 0,
             "started_now_extra": 0,
+            "started_now_idle": 0,
             "refused_now": 0,
             "cancelled": 0,
             "cancelled_running": 0,
@@ -425,7 +426,7 @@ class LocalEngine:
             if t.env is None:
                 self._queue.append(t)
                 continue
-            from mesh_agent.environment import env_id  # hashlib: loaded only once a task names an environment
+            from mesh_agent.protocol.environment import env_id  # hashlib: loaded only once a task names an environment
 
             sid = env_id(t.env)
             if sid in self._kinds:
@@ -447,14 +448,25 @@ class LocalEngine:
 
     def _start_now(self, t: EngineTask) -> EngineResult | None:
         """A task that must start at once (a multiprocessing Process, which may be waited for by
-        the very tasks that fill the pool: a Barrier). It takes a pool slot that is free now (an
-        idle worker, or room to start one, beyond what is queued), else one more worker outside
-        the pool's count, up to ``now_max``; that worker ends with the task. Beyond the cap it
-        fails now, with the reason, rather than waiting (as ``fork`` fails with EAGAIN)."""
-        pool = [w for w in self._workers if not w.extra and not w.kind.key]
-        free = sum(1 for w in pool if not w.inflight) + max(0, self._size - len(self._pool())) - len(self._queue)
-        if free > 0 and self._started:
-            self._queue.append(t)
+        the very tasks that fill the pool: a Barrier). It goes to an idle ready pool worker, else
+        to one more worker outside the pool's count, up to ``now_max``; that worker ends with the
+        task. Beyond the cap it fails now, with the reason, rather than waiting (as ``fork``
+        fails with EAGAIN)."""
+        # Never through the queue: a queued task goes to the least-loaded *ready* worker, which
+        # may be busy (a pool still growing on demand, replacements booting after a cancel), and
+        # would wait there behind a running task. So: straight to an idle ready pool worker, else
+        # to a worker of its own.
+        idle = [w for w in self._workers if not w.extra and not w.kind.key and w.is_ready and not w.inflight]
+        if idle and self._started:
+            w = idle[0]
+            self._idle_since.pop(w, None)
+            self.stats["started_now_idle"] += 1
+            w.head_started = time.monotonic()
+            body = None if t.function_id in w.cached else t.function_body
+            w.cached.add(t.function_id)
+            w.inflight.append(t)
+            self._send(w, encode_chunk([(t.task_id, t.function_id, body, t.args)]))
+            self._arm_timer()
             return None
         extra = self.running_extra
         if extra >= self._now_max or self._loop is None:
@@ -1016,24 +1028,38 @@ class LocalEngine:
             return
         if self._queue and len(self._queues) == 1:  # the common case: one kind, no per-kind lists
             self._grow()
-            self._pump_kind(self._queue, [w for w in self._workers if w.is_ready and not w.extra])
+            self._pump_kind(self._queue, [w for w in self._workers if w.is_ready and not w.extra], self._booting(""))
         elif any(self._queues.values()):
             self._grow()
             for key, queue in self._queues.items():
                 if queue:
-                    self._pump_kind(queue, [w for w in self._workers if w.is_ready and w.kind.key == key and not w.extra])
+                    self._pump_kind(queue, [w for w in self._workers if w.is_ready and w.kind.key == key and not w.extra],
+                                    self._booting(key))
         self._arm_timer()
 
-    def _pump_kind(self, queue: deque[EngineTask], ready: list[_Worker]) -> None:
+    def _booting(self, key: str) -> int:
+        """Pool workers of this kind started and not ready yet (a pool growing, replacements)."""
+        return sum(1 for w in self._workers if w.alive and not w.is_ready and not w.extra and w.kind.key == key)
+
+    def _pump_kind(self, queue: deque[EngineTask], ready: list[_Worker], booting: int = 0) -> None:
+        """Chunks to the least-loaded ready worker while they fit. While other workers of the
+        kind boot, a ready one takes only its share of the work (queued + in flight), so the
+        booting ones find work when they are ready instead of a slot left idle behind a long
+        queue in one worker (seen after a cancel replaced both workers of a pool)."""
         if not ready:
             return
         max_batch = self._max_batch
         limit = 2 * max_batch
+        if booting:
+            share = math.ceil((len(queue) + sum(len(w.inflight) for w in ready)) / (len(ready) + booting))
+            limit = min(limit, max(1, share))
         while queue:
             w = min(ready, key=lambda x: len(x.inflight))
-            n = min(max_batch, math.ceil(len(queue) / len(ready)))
+            n = min(max_batch, math.ceil(len(queue) / (len(ready) + booting)))
             if len(w.inflight) + n > limit:
-                break
+                n = limit - len(w.inflight) if booting else 0
+                if n <= 0:
+                    break
             self._dispatch(w, n)
 
     def _dispatch(self, w: _Worker, n: int) -> None:

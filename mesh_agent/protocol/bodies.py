@@ -30,7 +30,7 @@ def cancelled_error(task_id: str, why: str = "cancelled by its submitter") -> di
 #: Upper bound for any id list (``have`` in a hello is capped at 100,000 by the agent).
 MAX_IDS = 200_000
 _MAX_ID_LEN = 256
-_MAX_ENV = 32_768  # canonical JSON of an environment spec (mesh_agent/environment.py): 100 requirements, 64 variables
+_MAX_ENV = 32_768  # canonical JSON of an environment spec (mesh_agent/protocol/environment.py): 100 requirements, 64 variables
 
 
 def _type(v: Any) -> str:

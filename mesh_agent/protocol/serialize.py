@@ -79,20 +79,26 @@ def _utf8_ok(s: str) -> bool:
         return False
 
 
-def serialize(value: Any) -> bytes:
+def serialize(value: Any, *, user_modules: bool = False) -> bytes:
     """Serialize data (arguments, results) with the fastest method that round-trips exactly.
 
     A pickle that names ``__main__`` or one of the user's own modules would fail on the endpoint
     (``Can't get attribute 'Tiny' on <module '__main__'>``): such values go by cloudpickle, which
     carries those classes by value. The check is a substring search of the pickle, so plain data
-    pays nothing; a false positive only costs the slower method."""
+    pays nothing; a false positive only costs the slower method.
+
+    ``user_modules``: also look for the user's own modules imported since the last look (beyond
+    ``__main__`` and the modules already found), which costs a scan of the installed distributions
+    once per process. The SDK asks for it when it sends arguments (``cloud_hub.client``); an agent's
+    results need only ``__main__`` and what its tasks brought by value. Per call, so that importing
+    the SDK in a process (a worker resolving a ref argument) changes nothing for other callers."""
     if _json_exact(value):
         return _JSON + json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
     try:
         blob = pickle.dumps(value, protocol=5)
     except Exception:  # pickle refuses lambdas, local classes, ...
         blob = None
-    if blob is not None and not _names_by_value_module(blob):
+    if blob is not None and not _names_by_value_module(blob, user_modules):
         return _PICKLE + blob
     try:
         cloudpickle = _cloudpickle()
@@ -610,14 +616,10 @@ def _cloudpickle() -> Any:
     return cloudpickle
 
 
-#: Data whose pickle names a user's module goes by value. Looking for the user's modules (beyond
-#: ``__main__``) costs a scan of the installed distributions once, so only the SDK turns it on
-#: (``cloud_hub.client`` does); an agent's results need only ``__main__``.
-detect_user_modules_in_data = False
-
-
-def _names_by_value_module(blob: bytes) -> bool:
-    if detect_user_modules_in_data and _modules_seen != len(sys.modules):
+def _names_by_value_module(blob: bytes, user_modules: bool) -> bool:
+    """Whether data's pickle names a module that travels by value (then the data goes by value
+    too). ``user_modules``: see :func:`serialize`."""
+    if user_modules and _modules_seen != len(sys.modules):
         _refresh_user_modules()
     return _needle.search(blob) is not None
 

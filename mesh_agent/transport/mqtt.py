@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 
 import aiomqtt
 
+from mesh_agent.backoff import Backoff
 from mesh_agent.transport import FrameHandler, LinkError
 from mesh_agent.transport.brokers import BrokerList
 
@@ -23,6 +24,9 @@ __all__ = ["MqttAgentLink", "MqttHubLink", "down_topic", "up_topic"]
 
 log = logging.getLogger(__name__)
 _NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+#: The hub's MQTT link reconnecting to its broker (mesh_agent/backoff.py): 0.2 s doubling to 5 s, no
+#: jitter (one hub, not a fleet), back to 0.2 s after a good connection; it reconnects until stop().
+_LINK_RETRY = Backoff(base=0.2, cap=5.0, jitter=(1.0, 1.0))
 
 
 def down_topic(prefix: str, endpoint_id: str) -> str:
@@ -240,9 +244,10 @@ class MqttHubLink:
                 await asyncio.wait_for(self._attempted.wait(), self._first_wait)
 
     async def _run(self, on_frame: FrameHandler) -> None:
-        delay = 0.2
+        failed = 0  # tries since the last good connection; no bound on them: the link lives until stop()
         sub = f"{self._prefix}/ep/+/up"
         while not self._stopping:
+            delay = _LINK_RETRY.delay(failed)
             self._args = (*self._brokers.current, *self._args[2:])
             client = _client(*self._args, tls_context=self._tls_context)
             try:
@@ -252,7 +257,7 @@ class MqttHubLink:
                     self._connected.set()
                     self._attempted.set()
                     self.last_error = None
-                    delay = 0.2
+                    failed, delay = 0, _LINK_RETRY.delay(0)
                     log.info("hub MQTT link up: %s as %s", self.address, self._args[3] or "anonymous")
                     async for msg in client.messages:
                         parts = str(msg.topic).split("/")
@@ -276,7 +281,7 @@ class MqttHubLink:
                 self._connected.clear()
                 self._attempted.set()
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            failed += 1
 
     async def send(self, endpoint_id: str, frame: bytes) -> None:
         client = self._client

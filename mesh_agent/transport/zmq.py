@@ -24,12 +24,16 @@ import zmq
 import zmq.asyncio
 import zmq.utils.z85
 
+from mesh_agent.backoff import Backoff, aretry
 from mesh_agent.transport import FrameHandler, LinkError
 
 __all__ = ["ZmqAgentLink", "ZmqHubLink", "curve_keypair"]
 
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _ZAP_DOMAIN = b"continuum-mesh"
+#: Binding the hub's ROUTER while libzmq still holds the port of a socket closed a moment ago (a hub
+#: restarted in-process): every 0.1 s, 50 tries (5 s), then the EADDRINUSE is raised.
+_BIND_RETRY = Backoff(base=0.1, cap=0.1, factor=1.0, jitter=(1.0, 1.0), max_tries=50)
 
 
 def curve_keypair() -> tuple[str, str]:
@@ -159,17 +163,17 @@ class ZmqHubLink:
         sock.curve_secretkey = self._secret
         sock.zap_domain = _ZAP_DOMAIN
         _common(sock)
+
+        async def bind() -> None:
+            sock.bind(self.bind)
+
         # libzmq releases a closed socket's port on its I/O thread, a moment later: a hub that
         # restarts in-process can find its own old address still taken. Retry briefly.
-        for attempt in range(50):
-            try:
-                sock.bind(self.bind)
-                break
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EADDRINUSE or attempt == 49:
-                    sock.close(linger=0)
-                    raise
-                await asyncio.sleep(0.1)
+        try:
+            await aretry(bind, retry_on=lambda e: isinstance(e, zmq.ZMQError) and e.errno == zmq.EADDRINUSE, policy=_BIND_RETRY)
+        except BaseException:
+            sock.close(linger=0)
+            raise
         self.bind = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
         self._tasks.append(asyncio.create_task(self._run(on_frame), name="zmq-hub-link"))

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import pytest
 from typer.testing import CliRunner
 
-from cloud_hub.api.hub import TOKEN_RECHECK_S
+from cloud_hub.service.hub import TOKEN_RECHECK_S
 from cloud_hub.cli import app
 from cloud_hub.client import AuthError, Client, Executor
 from cloud_hub.config import HubConfig

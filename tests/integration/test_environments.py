@@ -17,7 +17,7 @@ import pytest
 
 from mesh_agent.engine import ENVIRONMENT_ERROR, LocalEngine
 from mesh_agent.engine.environments import Environments
-from mesh_agent.environment import env_id, normalize
+from mesh_agent.protocol.environment import env_id, normalize
 from tests.fixtures.rootfs import MARKER, make_python_rootfs
 from tests.fixtures.wheels import build_wheel
 from tests.unit.test_engine_local import Collector, error, task, value, wait_until

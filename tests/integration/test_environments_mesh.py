@@ -22,7 +22,7 @@ from cloud_hub.broker import find_mosquitto
 from cloud_hub.client import Client, Executor
 from cloud_hub.localmesh import AgentProcess, LocalMesh
 from cloud_hub.store import SqliteStore
-from mesh_agent.environment import EnvSpecError, encode, env_id, normalize
+from mesh_agent.protocol.environment import EnvSpecError, encode, env_id, normalize
 from tests.fixtures.wheels import build_wheel
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -221,7 +221,7 @@ def test_work_moved_off_a_lost_endpoint_onto_a_shared_one_is_sandboxed_there(mes
     """Carol's tasks wait at the hub for her own endpoint (unsandboxed there: it is hers); it is
     lost, and the scheduler moves them to alice's endpoint that alice shares with her. On alice's
     machine they must run sandboxed, exactly as if carol had submitted them there: the re-placement
-    path applies the submit path's rule (cloud_hub/api/environments.py ``env_for``)."""
+    path applies the submit path's rule (cloud_hub/service/environments.py ``env_for``)."""
     from mesh_agent.cli import enroll
 
     m, agent = mesh

@@ -23,7 +23,7 @@ import pytest
 from cloud_hub.broker import find_mosquitto
 from cloud_hub.client import Client, Executor, HubError
 from cloud_hub.localmesh import AgentProcess, LocalMesh
-from cloud_hub.memo import MemoKeyError
+from mesh_agent.protocol.memo import MemoKeyError
 from cloud_hub.store import SqliteStore
 from mesh_agent.protocol import serialize
 

@@ -396,7 +396,7 @@ def mp_here(env: Env) -> Iterator[Any]:
     """``cloud_hub.client.multiprocessing`` configured in this process for ``env``'s mesh and store;
     ``configure(endpoint=...)`` picks the selector. The module's settings are put back after."""
     from cloud_hub.client import multiprocessing as mp
-    from cloud_hub.client.multiprocessing import _state
+    from cloud_hub.client.multiprocessing import _runner, _state
 
     saved = dict(_state._settings)
 
@@ -407,7 +407,7 @@ def mp_here(env: Env) -> Iterator[Any]:
     try:
         yield configure
     finally:
-        _state.shutdown_executor()
+        _runner.shutdown_executor()
         with _state._lock:
             _state._settings.clear()
             _state._settings.update(saved)

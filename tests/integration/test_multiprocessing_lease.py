@@ -37,7 +37,7 @@ LEASE_S = 8
 DIES = textwrap.dedent('''
     import json, time
     from cloud_hub.client import multiprocessing as mp
-    from cloud_hub.client.multiprocessing import _state
+    from cloud_hub.client.multiprocessing import _runner, _state
 
     def meet(b):
         b.wait()
@@ -60,7 +60,7 @@ DIES = textwrap.dedent('''
             if getattr(f, "task_id", None):
                 break
             time.sleep(0.01)
-        ex = _state.executor()
+        ex = _runner.executor()
         print(json.dumps({"group": ex.task_group_id, "tasks": [p.pid for p in ps] + [f.task_id]}), flush=True)
         b.wait()
 ''')
@@ -91,7 +91,7 @@ EXITS = textwrap.dedent('''
     import json, sys, time
     from pathlib import Path
     from cloud_hub.client import multiprocessing as mp
-    from cloud_hub.client.multiprocessing import _state
+    from cloud_hub.client.multiprocessing import _runner, _state
 
     def block(url, key):
         import redis
@@ -113,7 +113,7 @@ EXITS = textwrap.dedent('''
             if getattr(f, "task_id", None):
                 break
             time.sleep(0.01)
-        print(json.dumps({"group": _state.executor().task_group_id, "daemon": d.pid, "joined": n.pid, "pool": f.task_id}), flush=True)
+        print(json.dumps({"group": _runner.executor().task_group_id, "daemon": d.pid, "joined": n.pid, "pool": f.task_id}), flush=True)
         # no join, no close: the program just ends
 ''')
 

@@ -42,7 +42,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalMesh, 
 @pytest.fixture
 def mp(mesh: tuple[LocalMesh, RedisServer]) -> Iterator[Any]:
     from cloud_hub.client import multiprocessing
-    from cloud_hub.client.multiprocessing import _state
+    from cloud_hub.client.multiprocessing import _runner, _state
 
     saved = dict(_state._settings)
     m, redis = mesh
@@ -50,7 +50,7 @@ def mp(mesh: tuple[LocalMesh, RedisServer]) -> Iterator[Any]:
     try:
         yield multiprocessing
     finally:
-        _state.shutdown_executor()
+        _runner.shutdown_executor()
         with _state._lock:
             _state._settings.clear()
             _state._settings.update(saved)

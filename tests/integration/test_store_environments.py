@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cloud_hub.store import SqliteStore
-from mesh_agent.environment import encode, normalize
+from mesh_agent.protocol.environment import encode, normalize
 from tests.integration.test_store import FID, _endpoint, _tasks, open_store, store  # noqa: F401  (fixtures)
 from tests.pg import pg_url  # noqa: F401  (fixture)
 

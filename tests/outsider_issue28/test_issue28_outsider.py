@@ -70,7 +70,7 @@ t_pid_after: Callable[..., Any] = F["t_pid_after"]
 PRELUDE = '''
 import json, os, sys, time
 from cloud_hub.client import multiprocessing as mp
-from cloud_hub.client.multiprocessing import _state
+from cloud_hub.client.multiprocessing import _runner, _state
 MARK = os.environ["O28_MARK"]
 
 def mark(tag, what):
@@ -93,7 +93,7 @@ def wait_marked(tags, what="start", timeout=60):
     raise SystemExit(f"timeout waiting for {tags} {what}")
 
 def group():
-    return _state.executor().task_group_id
+    return _runner.executor().task_group_id
 '''
 
 

@@ -1,4 +1,4 @@
-"""The API's modules import their shared parts (deps, submit, hub, schemas) and never
+"""The API's modules import their shared parts (deps, schemas, the service layer) and never
 ``cloud_hub.api.app``, which imports them all: no circle, even one hidden in a function body."""
 
 from __future__ import annotations

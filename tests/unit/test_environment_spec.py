@@ -1,4 +1,4 @@
-"""Environment specs (mesh_agent.environment): canonical form, ids, and clear errors for bad input;
+"""Environment specs (mesh_agent.protocol.environment): canonical form, ids, and clear errors for bad input;
 the bubblewrap and container argv builders (pure)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mesh_agent.engine.environments import EnvError, bwrap_argv, container_argv, container_refusal, image_form
-from mesh_agent.environment import EnvSpecError, decode, encode, env_id, normalize, requirement_name
+from mesh_agent.protocol.environment import EnvSpecError, decode, encode, env_id, normalize, requirement_name
 
 
 def test_canonical_form_and_id_ignore_spelling_order_and_empty_parts() -> None:

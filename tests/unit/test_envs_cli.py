@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from mesh_agent.cli import app
 from mesh_agent.config import AgentConfig, Credentials
 from mesh_agent.engine.environments import EnvError, Environments
-from mesh_agent.environment import env_id, normalize
+from mesh_agent.protocol.environment import env_id, normalize
 from tests.fixtures.wheels import build_wheel
 
 

@@ -1,4 +1,4 @@
-"""The local tier's store (cloud_hub.client._localrefs.LocalStore) on a real SQLite file: what a
+"""The local tier's store (mesh_agent.refstore.LocalStore) on a real SQLite file: what a
 second process reads back, expiry, the byte budget refusing whole, logins kept apart, the memory
 copy bounded. (Staging and the agent restart are tested on a real mesh in
 tests/integration/test_data_tiers.py.)"""
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cloud_hub.client._localrefs import LocalFull, LocalStore, owner_of
+from mesh_agent.protocol.refs import owner_of
+from mesh_agent.refstore import LocalFull, LocalStore
 
 ALICE = owner_of("redis://alice:secret1@127.0.0.1:1/0")
 MALLORY = owner_of("redis://alice:guess@127.0.0.1:1/0")
@@ -21,7 +22,7 @@ MALLORY = owner_of("redis://alice:guess@127.0.0.1:1/0")
 def test_another_process_reads_what_was_committed(tmp_path: Path) -> None:
     s = LocalStore(tmp_path)
     s.put("k1", b"v" * 1000, "task t1", time.time() + 60, ALICE)
-    prog = ("import sys, time; from pathlib import Path; from cloud_hub.client._localrefs import LocalStore\n"
+    prog = ("import sys, time; from pathlib import Path; from mesh_agent.refstore import LocalStore\n"
             f"hit = LocalStore(Path({str(tmp_path)!r})).get('k1', {ALICE!r}); print(len(hit[0]) if hit else None)")
     out = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "1000", out.stderr

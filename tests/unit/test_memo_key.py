@@ -1,4 +1,4 @@
-"""Memoization keys (cloud_hub/memo.py): which calls count as the same call. Pure, no hub."""
+"""Memoization keys (mesh_agent/protocol/memo.py): which calls count as the same call. Pure, no hub."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from cloud_hub.memo import MemoKeyError, bound_arguments, canonical, memo_key
+from mesh_agent.protocol.memo import MemoKeyError, bound_arguments, canonical, memo_key
 
 FID = "a" * 64
 

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 from typing import AsyncIterator
 
-from cloud_hub.api.schemas import TaskIn
+from cloud_hub.service.schemas import TaskIn
 from cloud_hub.config import HubConfig
 from cloud_hub.placement import PlacementService
-from mesh_agent.environment import env_id, normalize
+from mesh_agent.protocol.environment import env_id, normalize
 from scheduler.environments import CONTAINER_PRIOR, PIP_PRIOR, EnvCost
 from tests.unit.test_placement_service import ARGS, _rows, _setup
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cloud_hub.api.schemas import TaskIn
+from cloud_hub.service.schemas import TaskIn
 from cloud_hub.config import HubConfig
 from cloud_hub.placement import PlacementError, PlacementService
 from cloud_hub.store import SqliteStore

@@ -57,7 +57,7 @@ def test_endpoint_holding_the_environment_wins(policy: str) -> None:
 def test_endpoint_with_the_container_image_staged_wins(policy: str) -> None:
     """An agent reports container specs whose image is staged there among its held environments
     (mesh_agent/engine/environments.py held_specs): that endpoint is charged no pull."""
-    from mesh_agent.environment import env_id, normalize
+    from mesh_agent.protocol.environment import env_id, normalize
 
     sid = env_id(normalize({"container": "/srv/images/fl-rootfs"}))
     for holder in ("a", "b"):

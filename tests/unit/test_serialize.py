@@ -450,3 +450,40 @@ def test_the_known_packages_are_the_ones_pyproject_ships() -> None:
     pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     shipped = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
     assert shipped == set(ser._OURS)
+
+
+def _run(prog: str, cwd: Path) -> str:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", prog], cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_importing_the_sdk_changes_no_serializer_setting(tmp_path: Path) -> None:
+    """Importing cloud_hub.client used to set a process-wide flag in the serializer, so a worker
+    that loaded the SDK to resolve a ref argument serialized differently afterwards (a flaky test
+    was traced to it). Nothing in the serializer module changes when the SDK is imported."""
+    prog = ("import importlib\n"
+            "ser = importlib.import_module('mesh_agent.protocol.serialize')\n"
+            "plain = (bool, int, float, str, bytes, type(None), frozenset)\n"
+            "before = {k: v for k, v in vars(ser).items() if isinstance(v, plain)}\n"
+            "import cloud_hub.client, cloud_hub.client.refs\n"
+            "after = {k: v for k, v in vars(ser).items() if isinstance(v, plain)}\n"
+            "print(sorted(k for k in set(before) | set(after) if before.get(k, ...) != after.get(k, ...)))\n")
+    assert _run(prog, tmp_path) == "[]"
+
+
+def test_the_sdk_asks_for_user_modules_per_call(tmp_path: Path) -> None:
+    """``serialize(value, user_modules=True)`` (what the SDK sends arguments with) finds a module
+    of the user's own imported since the last look and sends data naming it by value; the default
+    (an agent's results) does not look, whatever else the process imported."""
+    (tmp_path / "mesh_user_mod_x.py").write_text("class Thing:\n    def __init__(self, n):\n        self.n = n\n")
+    prog = ("import sys; sys.path.insert(0, '.')\n"
+            "import cloud_hub.client\n"
+            "import mesh_user_mod_x\n"
+            "from mesh_agent.protocol.serialize import method_of, serialize\n"
+            "t = mesh_user_mod_x.Thing(3)\n"
+            "print(method_of(serialize(t)), method_of(serialize(t, user_modules=True)))\n")
+    assert _run(prog, tmp_path) == "pickle cloudpickle"

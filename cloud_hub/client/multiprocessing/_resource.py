@@ -18,40 +18,19 @@ from __future__ import annotations
 
 import os
 import pickle
-import random
-import threading
-import time
 import uuid
 import weakref
 from typing import Any, Callable, TypeVar
 
+from mesh_agent.backoff import Backoff, retry
+from mesh_agent.refstore import connection  # one per process and URL, shared with refs and the agent's stagers
+
 __all__ = ["Resource", "connection", "retrying", "dumps", "loads"]
 
 T = TypeVar("T")
-_conns: dict[tuple[int, str], Any] = {}
-_conns_lock = threading.Lock()
-
-
-def connection(url: str) -> Any:
-    """One ``redis.Redis`` (its own pool) per process and URL; made again after a fork."""
-    key = (os.getpid(), url)
-    r = _conns.get(key)
-    if r is None:
-        try:
-            import redis
-        except ImportError as exc:  # the agent's core install has no redis client
-            raise ImportError("the mesh multiprocessing proxies need the 'redis' package on this machine: "
-                              "pip install 'continuum-mesh[mp]' (or pip install redis)") from exc
-        with _conns_lock:
-            r = _conns.get(key)
-            if r is None:
-                # socket_timeout=None: redis-py 8 reads with a 5 s default, which broke every BLPOP
-                # (Lock, Event, Queue.get) that waits longer; a dead server is still caught by
-                # the connect timeout and TCP keepalive.
-                r = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=None, socket_keepalive=True,
-                                         health_check_interval=30)
-                _conns[key] = r
-    return r
+#: Redis unreachable (mesh_agent/backoff.py): 50 ms doubling to 1 s, times 0.5-1.5, for
+#: ``MESH_REDIS_RETRY_S`` (the deadline, read per call) and at most 1000 tries.
+_REDIS_RETRY = Backoff(base=0.05, cap=1.0, jitter=(0.5, 1.5), max_tries=1000)
 
 
 def retrying(url: str, fn: Callable[[], T]) -> T:
@@ -59,21 +38,18 @@ def retrying(url: str, fn: Callable[[], T]) -> T:
     import redis
 
     budget = float(os.environ.get("MESH_REDIS_RETRY_S", "10"))
-    deadline = time.monotonic() + budget
-    delay = 0.05
-    for _attempt in range(1000):
-        try:
-            return fn()
-        except redis.AuthenticationError as exc:  # retrying cannot help: say so at once
-            raise ConnectionError(f"the store at {_safe(url)} refused this login ({exc}): a hub's embedded store whose "
-                                  "credentials changed (a new hub database), or a wrong Redis password") from None
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            if time.monotonic() + delay > deadline:
-                raise ConnectionError(f"cannot reach Redis at {_safe(url)} for {budget:g} s ({exc}); is redis-server running there "
-                                      "and reachable from the endpoints? (MESH_REDIS_URL / multiprocessing.config(redis_url=))") from None
-            time.sleep(delay * random.uniform(0.5, 1.5))
-            delay = min(delay * 2, 1.0)
-    raise ConnectionError(f"cannot reach Redis at {_safe(url)}")
+
+    def unreachable(exc: BaseException) -> bool:  # a refused login is a ConnectionError too: retrying cannot help it
+        return isinstance(exc, (redis.ConnectionError, redis.TimeoutError)) and not isinstance(exc, redis.AuthenticationError)
+
+    try:
+        return retry(fn, retry_on=unreachable, policy=_REDIS_RETRY.replace(deadline=max(0.0, budget)))
+    except redis.AuthenticationError as exc:  # say so at once
+        raise ConnectionError(f"the store at {_safe(url)} refused this login ({exc}): a hub's embedded store whose "
+                              "credentials changed (a new hub database), or a wrong Redis password") from None
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise ConnectionError(f"cannot reach Redis at {_safe(url)} for {budget:g} s ({exc}); is redis-server running there "
+                              "and reachable from the endpoints? (MESH_REDIS_URL / multiprocessing.config(redis_url=))") from None
 
 
 def _safe(url: str) -> str:

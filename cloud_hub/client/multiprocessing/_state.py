@@ -1,14 +1,18 @@
-"""Where the mesh ``multiprocessing`` runs: endpoint selector, Redis address, the shared Executor.
+"""Where the mesh ``multiprocessing`` runs: endpoint selector, Redis address, the program's lease.
 
 Why one module-level configuration: the point of the module is that a stdlib program runs with
 only its import line changed, so nothing can be passed to ``Pool()`` or ``Queue()`` that the
 standard library does not take. ``config()`` (or ``MESH_MP_ENDPOINT`` / ``MESH_REDIS_URL``) says
 where work runs and where shared state lives, once, before the program's own code.
+
+The one Executor every Pool and Process submits through is made above this module
+(``_runner.py``): the proxies and ``cloud_hub.client.refs`` read the settings here, and the
+Executor is built on those refs (a Future passed to a task becomes one), so holding it here
+would close an import circle.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import sys
@@ -16,7 +20,7 @@ import threading
 import weakref
 from typing import Any
 
-__all__ = ["config", "settings", "executor", "redis_url", "shutdown_executor", "lease", "in_task"]
+__all__ = ["config", "settings", "generation", "redis_url", "lease", "take_lease", "in_task"]
 
 log = logging.getLogger("cloud_hub.client.multiprocessing")
 
@@ -32,7 +36,9 @@ _settings: dict[str, Any] = {
 }
 #: Default of ``lease_s`` (docs/multiprocessing.md, "Lease").
 DEFAULT_LEASE_S = 60.0
-_executor: Any = None
+#: Bumped by ``config()`` when a setting the shared Executor is made from changes (endpoint,
+#: client, task_timeout_s): ``_runner.executor()`` then replaces the one it holds.
+_generation = 0
 
 
 def config(*, endpoint: Any = None, redis_url: str | None = None, ttl_s: float | None = None, client: Any = None,
@@ -43,7 +49,7 @@ def config(*, endpoint: Any = None, redis_url: str | None = None, ttl_s: float |
     for its target to start (``start_timeout_s``), and the bound on a dead program's work
     (``lease_s``: its tasks are cancelled and its shared state deleted within it once it stops
     renewing; docs/multiprocessing.md, "Lease"). Returns the settings in force."""
-    global _executor
+    global _generation
     with _lock:
         given = [(k, v) for k, v in (("endpoint", endpoint), ("redis_url", redis_url), ("ttl_s", ttl_s), ("client", client),
                                      ("task_timeout_s", task_timeout_s), ("start_timeout_s", start_timeout_s),
@@ -54,10 +60,14 @@ def config(*, endpoint: Any = None, redis_url: str | None = None, ttl_s: float |
             if k == "lease_s" and not 4 <= v <= 86_400:
                 raise ValueError(f"lease_s must be between 4 and 86400 seconds, not {v!r}")
         _settings.update(given)
-        if _executor is not None and (endpoint is not None or client is not None or task_timeout_s is not None):
-            old, _executor = _executor, None
-            old.shutdown(wait=False)
+        if endpoint is not None or client is not None or task_timeout_s is not None:
+            _generation += 1
     return settings()
+
+
+def generation() -> int:
+    """How many times the settings the shared Executor is made from were changed."""
+    return _generation
 
 
 def settings() -> dict[str, Any]:
@@ -103,63 +113,6 @@ def redis_url() -> str:
     """The shared store: ``config(redis_url=)``, ``MESH_REDIS_URL``, else the hub's embedded store."""
     s = settings()
     return str(s["redis_url"] or _hub_store(s["client"]))
-
-
-def executor() -> Any:
-    """The one Executor every Pool and Process of this program submits through (batching,
-    retries, code by value come from it)."""
-    global _executor
-    with _lock:
-        if _executor is None:
-            from cloud_hub.client._executor import Executor
-
-            s = settings()
-            _executor = Executor(client=s["client"], endpoint=s["endpoint"], task_timeout_s=s["task_timeout_s"])
-            lease().hold(_executor)  # its tasks live while this program renews the lease
-        return _executor
-
-
-def shutdown_executor() -> None:
-    """This program is done with the mesh: what it submitted and is unfinished is cancelled
-    (Pool chunks, daemon or unjoined Processes), the hub leases are dropped, the renewing stops."""
-    global _executor, _lease
-    with _lock:
-        ex, _executor = _executor, None
-    with _lease_lock:
-        held, _lease = _lease, None
-    if ex is not None:
-        ex.shutdown(wait=False, cancel_futures=True)
-        ex._submitter.join(10)  # a batch on its way is accepted first, then cancelled with its group
-    if held is not None:
-        held.end()
-
-
-def _at_exit() -> None:
-    """At exit, as the standard library's ``multiprocessing.util._exit_function``: daemon
-    Processes are terminated (their tasks cancelled), the others are joined; then everything
-    left of this program (Pool chunks) is cancelled and its leases dropped."""
-    pool = sys.modules.get("cloud_hub.client.multiprocessing.pool")
-    if pool is not None:
-        try:
-            for p in list(pool._children):
-                if p.daemon and p.is_alive():
-                    p.terminate()
-            for p in list(pool._children):
-                if not p.daemon and p.is_alive():
-                    p.join()
-        except BaseException as exc:  # an interrupted join (Ctrl-C at exit): cancel the rest below
-            log.warning("at exit: %s", exc)
-    shutdown_executor()
-
-
-def run_first_at_exit() -> None:
-    """Make :func:`_at_exit` the next exit handler to run: before the weakref finalizers (also an
-    exit handler) drop the shared objects that non-daemon Processes still use while joined."""
-    atexit.unregister(_at_exit)
-    atexit.register(_at_exit)
-
-
-atexit.register(_at_exit)
 
 
 def in_task() -> bool:
@@ -233,7 +186,7 @@ class Lease:
             by_url.setdefault(r._url, []).append(r)
         for url, rs in by_url.items():
             try:
-                from cloud_hub.client.multiprocessing._resource import connection
+                from mesh_agent.refstore import connection
 
                 pipe = connection(url).pipeline(transaction=False)
                 for r in rs:
@@ -277,6 +230,15 @@ def lease() -> Lease:
 
 
 _lease_lock = threading.Lock()
+
+
+def take_lease() -> Lease | None:
+    """This program's lease, no longer held (a later ``lease()`` starts a new one); the caller
+    ends it (``_runner.shutdown_executor``)."""
+    global _lease
+    with _lease_lock:
+        held, _lease = _lease, None
+    return held
 
 
 def cancel(future: Any) -> bool:

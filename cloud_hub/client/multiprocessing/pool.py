@@ -23,10 +23,11 @@ import traceback
 import uuid
 from collections import deque
 from concurrent.futures import Future, as_completed, wait
+from concurrent.futures import TimeoutError as FuturesTimeout
 from multiprocessing import TimeoutError
 from typing import Any, Callable, Iterable, Iterator
 
-from cloud_hub.client.multiprocessing import _state
+from cloud_hub.client.multiprocessing import _runner, _state
 from cloud_hub.client.multiprocessing.queues import task_ended
 
 __all__ = ["Pool", "Process", "AsyncResult", "MapResult", "cpu_count", "current_process", "active_children"]
@@ -97,7 +98,7 @@ def cpu_count() -> int:
     [...]}``: those carrying every tag). None of them online raises ``NotImplementedError``, as the
     standard library's ``cpu_count()`` does when it cannot tell (never the whole fleet instead)."""
     sel = _state.settings()["endpoint"]
-    eps = _state.executor().client.list_endpoints()
+    eps = _runner.executor().client.list_endpoints()
     if isinstance(sel, str) and sel != "auto":
         eps = [e for e in eps if e["id"] == sel]
     elif isinstance(sel, (list, tuple)):
@@ -190,19 +191,22 @@ class IMapIterator:
         self._futures = futures
         self._chunks: Iterator[Future[Any]] = iter(futures) if ordered else as_completed(futures)
         self._buf: list[Any] = []
+        self._head: Future[Any] | None = None  # the chunk being waited for (kept across a timeout)
 
     def __iter__(self) -> "IMapIterator":
         return self
 
     def next(self, timeout: float | None = None) -> Any:
+        """The next result; ``multiprocessing.TimeoutError`` after ``timeout`` seconds, and the
+        same result is still the next one (as the standard library's iterator keeps it)."""
         while not self._buf:
-            f = next(self._chunks)  # StopIteration ends the iteration
+            if self._head is None:
+                self._head = next(self._chunks)  # StopIteration ends the iteration
             try:
-                self._buf = list(f.result(timeout))
-            except TimeoutError:
-                raise
-            except Exception:
-                raise
+                self._buf = list(self._head.result(timeout))
+            except FuturesTimeout:
+                raise TimeoutError from None
+            self._head = None
         return self._buf.pop(0)
 
     __next__ = next
@@ -225,7 +229,7 @@ class Pool:
             raise TypeError("initializer must be a callable")
         if maxtasksperchild is not None and (not isinstance(maxtasksperchild, int) or maxtasksperchild <= 0):
             raise ValueError("maxtasksperchild must be a positive int or None")
-        self._ex = _state.executor()
+        self._ex = _runner.executor()
         if processes is None:
             try:
                 processes = cpu_count()
@@ -346,16 +350,26 @@ class _Window:
     the agent's cap), and the rest wait here, in the program, as a stdlib Pool's tasks wait in its
     task queue. A chunk the fleet refuses (EAGAIN: every slot and extra worker in use) goes back
     to the head of the line and the window shrinks to what is running; it grows back by one per
-    finished chunk. With nothing running, a refused chunk is retried with backoff for
-    ``start_timeout_s``, then fails with ``BlockingIOError`` as ``Process.start()`` does."""
+    finished chunk.
+
+    Bounds, as ``Process.start()`` has (``start_timeout_s``): a refused chunk with nothing of the
+    Pool running is retried with backoff, then fails with ``BlockingIOError``; a refused chunk
+    waiting for the Pool's running ones fails the same way when none of them ends within the
+    bound (they may be waiting for it: a Barrier with more parties than the fleet can start); a
+    chunk the hub still holds after the bound (every selected endpoint offline) is cancelled and
+    fails the same way."""
 
     def __init__(self, ex: Any, processes: int, start_timeout_s: float) -> None:
         self._ex, self._max, self._size = ex, processes, processes
         self._timeout = start_timeout_s
         self._pending: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
         self._inflight: dict[Future[Any], Future[Any]] = {}  # mesh future -> the caller's
-        self._refused_since: float | None = None
+        self._sent_at: dict[Future[Any], float] = {}  # mesh future -> when sent (monotonic), until it is seen leaving the hub
+        self._timed_out: set[Future[Any]] = set()  # cancelled here: never left the hub within the bound
+        self._refused_since: float | None = None  # refused with nothing of ours running
+        self._blocked_since: float | None = None  # refused while ours run: waiting for one to end
         self._retry: threading.Timer | None = None
+        self._watch: threading.Timer | None = None
         self._closed = False
         self._lock = threading.Lock()
 
@@ -382,7 +396,10 @@ class _Window:
                 else:
                     failed = None
                     self._inflight[inner] = outer
+                    self._sent_at[inner] = time.monotonic()
+                    self._blocked_since = None
                     outer._inner = inner  # type: ignore[attr-defined]
+                    self._arm_watch()
             if failed is not None:
                 if not outer.done():
                     outer.set_exception(failed)
@@ -394,12 +411,24 @@ class _Window:
         refused = isinstance(exc, OSError) and exc.errno == errno.EAGAIN
         with self._lock:
             self._inflight.pop(inner, None)
-            if refused and not self._closed and not outer.done():
+            self._sent_at.pop(inner, None)
+            timed_out = inner in self._timed_out
+            self._timed_out.discard(inner)
+            if self._watch is not None and not self._sent_at and self._blocked_since is None:
+                self._watch.cancel()  # nothing left to watch: no timer thread outlives the work
+                self._watch = None
+            if refused and (self._closed or outer.done()):
+                refused, exc = False, None  # terminated meanwhile: the caller's future ends cancelled
+                inner = _CANCELLED
+            elif refused:
                 self._pending.appendleft((outer, job[0], job[1]))
                 now = time.monotonic()
                 if self._inflight:  # the fleet runs this many of ours now: wait for one of them
                     self._size = max(1, len(self._inflight))
                     self._refused_since = None
+                    if self._blocked_since is None:
+                        self._blocked_since = now
+                    self._arm_watch()
                 elif self._refused_since is not None and now - self._refused_since > self._timeout:
                     self._pending.popleft()
                     refused = False
@@ -412,11 +441,14 @@ class _Window:
                     self._retry = threading.Timer(delay, self._retry_now)
                     self._retry.daemon = True
                     self._retry.start()
-            elif not refused:
+            else:
                 self._refused_since = None
                 self._size = min(self._max, self._size + 1)
         if not refused and not outer.done():
-            if inner.cancelled():
+            if timed_out:
+                outer.set_exception(BlockingIOError(errno.EAGAIN, f"a Pool task did not start within start_timeout_s={self._timeout:g} s: "
+                                                    "the hub still held it (every selected endpoint offline?); it was cancelled"))
+            elif inner is _CANCELLED or inner.cancelled():
                 outer.cancel()
             elif exc is not None:
                 outer.set_exception(exc)
@@ -429,19 +461,65 @@ class _Window:
             self._retry = None
         self._pump()
 
+    def _arm_watch(self) -> None:
+        """(Under the lock.) One timer while anything is out or waiting: see ``_check``."""
+        if self._watch is None and not self._closed:
+            self._watch = threading.Timer(min(5.0, max(0.25, self._timeout / 4)), self._check)
+            self._watch.daemon = True
+            self._watch.start()
+
+    def _check(self) -> None:
+        """The bounds of the class docstring: a refused chunk blocked for ``start_timeout_s``
+        fails; a chunk out for that long is asked about once, and cancelled if the hub still
+        holds it (queued: never sent to an agent, which would have started or refused it)."""
+        now = time.monotonic()
+        blocked: Future[Any] | None = None
+        with self._lock:
+            self._watch = None
+            if self._closed:
+                return
+            stale = [f for f, at in self._sent_at.items() if now - at > self._timeout]
+            if self._blocked_since is not None and self._pending and now - self._blocked_since > self._timeout:
+                blocked = self._pending.popleft()[0]
+                self._blocked_since = now if self._pending else None
+        if blocked is not None and not blocked.done():
+            blocked.set_exception(BlockingIOError(
+                errno.EAGAIN, f"a Pool task could not start within start_timeout_s={self._timeout:g} s: the fleet refused it while it "
+                f"ran {self._size} of this Pool's tasks and none of them ended (they may be waiting for it). Use a smaller Pool, add "
+                "endpoints, raise start_now_max in the agents' config, or multiprocessing.config(start_timeout_s=)"))
+        for f in stale:
+            tid = getattr(f, "task_id", None)
+            try:
+                state = self._ex.client.task_status(tid)["state"] if tid else None
+            except Exception:  # the hub unreachable: ask again at the next look
+                continue
+            with self._lock:
+                if state == "queued" and f in self._sent_at:
+                    self._timed_out.add(f)
+                self._sent_at.pop(f, None)  # seen: asked once
+            if f in self._timed_out:
+                _cancel_all([f])
+        with self._lock:
+            if self._sent_at or (self._blocked_since is not None and self._pending):
+                self._arm_watch()
+
     def terminate(self) -> list["Future[Any]"]:
         """Stop sending; the caller's futures not sent are cancelled here, and the mesh futures
         of the rest are returned for one cancel request."""
         with self._lock:
             self._closed = True
-            if self._retry is not None:
-                self._retry.cancel()
-                self._retry = None
+            for t in (self._retry, self._watch):
+                if t is not None:
+                    t.cancel()
+            self._retry = self._watch = None
             pending, self._pending = list(self._pending), deque()
             inflight = [f for f in self._inflight if not f.done()]
         for outer, _fn, _args in pending:
             outer.cancel()
         return inflight
+
+
+_CANCELLED: Any = object()  # _Window._done: the caller's future ends cancelled
 
 
 def _cancel_all(futures: list["Future[Any]"]) -> None:
@@ -565,9 +643,9 @@ class Process:
             raise AssertionError("cannot start a process twice")
         _picklable(self)
         self._started_key, self._started_url = f"mesh:mp:started:{uuid.uuid4().hex}", _state.redis_url()
-        self._future = _state.executor().submit_now(_run_process, self)
+        self._future = _runner.executor().submit_now(_run_process, self)
         _children.add(self)
-        _state.run_first_at_exit()  # at exit: join it (terminate a daemon one) before shared objects are dropped
+        _runner.run_first_at_exit()  # at exit: join it (terminate a daemon one) before shared objects are dropped
         try:
             self._wait_started(float(_state.settings()["start_timeout_s"]))
         except BaseException:

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
-from fastapi import HTTPException
-
-from mesh_agent.environment import EnvSpecError, encode, normalize
+from cloud_hub.service.errors import ServiceError
+from mesh_agent.protocol.environment import EnvSpecError, encode, normalize
 
 if TYPE_CHECKING:
-    from cloud_hub.api.hub import Hub
-    from cloud_hub.api.schemas import TaskIn
+    from cloud_hub.service.hub import Hub
+    from cloud_hub.service.schemas import TaskIn
 
 __all__ = ["task_environments", "apply_environments", "env_for"]
 
@@ -30,7 +29,7 @@ def task_environments(tasks: Sequence["TaskIn"]) -> list[dict[str, Any] | None]:
         try:
             out.append(normalize(t.environment))
         except EnvSpecError as exc:
-            raise HTTPException(422, f"task {i}: {exc}") from None
+            raise ServiceError(422, f"task {i}: {exc}") from None
     return out
 
 

@@ -1,6 +1,7 @@
-"""``Hub``: what the hub's routes share (config, store, dispatcher, result bus, placement, access
-store, token cache) and its start and stop. The app (``cloud_hub.api.app``) builds one; routers
-get it through ``cloud_hub.api.deps.HubDep``, so neither imports the other.
+"""``Hub``: what the hub's routes share (config, store, dispatcher, result bus, placement,
+admission, access store, token cache, metrics) and its start and stop. The app
+(``cloud_hub.api.app``) builds one; routers get it through ``cloud_hub.api.deps.HubDep``; the
+console and ``cloud_hub.server`` use it too. Service layer: it imports nothing of ``cloud_hub.api``.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ import logging
 import time
 from typing import Any
 
-from cloud_hub.api.schemas import EndpointOut
 from cloud_hub.config import HubConfig
 from cloud_hub.dispatcher import Dispatcher, ResultBus
 from cloud_hub.placement import PlacementService
+from cloud_hub.service.admit import Admission
+from cloud_hub.service.schemas import EndpointOut
 from cloud_hub.store import hash_token, make_store, token_id
 from cloud_hub.store.access import AccessStore
 from mesh_agent.transport import HubLink
@@ -45,9 +47,7 @@ class Hub:
         self.bus = ResultBus()
         self.dispatcher = Dispatcher(cfg, self.store, self.bus)
         self.placement = PlacementService(cfg, self.store, self.dispatcher.kick, self.dispatcher.allow_list)
-        from cloud_hub.api.admit import Admission
-
-        self.admission = Admission(cfg, self.store, self.dispatcher)  # limits, shares, memoization (cloud_hub/api/admit.py)
+        self.admission = Admission(cfg, self.store, self.dispatcher)  # limits, shares, memoization (cloud_hub/service/admit.py)
         self.dispatcher.observer = self.admission.observer(self.placement)
         self._token_cache: dict[str, tuple[str, float | None, float]] = {}  # token hash -> (user, expires, checked at)
         self.bootstrap_token: str | None = None

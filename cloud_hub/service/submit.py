@@ -1,8 +1,8 @@
-"""The submit path every way in shares: REST (``POST /v1/tasks``, ``/v1/tasks/batch``) and the
-SDK's WebSocket stream (cloud_hub/api/stream.py) both call :func:`accept`, so a task gets the
-same checks, placement, admission, environment rule and idempotency wherever it arrives.
-
-Its own module so the routers and ``cloud_hub.api.app`` import it without importing each other.
+"""Task acceptance, the submit path every way in shares: REST (``POST /v1/tasks``,
+``/v1/tasks/batch``, cloud_hub/api/app.py) and the SDK's WebSocket stream (cloud_hub/api/stream.py)
+both call :func:`accept`, so a task gets the same checks, placement, admission, environment rule
+and idempotency wherever it arrives. A refusal is a :class:`~cloud_hub.service.errors.ServiceError`
+(the API answers it with its status), raised before anything is stored.
 """
 
 from __future__ import annotations
@@ -13,20 +13,19 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import HTTPException
-
-from cloud_hub.api.environments import apply_environments, task_environments
-from cloud_hub.api.hub import Hub
-from cloud_hub.api.schemas import TaskIn
-from cloud_hub.api.task_groups import function_writer
 from cloud_hub.placement import PlacementError
+from cloud_hub.service.environments import apply_environments, task_environments
+from cloud_hub.service.errors import ServiceError
+from cloud_hub.service.hub import Hub
+from cloud_hub.service.schemas import TaskIn
 from mesh_agent.protocol import SerializationError, method_of
 
-__all__ = ["accept", "check_size"]
+__all__ = ["accept", "check_size", "function_writer"]
+
 
 def check_size(h: Hub, what: str, blob: bytes) -> None:
     if len(blob) > h.cfg.max_payload_bytes:
-        raise HTTPException(
+        raise ServiceError(
             413,
             f"{what} is {len(blob)} bytes, over the {h.cfg.max_payload_bytes}-byte limit; "
             "stage large data separately and pass a reference",
@@ -44,7 +43,7 @@ async def _replayed(h: Hub, user: str, key: str, request_hash: str) -> tuple[lis
     if seen is None:
         return None
     if seen[0] != request_hash:
-        raise HTTPException(409, f"idempotency key {key} was used for a different request; use a new key per submit")
+        raise ServiceError(409, f"idempotency key {key} was used for a different request; use a new key per submit")
     return seen[1], seen[2]  # type: ignore[return-value]
 
 
@@ -61,7 +60,7 @@ async def accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None = None,
         try:
             method_of(t.args)
         except SerializationError as exc:
-            raise HTTPException(422, f"task {i} arguments: {exc}") from None
+            raise ServiceError(422, f"task {i} arguments: {exc}") from None
     env_specs = task_environments(tasks)  # 422 naming the task and key, before anything is stored
     eps: set[str] = set()
     for t in tasks:
@@ -72,9 +71,9 @@ async def accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None = None,
     fids = {t.function_id for t in tasks}
     found_eps, found_fids = await h.store.owned_refs(user, eps, fids)
     if eps - found_eps:
-        raise HTTPException(404, f"unknown endpoint {sorted(eps - found_eps)[0]}")
+        raise ServiceError(404, f"unknown endpoint {sorted(eps - found_eps)[0]}")
     if fids - found_fids - set(functions or ()):
-        raise HTTPException(404, f"unknown function {sorted(fids - found_fids - set(functions or ()))[0]} (register it first)")
+        raise ServiceError(404, f"unknown function {sorted(fids - found_fids - set(functions or ()))[0]} (register it first)")
     now = time.time()
     rows = [
         {
@@ -92,7 +91,7 @@ async def accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None = None,
         }
         for t in tasks
     ]
-    # Memoization and admission (cloud_hub/api/admit.py): cached results answer their tasks with no
+    # Memoization and admission (cloud_hub/service/admit.py): cached results answer their tasks with no
     # dispatch; the rest must fit under the queue bounds (else 429 + Retry-After, nothing stored).
     hits = await h.admission.memo_split(user, tasks, now)
     run = [i for i in range(len(tasks)) if i not in hits]
@@ -105,12 +104,12 @@ async def accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None = None,
     try:
         decisions = await h.placement.place(user, run_tasks, run_rows, now) if run_rows else []
     except PlacementError as exc:
-        raise HTTPException(exc.status, str(exc)) from None
+        raise ServiceError(exc.status, str(exc)) from None
     for i, r in zip(run, run_rows):  # on the endpoint each task will run on, named or placed
         allowed = h.dispatcher.allow_list(r["endpoint_id"])
         if allowed is not None and r["function_id"] not in allowed:
             h.placement.retract(r["id"] for r in run_rows)
-            raise HTTPException(403, f"task {i}: function {r['function_id']} is not on endpoint {r['endpoint_id']}'s allow-list")
+            raise ServiceError(403, f"task {i}: function {r['function_id']} is not on endpoint {r['endpoint_id']}'s allow-list")
     await apply_environments(h, user, rows, env_specs)  # after placement: others' endpoints sandbox by default
     write_decisions = h.placement.writer(decisions)
     misses: dict[str, int] = {}
@@ -142,3 +141,15 @@ async def accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None = None,
     for ep in {r["endpoint_id"] for r in run_rows}:
         h.dispatcher.kick(ep)
     return [r["id"] for r in rows], [r["endpoint_id"] for r in rows]
+
+
+def function_writer(user: str, functions: dict[str, tuple[str, bytes]]) -> Any:
+    """Stores the batch's bodies inside the transaction that inserts its tasks."""
+
+    def q(db: Any) -> None:
+        now = time.time()
+        for fid, (name, body) in functions.items():
+            db.execute("INSERT OR IGNORE INTO functions (id, body, name, created) VALUES (?, ?, ?, ?)", (fid, body, name, now))
+            db.execute("INSERT OR IGNORE INTO function_owners (function_id, user_id) VALUES (?, ?)", (fid, user))
+
+    return q

@@ -1,6 +1,7 @@
 """Execution environment specs: validation, canonical form and id (docs/environments.md).
 
-Why one pure module shared by the SDK, the hub and the agent: the spec travels inside the signed
+Part of the wire protocol (``mesh_agent/protocol``), the layer every side imports. Why one pure
+module shared by the SDK, the hub and the agent: the spec travels inside the signed
 task message, so all three must agree byte for byte on what a spec means and on its id. The SDK
 checks it before anything is sent, the hub checks it again (a client is not trusted), and the
 agent checks it a third time before building anything (a hub bug must not turn into a shell

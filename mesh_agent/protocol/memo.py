@@ -1,6 +1,7 @@
 """Memoization keys: which calls count as "the same call" (docs/sdk.md, "Memoization").
 
-Pure logic, no I/O. The SDK computes the key where the arguments are (the hub only sees them
+Pure logic, no I/O; part of the wire protocol (``mesh_agent/protocol``), as the SDK computes a key
+that the hub stores and matches. The SDK computes the key where the arguments are (the hub only sees them
 pickled, and ``ignore_for_cache`` names need the call's signature); the hub keeps, per user, a
 map from key to the task whose successful result answers it. A client can only poison its own
 cache: the scope is per user, so a wrong key cannot reach another user's results.

@@ -1,6 +1,6 @@
 """The submit path's admission control and memoization, and the hooks they need in the dispatcher.
 
-``accept`` (cloud_hub/api/submit.py) calls :meth:`Admission.check` before placing anything, and
+``accept`` (cloud_hub/service/submit.py) calls :meth:`Admission.check` before placing anything, and
 :meth:`Admission.memo_split` to answer cache hits without dispatch. The rules are in
 cloud_hub/admission.py (pure); the memo rows in cloud_hub/store/memo.py. Both REST and any other
 submit path that goes through ``accept`` get the same answers.
@@ -11,10 +11,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
-from fastapi import HTTPException
-
 from cloud_hub.admission import AdmissionPolicy, check_queue, too_big
 from cloud_hub.observer import DispatchObserver
+from cloud_hub.service.errors import ServiceError, TooManyTasks
 from cloud_hub.store import memo as memo_rows
 from cloud_hub.store.memo import Hit, MemoSettings
 
@@ -25,13 +24,6 @@ if TYPE_CHECKING:
 __all__ = ["Admission", "TooManyTasks"]
 
 _ESTIMATE_S = 2.0
-
-
-class TooManyTasks(HTTPException):
-    """429 with Retry-After: nothing was stored; retry the same request (same idempotency key) later."""
-
-    def __init__(self, detail: str, retry_after_s: int) -> None:
-        super().__init__(429, detail, headers={"Retry-After": str(retry_after_s)})
 
 
 class _Chain:
@@ -91,7 +83,7 @@ class Admission:
         name = await self._name(user)
         big = too_big(pol, user, name, incoming)
         if big is not None:
-            raise HTTPException(413, big)
+            raise ServiceError(413, big)
         lim = pol.user_limits(user, name)
         total = sum(incoming.values())
         # Counting a user's queue costs an index range as long as the queue (7 ms at 50,000 queued,

@@ -1,5 +1,9 @@
-"""The local tier of refs: the producing agent's own store (memory plus its SQLite), and staging
-of local refs through the hub's store for consumers on other endpoints.
+"""The local tier of data refs, on an agent's workers: the producing agent's own store (memory
+plus its SQLite), and the stager that copies local refs into the shared store (a Redis, or the
+hub's) for consumers on other endpoints. The keys both sides meet on are in
+``mesh_agent.protocol.refs``; the program's side (``put``, ``get``, asking for a staged copy) is
+``cloud_hub.client.refs``. Here, not in the SDK, because a worker resumes its stagers at start
+(``mesh_agent/engine/_worker.py``) and the agent does not import the hub's package.
 
 Why a tier on the agent: a consumer on the same endpoint (the scheduler puts it there when it
 can, docs/data.md "Locality") then reads the value from the SD card or from memory, and the
@@ -30,13 +34,14 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
-__all__ = ["LocalStore", "local_store", "endpoint_id", "LocalFull", "ensure_stager", "STAGE_LIST"]
+from mesh_agent.protocol.refs import READY, STAGE_LOST, STAGE_OK, STAGED, owner_of, stage_list
+
+__all__ = ["LocalStore", "local_store", "endpoint_id", "LocalFull", "ensure_stager", "resume_stagers", "connection"]
 
 ENV_DATA_DIR = "MESH_ENDPOINT_DATA_DIR"  # set by the agent for its workers (mesh_agent.datasets)
 ENV_ENDPOINT_ID = "MESH_ENDPOINT_ID"
-STAGE_LIST = "mesh:stage:"
 #: how long one idle BLPOP of the stager blocks: one ~100-byte round trip per worker this often
 #: (360 a day, about 36 KB) while it waits; a request is served at once whatever this is
 STAGER_WAIT_S = 240
@@ -199,29 +204,16 @@ def ensure_stager(url: str) -> None:
         t.start()
 
 
-def owner_of(url: str) -> str:
-    """Whose refs these are: a hash of the store URL's login *and* credential (the hub's store
-    gives each user an unguessable one), so a task cannot claim another user's local ref by
-    writing their user name into a forged ref."""
-    import hashlib
-    from urllib.parse import urlsplit
-
-    u = urlsplit(url)
-    return hashlib.sha256(f"{u.username or ''}:{u.password or ''}".encode()).hexdigest()[:32]
-
-
 def _stage_forever(url: str, ep: str, store: LocalStore) -> None:
     try:
         import redis
     except ImportError:  # no redis client on this endpoint: refs stay local, consumers elsewhere get a clear timeout
         return
 
-    from cloud_hub.client.multiprocessing._resource import connection
-
     r = connection(url)
     for _ in range(1 << 40):  # for the life of this worker
         try:
-            got = r.blpop([STAGE_LIST + ep], timeout=STAGER_WAIT_S)
+            got = r.blpop([stage_list(ep)], timeout=STAGER_WAIT_S)
         except (redis.ConnectionError, redis.TimeoutError):
             time.sleep(1.0)
             continue
@@ -235,32 +227,40 @@ def _stage_forever(url: str, ep: str, store: LocalStore) -> None:
             hit = store.get(key, owner_of(url))  # only this login's refs: requests come from its own key space
             pipe = r.pipeline()
             if hit is None:
-                pipe.rpush(key + ":ready", "lost")
+                pipe.rpush(key + READY, STAGE_LOST)
             else:
                 blob, expires = hit
-                pipe.set(key + ":staged", blob, px=max(1, int((expires - time.time()) * 1000)))
-                pipe.rpush(key + ":ready", "ok")
-            pipe.expire(key + ":ready", 120)
+                pipe.set(key + STAGED, blob, px=max(1, int((expires - time.time()) * 1000)))
+                pipe.rpush(key + READY, STAGE_OK)
+            pipe.expire(key + READY, 120)
             pipe.execute()
         except Exception:  # noqa: BLE001
             continue
 
 
-def stage_in(url: str, key: str, producer_ep: str, timeout_s: float) -> tuple[bytes | None, str]:
-    """From another endpoint or the program: the value of a local ref on ``producer_ep``, copied
-    through the shared store. Returns (blob, "") or (None, why)."""
-    from cloud_hub.client.multiprocessing._resource import connection, retrying
+_conns: dict[tuple[int, str], Any] = {}
+_conns_lock = threading.Lock()
 
-    r = connection(url)
-    blob = retrying(url, lambda: r.get(key + ":staged"))
-    if blob is not None:
-        return blob, ""
-    retrying(url, lambda: r.rpush(STAGE_LIST + producer_ep, key))
-    got = retrying(url, lambda: r.blpop([key + ":ready"], timeout=timeout_s))
-    if got is None:
-        return None, (f"endpoint {producer_ep} did not stage it within {timeout_s:g} s (it is offline, or no worker "
-                      "that used refs is alive there; MESH_REF_STAGE_S)")
-    if got[1] == b"lost":
-        return None, f"endpoint {producer_ep} no longer has it (expired, deleted, or its data directory was wiped)"
-    blob = retrying(url, lambda: r.get(key + ":staged"))
-    return (blob, "") if blob is not None else (None, "its staged copy expired before it was read")
+
+def connection(url: str) -> Any:
+    """One ``redis.Redis`` (its own pool) per process and URL; made again after a fork. The one
+    connection of a process to a shared store: this module's stagers and, in the SDK, refs and
+    the multiprocessing proxies (``cloud_hub.client.multiprocessing._resource``) use it."""
+    key = (os.getpid(), url)
+    r = _conns.get(key)
+    if r is None:
+        try:
+            import redis
+        except ImportError as exc:  # the agent's core install has no redis client
+            raise ImportError("the mesh multiprocessing proxies need the 'redis' package on this machine: "
+                              "pip install 'continuum-mesh[mp]' (or pip install redis)") from exc
+        with _conns_lock:
+            r = _conns.get(key)
+            if r is None:
+                # socket_timeout=None: redis-py 8 reads with a 5 s default, which broke every BLPOP
+                # (Lock, Event, Queue.get) that waits longer; a dead server is still caught by
+                # the connect timeout and TCP keepalive.
+                r = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=None, socket_keepalive=True,
+                                         health_check_interval=30)
+                _conns[key] = r
+    return r
