@@ -638,6 +638,8 @@ class Dispatcher:
                         # the queue now rather than after lease_s; a copy that did get out is
                         # de-duplicated by the agent.
                         n = await self.store.unlease(s.endpoint_id, [t["id"] for t in tasks])
+                        for t in tasks:  # not with the agent: they no longer count against its lookahead
+                            s.placed_out.pop(t["id"], None)
                         log.warning("sending to %s failed (%s); %d tasks re-queued", s.endpoint_id, exc, n, extra={"endpoint_id": s.endpoint_id})
                         # The agent still counts on this credit and, beating only on change, may not
                         # say so for a long time: the watchdog gives it back after a pause.

@@ -1,0 +1,1 @@
+"""Outsider checks of issue 27 (the scheduler under load: late binding, echoed link timing, calibration)."""
