@@ -44,7 +44,7 @@ from cloud_hub.client import multiprocessing as mesh_mp  # noqa: E402
 from cloud_hub.localmesh import LocalMesh  # noqa: E402
 from tests.integration.test_multiprocessing import (MAPS, REDUCERS, _buckets, _words, map_plain, reduce_plain,  # noqa: E402
                                                     reduce_ref)
-from tests.unit.test_mp_proxies import RedisServer  # noqa: E402
+from tests.integration.test_mp_proxies import RedisServer  # noqa: E402
 
 
 def map_tier(seed: int, store: refs.Store, tier: str) -> list[refs.MeshRef]:

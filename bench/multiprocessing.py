@@ -41,7 +41,7 @@ import multiprocessing as std  # noqa: E402  (after the path fix: this file has 
 from cloud_hub.client import Client  # noqa: E402
 from cloud_hub.client import multiprocessing as mesh  # noqa: E402
 from cloud_hub.localmesh import LocalMesh  # noqa: E402
-from tests.unit.test_mp_proxies import RedisServer  # noqa: E402
+from tests.integration.test_mp_proxies import RedisServer  # noqa: E402
 
 LITHOPS = {"fork_join_overhead_s_low_parallelism": 1.0, "pipe_latency_ms_below_1KB": "< 1", "pipe_throughput_MBps": 90}
 

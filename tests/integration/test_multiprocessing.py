@@ -22,7 +22,7 @@ import pytest
 
 from cloud_hub.broker import find_mosquitto
 from cloud_hub.localmesh import LocalMesh
-from tests.unit.test_mp_proxies import RedisServer
+from tests.integration.test_mp_proxies import RedisServer
 
 pytestmark = pytest.mark.integration
 

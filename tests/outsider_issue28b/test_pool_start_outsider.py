@@ -33,7 +33,7 @@ try:  # where the program's Executor lives moved between revisions of the tree
 except ImportError:  # pragma: no cover - older tree
     from cloud_hub.client.multiprocessing import _state as _mp_runner  # type: ignore[no-redef]
 from cloud_hub.localmesh import AgentProcess, LocalMesh
-from tests.unit.test_mp_proxies import RedisServer
+from tests.integration.test_mp_proxies import RedisServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(170)]
 

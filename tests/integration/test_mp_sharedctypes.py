@@ -15,7 +15,7 @@ import pytest
 redis = pytest.importorskip("redis")
 
 from cloud_hub.client import multiprocessing as mp  # noqa: E402
-from tests.unit.test_mp_proxies import _child, rs  # noqa: E402,F401  (rs: the store fixture, run twice)
+from tests.integration.test_mp_proxies import _child, rs  # noqa: E402,F401  (rs: the store fixture, run twice)
 
 #: every typecode the standard library takes, and the simple ctypes types it takes as well
 TYPES: list[Any] = [*std.sharedctypes.typecode_to_type, ctypes.c_bool, ctypes.c_int8, ctypes.c_uint16, ctypes.c_int64,
