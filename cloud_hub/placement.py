@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import heapq
 import io
 import json
 import logging
@@ -754,8 +755,8 @@ class PlacementService(DispatchObserver):
         turn-around (link both ways and the hub's own time) at its measured task rate, so late
         binding costs no throughput, at least ``_LOOKAHEAD_MIN`` per worker, at most
         ``_LOOKAHEAD_MAX``. The rest wait in the hub, where they can still move."""
-        if not self.cfg.late_binding:
-            return None
+        if not self.cfg.late_binding or not self.sched.in_flight:
+            return None  # no task the scheduler placed is out: nothing to cap (named work reads no extra rows)
         workers = max(1, capacity)
         node = self.sched.fleet.nodes.get(endpoint_id)
         if node is None:
@@ -771,8 +772,8 @@ class PlacementService(DispatchObserver):
         """An endpoint ran out of work: look (at most every ``_STEAL_EVERY_S``, one look at a
         time) for placed tasks still in the hub on the endpoints with the longest predicted
         queues, and place the newest of them again; those that now finish sooner here move."""
-        if not self.cfg.late_binding or self._stealing:
-            return
+        if not self.cfg.late_binding or self._stealing or not self.sched.in_flight:
+            return  # nothing placed by the scheduler is out: no queue to take from (and no scan of the fleet)
         node = self.sched.fleet.nodes.get(endpoint_id)
         if node is None or not node.ep.online:
             return
@@ -780,8 +781,8 @@ class PlacementService(DispatchObserver):
         if mono - self._starved_at.get(endpoint_id, 0.0) < _STEAL_EVERY_S:
             return
         self._starved_at[endpoint_id] = mono
-        donors = sorted((n for n in self.sched.fleet.nodes.values() if n is not node and n.ep.online and n.wait > 0),
-                        key=lambda n: n.wait, reverse=True)[:3]
+        donors = heapq.nlargest(3, (n for n in self.sched.fleet.nodes.values() if n is not node and n.ep.online and n.wait > 0),
+                                key=lambda n: n.wait)
         if donors:
             self._stealing = True
             self._spawn(self._steal(endpoint_id, [d.id for d in donors]))

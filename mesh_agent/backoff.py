@@ -199,13 +199,7 @@ def retry(
         try:
             return fn()
         except BaseException as exc:
-            if not _retryable(exc, retry_on):
-                raise
-            delay = tries.next_delay((wait_hint(exc) or 0.0) if wait_hint is not None else 0.0)
-            if delay is None:
-                raise
-            if on_retry is not None:
-                on_retry(tries.failures, exc, delay)
+            delay = _wait_after(exc, tries, retry_on, wait_hint, on_retry)
         sleep(delay)
 
 
@@ -228,14 +222,23 @@ async def aretry(
         try:
             return await fn()
         except BaseException as exc:
-            if not _retryable(exc, retry_on):
-                raise
-            delay = tries.next_delay((wait_hint(exc) or 0.0) if wait_hint is not None else 0.0)
-            if delay is None:
-                raise
-            if on_retry is not None:
-                on_retry(tries.failures, exc, delay)
+            delay = _wait_after(exc, tries, retry_on, wait_hint, on_retry)
         await sleep(delay)
+
+
+def _wait_after(exc: BaseException, tries: "Attempts", retry_on: RetryOn,
+                wait_hint: Callable[[BaseException], float | None] | None,
+                on_retry: Callable[[int, BaseException, float], None] | None) -> float:
+    """(Inside ``except``.) How long to wait before the next try of :func:`retry`/:func:`aretry`;
+    re-raises ``exc`` when it is not retryable or the policy's tries or time ran out."""
+    if not _retryable(exc, retry_on):
+        raise exc
+    delay = tries.next_delay((wait_hint(exc) or 0.0) if wait_hint is not None else 0.0)
+    if delay is None:
+        raise exc
+    if on_retry is not None:
+        on_retry(tries.failures, exc, delay)
+    return delay
 
 
 #: The agent's reconnect delays (also the simulator's swarm endpoints'): 0.2 * 2^n s, at most 30 s,

@@ -70,6 +70,19 @@ def hub_down(exc: BaseException) -> bool:
     if isinstance(exc, HubError):
         return exc.status >= 500
     return isinstance(exc, (httpx.TransportError, httpx.TimeoutException, ConnectionError))  # (HubUnreachable)
+
+
+def wait_out_hub(call: Callable[[], Any], wait_s: float, on_wait: Callable[[float], None] | None = None) -> Any:
+    """``call()``; while the hub is down (:func:`hub_down`) wait and retry for up to ``wait_s``,
+    logging each wait (``on_wait(delay)`` too). What the FL driver and the Flower grid share;
+    the last error is raised as it was, and each caller wraps it in its own run error."""
+
+    def waiting(_n: int, err: BaseException, delay: float) -> None:
+        log.warning("hub unreachable (%s); retrying in %.1fs", err, delay)
+        if on_wait is not None:
+            on_wait(delay)
+
+    return retry(call, retry_on=hub_down, policy=HUB_WAIT.replace(deadline=max(0.0, wait_s)), on_retry=waiting)
 _MAX_LATE = 2000  # late tasks still watched for
 _KEEP_VERSIONS = 64  # global models kept to decode delta-encoded updates of async clients
 
@@ -422,13 +435,11 @@ class RoundDriver:
         ``self.outage_s`` so deadlines can move by it."""
         start = time.monotonic()
 
-        def waiting(_n: int, err: BaseException, delay: float) -> None:
-            log.warning("hub unreachable (%s); retrying in %.1fs", err, delay)
+        def waited(delay: float) -> None:
             self.outage_s += delay
 
         try:
-            return retry(lambda: fn(*args, **kw), retry_on=hub_down, policy=HUB_WAIT.replace(deadline=max(0.0, self.hub_wait_s)),
-                         on_retry=waiting)
+            return wait_out_hub(lambda: fn(*args, **kw), self.hub_wait_s, waited)
         except BaseException as err:
             if not hub_down(err):
                 raise

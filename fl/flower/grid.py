@@ -39,9 +39,8 @@ from flwr.supercore.run import Run
 
 from cloud_hub.client import Client
 from cloud_hub.client._results import decode_row
-from fl.drivers._base import HUB_WAIT, hub_down
+from fl.drivers._base import hub_down, wait_out_hub
 from fl.flower.clientapp import PROTOCOL, decode_message, encode_message, node_id_of
-from mesh_agent.backoff import retry
 
 __all__ = ["MeshGrid", "RunFailed", "RoundLog"]
 
@@ -214,14 +213,9 @@ class MeshGrid(Grid):
     # ------------------------------------------------------------------ internals
     def _hub(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         """Call the hub; while it is unreachable (or answers 5xx) wait and retry up to ``hub_wait_s``,
-        as the FL driver does (``fl.drivers._base.HUB_WAIT`` and ``hub_down``)."""
-
-        def waiting(_n: int, err: BaseException, delay: float) -> None:
-            log.warning("hub unreachable (%s); retrying in %.1fs", err, delay)
-
+        as the FL driver does (``fl.drivers._base.wait_out_hub``)."""
         try:
-            return retry(lambda: fn(*args, **kw), retry_on=hub_down, policy=HUB_WAIT.replace(deadline=max(0.0, self.hub_wait_s)),
-                         on_retry=waiting)
+            return wait_out_hub(lambda: fn(*args, **kw), self.hub_wait_s)
         except BaseException as err:
             if not hub_down(err):
                 raise
