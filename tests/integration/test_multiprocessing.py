@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -36,6 +37,7 @@ class Env:
 
     def __init__(self, mesh: LocalMesh, redis: RedisServer, mode: str) -> None:
         self.mesh, self.redis, self.mode = mesh, redis, mode
+        self.seen_workers: set[int] = set()  # agent workers seen while programs ran (run())
 
     @property
     def store_url(self) -> str:
@@ -63,15 +65,36 @@ class Env:
             assert changed != text
             path = tmp / name
             path.write_text(changed)
-        out = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=240, env=self.env(), cwd=tmp or ROOT)
+        stop = threading.Event()
+        watcher = None if stdlib else threading.Thread(target=self._watch_workers, args=(stop,), daemon=True)
+        if watcher is not None:
+            watcher.start()
+        try:
+            out = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=240, env=self.env(), cwd=tmp or ROOT)
+        finally:
+            stop.set()
+            if watcher is not None:
+                watcher.join(5)
         assert out.returncode == 0, f"{name} failed:\n{out.stdout}\n{out.stderr}"
         return out.stdout
+
+    def _watch_workers(self, stop: threading.Event) -> None:
+        """Every agent worker seen while a program runs, the short-lived extra ones too (an extra
+        worker ends with its one task, and its pid may be reused by the time the program ends)."""
+        for _ in range(240 * 20):  # bounded: the program's own timeout, at 50 ms a look
+            self.seen_workers |= self.worker_pids()
+            if stop.wait(0.05):
+                break
+        self.seen_workers |= self.worker_pids()
 
     def worker_pids(self) -> set[int]:
         pids: set[int] = set()
         for a in self.mesh.agents:
             if a.proc is not None:
-                pids |= {c.pid for c in psutil.Process(a.proc.pid).children(recursive=True)}
+                try:
+                    pids |= {c.pid for c in psutil.Process(a.proc.pid).children(recursive=True)}
+                except psutil.Error:
+                    pass  # an agent a test has just killed
         return pids
 
 
@@ -110,9 +133,9 @@ def test_pi_with_pool_map(env: Env, tmp_path: Path) -> None:
     pi = float(_field(out, "pi")[0])
     pids = {int(p) for p in _field(out, "pids")}
     # Pool tasks start at once: on a pool worker of an agent, or on an extra worker the agent
-    # started for one of them and that ended with it (docs/multiprocessing.md, "Start")
-    alive = {p for p in pids if psutil.pid_exists(p)}
-    assert alive <= env.worker_pids(), "the samples were not computed by the agents' workers"
+    # started for one of them and that ended with it (docs/multiprocessing.md, "Start"): both were
+    # seen as the agents' children while the program ran
+    assert pids <= env.seen_workers, "the samples were not computed by the agents' workers"
     assert int(_field(out, "cpus")[0]) == 6  # the fleet's capacity, 3 agents x 2 workers
     std = env.run("pi.py", "5000", "12", stdlib=True, tmp=tmp_path)
     assert pi == float(_field(std, "pi")[0])  # same seeds, same estimate as local processes

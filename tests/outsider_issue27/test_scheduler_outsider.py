@@ -234,7 +234,11 @@ def test_latency_not_inflated_by_flood(scenario: dict[str, Any]) -> None:
               for n, v in s.get("endpoints", {}).items() if v.get("latency_s") is not None]
     assert during, "no state sample during the flood"
     worst = max(during, key=lambda x: x[2])
-    assert worst[2] < 0.05, worst
+    # During the flood the hub's own CPU is saturated, so even a round trip stamped at socket read
+    # can wait for the loop: 145 ms was seen 0.6 s into the flood on a loaded 2-core CI machine.
+    # The defect this guards against put 470-960 ms of flood-time hub lag into the link term and
+    # kept it there (the states after the flood, above, must be back at loopback latency).
+    assert worst[2] < 0.3, worst
 
 
 # ---------------------------------------------------------------------------- restart race
