@@ -18,6 +18,7 @@ from cloud_hub.client import Client
 from cloud_hub.config import HubConfig
 from cloud_hub.console import live as live_mod
 from cloud_hub.server import HubThread
+from tests.waiting import wait_for
 
 PAGES = ["/console", "/console/", "/console/endpoints", "/console/endpoints/ep-000000000000", "/console/tasks",
          "/console/tasks?state=failed", "/console/tasks/0123abcd", "/console/functions", "/console/scheduler",
@@ -191,16 +192,6 @@ def test_users_see_only_their_own_endpoints_tasks_and_functions(hub: HubThread) 
     assert _first_snapshot(a)["counts"]["queued"] == 1
 
 
-def _eventually(check, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    """The nav comes from the live snapshot, cached up to a second: poll, bounded."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
-
-
 def _first_snapshot(c: httpx.Client) -> dict:
     with c.stream("GET", "/console/events") as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -276,7 +267,7 @@ def test_scheduler_and_fl_pages_appear_only_with_data_and_only_for_their_owner(h
 
     with Client(hub.url, dora_token) as sdk:
         run = sdk.fl_create_run("dora-run", strategy="fedavg", rounds_planned=3, clients=["ep-a"], client_names={"ep-a": "pi-a"})
-    assert _eventually(lambda: 'href="/console/fl"' in dora.get("/console").text), "the nav shows FL runs once one exists"
+    wait_for(lambda: 'href="/console/fl"' in dora.get("/console").text, "the nav showing FL runs once one exists", 5, step=0.2)
     page = dora.get(f"/console/fl/{run['id']}")
     assert page.status_code == 200 and "dora-run" in page.text and "No rounds finished yet" in page.text
 

@@ -24,6 +24,7 @@ from mesh_agent.config import Credentials, load_config
 from mesh_agent.protocol import Envelope, Kind, encode, function_id, new_key, open_frame, serialize, serialize_function
 from mesh_agent.transport.mqtt import down_topic, up_topic
 from tests.integration.peers import MqttPeer, connect_intruder
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -58,15 +59,6 @@ def hub_counts(mesh: LocalMesh) -> dict[str, int]:
 def queue_ids(agent: AgentProcess) -> set[str]:
     with sqlite3.connect(agent.cfg.queue_path) as db:
         return {r[0] for r in db.execute("SELECT id FROM tasks")}
-
-
-def wait_until(pred: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def log_count(agent: AgentProcess, text: str) -> int:
@@ -146,7 +138,7 @@ def test_intruder_on_the_hub_topic_cannot_make_a_device_run_anything(mesh: Local
     try:
         with Executor(mesh.client, victim.endpoint_id) as ex:
             assert ex.submit(mark, str(legit)).result(30) == str(legit)
-        wait_until(lambda: any(open_frame(f, bytes.fromhex(v.key)).kind is Kind.RESULTS for tp, f in peer.frames if tp.endswith("/up")), "sniffed results")
+        wait_for(lambda: any(open_frame(f, bytes.fromhex(v.key)).kind is Kind.RESULTS for tp, f in peer.frames if tp.endswith("/up")), "sniffed results")
         down = [f for tp, f in peer.frames if tp == down_topic("mesh", victim.endpoint_id)]
         up = [f for tp, f in peer.frames if tp == up_topic("mesh", victim.endpoint_id)]
         tasks_frame = next(f for f in down if open_frame(f, bytes.fromhex(v.key)).kind is Kind.TASKS)
@@ -172,7 +164,7 @@ def test_intruder_on_the_hub_topic_cannot_make_a_device_run_anything(mesh: Local
             for f in frames:
                 peer.publish(down_topic("mesh", victim.endpoint_id), f)
         for reason, frames in attacks.items():
-            wait_until(lambda r=reason, n=len(frames): log_count(victim, r) >= n, f"agent refusing: {reason}")
+            wait_for(lambda r=reason, n=len(frames): log_count(victim, r) >= n, f"agent refusing: {reason}")
         # at the hub: a replayed and a tampered result, and a hub frame reflected up
         hub = mesh.hub.hub.dispatcher  # type: ignore[union-attr]
         rejected = hub.stats["rejected_frames"]
@@ -180,7 +172,7 @@ def test_intruder_on_the_hub_topic_cannot_make_a_device_run_anything(mesh: Local
         bad_result[-3] ^= 0x55
         for f in (results_frame, bytes(bad_result), tasks_frame):
             peer.publish(up_topic("mesh", victim.endpoint_id), f)
-        wait_until(lambda: hub.stats["rejected_frames"] >= rejected + 3, "hub refusing replayed, tampered and reflected frames")
+        wait_for(lambda: hub.stats["rejected_frames"] >= rejected + 3, "hub refusing replayed, tampered and reflected frames")
 
         # replayed to a freshly restarted agent (its replay memory is gone, the frame still fresh):
         # the task id is already in its queue, so it does not run again
@@ -229,11 +221,11 @@ def test_zeromq_needs_an_enrolled_curve_key_and_cannot_claim_another_endpoint(me
         stranger_pub, stranger_sec = zmq.curve_keypair()
         dealer(stranger_pub.decode(), stranger_sec.decode()).send(hello(bytes.fromhex(v.key), victim.endpoint_id))  # even with the right HMAC key
         dealer(None, None).send(hello(bytes.fromhex(v.key), victim.endpoint_id))  # no encryption at all
-        wait_until(lambda: hub.zmq_link.stats["refused_connections"] >= 1, "ZAP refusing an unknown CURVE key")
+        wait_for(lambda: hub.zmq_link.stats["refused_connections"] >= 1, "ZAP refusing an unknown CURVE key")
         # a real, enrolled device claiming to be the victim: its routing id and the frame header say so
         impostor = dealer(o.curve_public, o.curve_secret, routing_id=victim.endpoint_id.encode())
         impostor.send(hello(bytes.fromhex(o.key), victim.endpoint_id))
-        wait_until(lambda: hub.dispatcher.stats["rejected_frames"] >= rejected + 1, "hub refusing a frame from the wrong channel")
+        wait_for(lambda: hub.dispatcher.stats["rejected_frames"] >= rejected + 1, "hub refusing a frame from the wrong channel")
         time.sleep(0.5)
         assert hub.dispatcher.stats["rejected_frames"] == rejected + 1, "frames without an enrolled CURVE key never reach the hub"
         # the victim's route was not taken over
@@ -414,7 +406,7 @@ def test_allow_lists_at_submit_and_on_the_device(mesh: LocalMesh, tmp_path: Path
     assert c.request("GET", f"/v1/endpoints/{strict.endpoint_id}/allowed-functions")["function_ids"] == [fid_pow]
     # the agent gets the hub's list with its next tasks frame and keeps it
     assert c.get_result(c.submit(strict.endpoint_id, fid_pow, 3, 2), timeout_s=30) == 9
-    wait_until(lambda: log_count(strict, "hub allow-list: 1 functions") >= 1, "agent learning the hub's allow-list")
+    wait_for(lambda: log_count(strict, "hub allow-list: 1 functions") >= 1, "agent learning the hub's allow-list")
     # tasks queued at the hub for a function the owner then removes fail with a clear error
     strict.stop()
     mesh.wait_online(strict, online=False)

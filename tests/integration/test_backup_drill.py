@@ -14,7 +14,6 @@ import sqlite3
 import stat
 import subprocess
 import sys
-import time
 from concurrent.futures import wait
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pytest
 from cloud_hub.broker import find_mosquitto
 from cloud_hub.client import Executor
 from cloud_hub.localmesh import LocalMesh
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -32,15 +32,6 @@ def slow_square(x: int) -> int:
 
     time.sleep(0.05)
     return x * x
-
-
-def _wait_for(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def _hub_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -69,8 +60,8 @@ def test_backup_mid_run_then_restore_loses_nothing_silently(tmp_path: Path) -> N
         fid = client.register_function(slow_square)
         with Executor(client, agents[0].endpoint_id) as ex_a, Executor(client, agents[1].endpoint_id) as ex_b:
             before = [ex.submit(slow_square, i) for i in range(200) for ex in (ex_a, ex_b)]
-            _wait_for(lambda: all(getattr(f, "task_id", None) for f in before) and sum(f.done() for f in before) >= 40, 120,
-                      "every task accepted and the first 40 results")
+            wait_for(lambda: all(getattr(f, "task_id", None) for f in before) and sum(f.done() for f in before) >= 40, "every task accepted and the first 40 results",
+                      120)
             out = _hub_cli("backup", str(backup), "--db", str(db))  # while the hub serves and the agents work
             assert out.returncode == 0, out.stderr
             done_at_backup = sum(f.done() for f in before)
@@ -78,7 +69,7 @@ def test_backup_mid_run_then_restore_loses_nothing_silently(tmp_path: Path) -> N
             assert stat.S_IMODE(backup.stat().st_mode) == 0o600
             # Keep working: new work is accepted, and earlier work finishes, after the backup.
             after = client.submit_batch([client.task_spec(a.endpoint_id, fid, (i,)) for i in range(30) for a in agents])
-            _wait_for(lambda: sum(f.done() for f in before) >= done_at_backup + 40, 120, "40 more results after the backup")
+            wait_for(lambda: sum(f.done() for f in before) >= done_at_backup + 40, "40 more results after the backup", 120)
             mesh.stop_hub()
             out = _hub_cli("restore", str(backup), "--db", str(db))
             assert out.returncode == 2 and "--force" in out.stderr, "an existing database is not overwritten without --force"
@@ -95,7 +86,7 @@ def test_backup_mid_run_then_restore_loses_nothing_silently(tmp_path: Path) -> N
         def all_done() -> bool:  # the restored hub re-runs what finished only after the backup
             return _rows(db, f"SELECT COUNT(*) FROM tasks WHERE state='done' AND id IN ({q})", tuple(ids))[0][0] == len(ids)
 
-        _wait_for(all_done, 240, "every task from before the backup done in the restored hub")
+        wait_for(all_done, "every task from before the backup done in the restored hub", 240)
         per_task = dict(_rows(db, f"SELECT task_id, COUNT(*) FROM results WHERE task_id IN ({q}) GROUP BY task_id", tuple(ids)))
         assert set(per_task) == set(ids) and set(per_task.values()) == {1}, "exactly one result per task accepted before the backup"
         q_after = ",".join("?" * len(after))

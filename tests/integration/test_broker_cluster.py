@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -29,6 +29,7 @@ from cloud_hub.localmesh import AgentProcess, LocalMesh
 from mesh_agent.config import AgentConfig, ConfigError, load_config
 from mesh_agent.transport.mqtt import down_topic, up_topic
 from tests.integration.peers import MqttPeer
+from tests.waiting import wait_for
 
 pytestmark = [
     pytest.mark.integration,
@@ -41,15 +42,6 @@ def record(path: str, i: int) -> int:
     with open(path, "a") as f:
         f.write(f"{i}\n")
     return i * i
-
-
-def wait_until(pred: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def use_cluster(agent: AgentProcess, cluster: NatsCluster) -> None:
@@ -110,7 +102,7 @@ def test_killing_the_node_everyone_uses_loses_no_task(cluster_mesh: LocalMesh, t
                 futures.append(executors[i % 2].submit(record, str(marker), i))
             if w == waves // 3:
                 # a third of the stream is done: kill the node the agents (and the hub) are on
-                wait_until(lambda: sum(f.done() for f in futures) >= len(futures) // 2, "a first share of results")
+                wait_for(lambda: sum(f.done() for f in futures) >= len(futures) // 2, "a first share of results", timeout=60)
                 kill_at = time.time()
                 cluster.kill(first)
             time.sleep(0.1)
@@ -131,7 +123,7 @@ def test_killing_the_node_everyone_uses_loses_no_task(cluster_mesh: LocalMesh, t
 
     # everyone moved to a surviving node
     survivors = {n.mqtt_port for n in cluster.nodes if n is not first}
-    wait_until(lambda: hub_link.connected, "the hub's link back on a surviving node", 30)
+    wait_for(lambda: hub_link.connected, "the hub's link back on a surviving node", 30)
     assert int(hub_link.address.rsplit(":", 1)[1]) in survivors
     failover = {}
     for a in agents:
@@ -176,9 +168,9 @@ def test_an_endpoint_reads_and_writes_only_its_own_topics(cluster_mesh: LocalMes
         hub_peer.publish(down_topic("mesh", thief.endpoint_id), b"for-the-thief")
         thief_peer.publish(up_topic("mesh", victim.endpoint_id), b"forged-as-victim")
         thief_peer.publish(up_topic("mesh", thief.endpoint_id), b"thief-own-up")
-        wait_until(lambda: (down_topic("mesh", victim.endpoint_id), b"for-the-victim") in victim_peer.frames, "the victim's own frame", 20)
-        wait_until(lambda: (up_topic("mesh", thief.endpoint_id), b"thief-own-up") in hub_peer.frames, "the thief's own up frame", 20)
-        wait_until(lambda: (down_topic("mesh", thief.endpoint_id), b"for-the-thief") in thief_peer.frames, "the thief's own down frame", 20)
+        wait_for(lambda: (down_topic("mesh", victim.endpoint_id), b"for-the-victim") in victim_peer.frames, "the victim's own frame", 20)
+        wait_for(lambda: (up_topic("mesh", thief.endpoint_id), b"thief-own-up") in hub_peer.frames, "the thief's own up frame", 20)
+        wait_for(lambda: (down_topic("mesh", thief.endpoint_id), b"for-the-thief") in thief_peer.frames, "the thief's own down frame", 20)
         assert thief_peer.frames == [(down_topic("mesh", thief.endpoint_id), b"for-the-thief")]
         assert (up_topic("mesh", victim.endpoint_id), b"forged-as-victim") not in hub_peer.frames
     finally:
@@ -202,7 +194,7 @@ def test_an_endpoint_reads_and_writes_only_its_own_topics(cluster_mesh: LocalMes
     back = MqttPeer(node, v.mqtt_username, v.mqtt_password, client_id=f"agent-{victim.endpoint_id}", clean_session=False)
     try:
         assert back.wait()
-        wait_until(lambda: (down_topic("mesh", victim.endpoint_id), b"queued-for-the-victim") in back.frames, "the victim's queued frame", 20)
+        wait_for(lambda: (down_topic("mesh", victim.endpoint_id), b"queued-for-the-victim") in back.frames, "the victim's queued frame", 20)
     finally:
         back.close()
     # wrong passwords are refused at CONNECT

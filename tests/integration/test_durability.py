@@ -10,6 +10,7 @@ import pytest
 
 from cloud_hub.client import Executor
 from cloud_hub.localmesh import LocalMesh
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -26,22 +27,13 @@ def _hub_rows(mesh: LocalMesh, sql: str) -> list[tuple]:
         return db.execute(sql).fetchall()
 
 
-def _wait_for(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.parametrize("transport", ["mqtt", "zmq"])
 def test_sigkill_mid_batch_every_task_exactly_one_result(mesh: LocalMesh, transport: str) -> None:
     agent = mesh.add_agent("victim", transport, workers=2, prefetch=64)
     mesh.wait_online(agent)
     with Executor(mesh.client, agent.endpoint_id) as ex:
         futures = [ex.submit(slow_square, i) for i in range(500)]
-        _wait_for(lambda: sum(f.done() for f in futures) >= 100, 60, "first 100 results")
+        wait_for(lambda: sum(f.done() for f in futures) >= 100, "first 100 results", 60)
         agent.kill()  # SIGKILL the agent and its workers mid-batch
         done_at_kill = sum(f.done() for f in futures)
         assert done_at_kill < 500, "the kill must land mid-batch"
@@ -63,7 +55,7 @@ def test_hub_restart_with_tasks_queued_and_in_flight(mesh: LocalMesh) -> None:
     mesh.wait_online()
     with Executor(mesh.client, a.endpoint_id) as ex_a, Executor(mesh.client, z.endpoint_id) as ex_z:
         futures = [ex.submit(slow_square, i) for i in range(300) for ex in (ex_a, ex_z)]
-        _wait_for(lambda: all(f.running() or f.done() for f in futures) and sum(f.done() for f in futures) >= 30, 60, "tasks accepted and running")
+        wait_for(lambda: all(f.running() or f.done() for f in futures) and sum(f.done() for f in futures) >= 30, "tasks accepted and running", 60)
         mesh.stop_hub()
         time.sleep(1.0)  # agents keep working and hold their results while the hub is away
         mesh.start_hub()
@@ -78,7 +70,7 @@ def test_broker_restart_loses_nothing(mesh: LocalMesh) -> None:
     mesh.wait_online(a)
     with Executor(mesh.client, a.endpoint_id) as ex:
         futures = [ex.submit(slow_square, i) for i in range(300)]
-        _wait_for(lambda: sum(f.done() for f in futures) >= 30, 60, "first results")
+        wait_for(lambda: sum(f.done() for f in futures) >= 30, "first results", 60)
         mesh.broker.stop()
         time.sleep(1.0)
         mesh.broker.start()
@@ -94,7 +86,7 @@ def test_offline_endpoint_tasks_wait_at_hub_and_run_on_return(mesh: LocalMesh) -
     mesh.wait_online(agent, online=False, timeout=30)
     with Executor(mesh.client, agent.endpoint_id) as ex:
         futures = [ex.submit(slow_square, i) for i in range(50)]
-        _wait_for(lambda: all(f.running() for f in futures), 30, "tasks accepted")
+        wait_for(lambda: all(f.running() for f in futures), "tasks accepted", 30)
         time.sleep(2.0)
         assert not any(f.done() for f in futures)
         ep = mesh.client.get_endpoint(agent.endpoint_id)

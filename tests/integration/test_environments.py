@@ -38,6 +38,16 @@ def read_file(path: str) -> str:
         return f.read()
 
 
+def write_then_read(path: str, text: str, pause_s: float) -> str:
+    import time
+
+    with open(path, "w") as f:
+        f.write(text)
+    time.sleep(pause_s)
+    with open(path) as f:
+        return f.read()
+
+
 def write_file(path: str, text: str) -> str:
     with open(path, "w") as f:
         f.write(text)
@@ -450,14 +460,16 @@ async def test_builds_report_their_seconds_and_fetched_bytes(tmp_path: Path, whe
 async def test_sandboxed_workers_are_never_shared_between_tenants(tmp_path: Path, wheels: Path, started: list[LocalEngine]) -> None:
     sink = Collector()
     eng = await start(started, sink, make_envs(tmp_path, wheels), workers=2)
-    eng.submit([with_env(task(f"{t}{i}", write_file, "/tmp/mine.txt", t), {"sandbox": True, "tenant": t})
+    # Each task writes its tenant's name to the same path, waits while the other tenant's tasks
+    # write theirs, and reads it back: a /tmp shared across tenants would show the other name.
+    # (Write and read in one task: a tenant may get a second worker, with a /tmp of its own.)
+    eng.submit([with_env(task(f"{t}{i}", write_then_read, "/tmp/mine.txt", t, 0.5), {"sandbox": True, "tenant": t})
                 for i in range(2) for t in ("alice", "bob")])
-    eng.submit([with_env(task(f"read-{t}", read_file, "/tmp/mine.txt"), {"sandbox": True, "tenant": t}) for t in ("alice", "bob")])
-    await sink.wait_for(6, timeout=120)
+    await sink.wait_for(4, timeout=120)
     res = sink.by_id()
     pids = {t: {res[f"{t}{i}"].worker_pid for i in range(2)} for t in ("alice", "bob")}
     assert not pids["alice"] & pids["bob"]  # different processes (each tenant its own kind)
-    assert value(res["read-alice"]) == "alice" and value(res["read-bob"]) == "bob"  # and its own /tmp
+    assert all(value(res[f"{t}{i}"]) == t for i in range(2) for t in ("alice", "bob"))  # and its own /tmp
 
 
 async def test_prewarmed_environment_is_built_at_start_and_kept_warm(tmp_path: Path, wheels: Path, started: list[LocalEngine]) -> None:

@@ -12,6 +12,7 @@ import pytest
 from cloud_hub.client import Executor
 from cloud_hub.localmesh import AgentProcess, LocalMesh
 from mesh_agent.config import load_config
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +38,8 @@ def test_first_boot_enrolls_from_env_once_then_runs_tasks(mesh: LocalMesh, tmp_p
         "MESH_WORKERS": "1",
     }
     proc = _start(config, env, tmp_path / "agent.log")
-    assert _wait_for(config, proc), (tmp_path / "agent.log").read_text()
+    wait_for(lambda: config.exists() or proc.poll() is not None, "the config written (or the agent exiting)", 30)
+    assert config.exists(), (tmp_path / "agent.log").read_text()
     cfg, _ = load_config(config)
     assert cfg.name == "balena-pi-1" and cfg.queue_path.parent == tmp_path / "data" / "queue"
     agent = AgentProcess(cfg, config, tmp_path / "agent.log")
@@ -54,17 +56,6 @@ def test_first_boot_enrolls_from_env_once_then_runs_tasks(mesh: LocalMesh, tmp_p
         assert [e["id"] for e in mesh.client.list_endpoints() if e["name"] == "balena-pi-1"] == [cfg.endpoint_id]
     finally:
         agent.stop()
-
-
-def _wait_for(config: Path, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if config.exists():
-            return True
-        time.sleep(0.05)
-    return config.exists()
 
 
 def test_refused_token_and_unreachable_hub_exit_clearly_and_write_nothing(mesh: LocalMesh, tmp_path: Path) -> None:

@@ -11,8 +11,6 @@ uplink per round is less than one model per device each way would be.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,6 +22,7 @@ from fl import FedAvg, Federation, Hierarchical
 from fl.data import load_test_data
 from fl.localmesh import add_digits_site
 from fl.wire import encode_weights
+from tests.proxy import ProxyThread
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")]
@@ -32,42 +31,8 @@ N = 3
 TRAINER = {"threads": 1, "lr": 0.05, "batch_size": 32}
 
 
-class Uplink:
-    """The emulator's counting fault proxy on its own loop: the gateway's only way to the hub."""
-
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        from sim.emulate.proxy import FaultProxy
-
-        self.loop = asyncio.new_event_loop()
-        self.proxy = FaultProxy("uplink", upstream)
-        self._t = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._t.start()
-        asyncio.run_coroutine_threadsafe(self.proxy.start(), self.loop).result(10)
-
-    @property
-    def port(self) -> int:
-        return int(self.proxy.port)
-
-    def bytes(self) -> int:
-        async def snap() -> int:
-            return int(self.proxy.stats["bytes_up"] + self.proxy.stats["bytes_down"])
-
-        return asyncio.run_coroutine_threadsafe(snap(), self.loop).result(5)
-
-    def cut(self) -> None:
-        self.loop.call_soon_threadsafe(self.proxy.cut, "test", "reset")
-
-    def restore(self) -> None:
-        self.loop.call_soon_threadsafe(self.proxy.restore, "test")
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.proxy.stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._t.join(5)
-
-
 class Site:
-    def __init__(self, mesh: LocalMesh, uplink: Uplink, gateway: Any, devices: list) -> None:
+    def __init__(self, mesh: LocalMesh, uplink: ProxyThread, gateway: Any, devices: list) -> None:
         self.mesh, self.uplink, self.gateway, self.devices = mesh, uplink, gateway, devices
 
     @property
@@ -79,7 +44,7 @@ class Site:
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     m = LocalMesh(Path(tmp_path_factory.mktemp("flsite")), heartbeat_s=1.0, lost_after_s=6.0, lease_s=10.0)
     m.start()
-    up = Uplink(("127.0.0.1", m.broker.port))
+    up = ProxyThread(("127.0.0.1", m.broker.port))
     try:
         gw = m.add_gateway("site-gw", hold=64, uplink_port=up.port, workers=1)
         m.wait_online(gw, timeout=60)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,8 @@ from cloud_hub.broker import find_mosquitto, free_port
 from cloud_hub.localmesh import AgentProcess, GatewayProcess, LocalMesh
 from mesh_agent.config import AgentConfig
 from mesh_agent.protocol import deserialize
+from tests.proxy import ProxyThread
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
 
@@ -37,30 +38,6 @@ def count_runs(path: str, tag: str) -> str:
     return tag
 
 
-class ProxyThread:
-    """The emulator's fault proxy on its own event loop: the gateway's uplink to the hub's broker."""
-
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        from sim.emulate.proxy import FaultProxy
-
-        self.loop = asyncio.new_event_loop()
-        self.proxy = FaultProxy("uplink", upstream)
-        self._t = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._t.start()
-        asyncio.run_coroutine_threadsafe(self.proxy.start(), self.loop).result(10)
-
-    def cut(self) -> None:
-        self.loop.call_soon_threadsafe(self.proxy.cut, "test", "reset")
-
-    def restore(self) -> None:
-        self.loop.call_soon_threadsafe(self.proxy.restore, "test")
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.proxy.stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._t.join(5)
-
-
 def add_gateway(mesh: LocalMesh, name: str, *, uplink_port: int | None = None, hold: int = 64) -> tuple[GatewayProcess, int]:
     gw = mesh.add_gateway(name, hold=hold, uplink_port=uplink_port, workers=1)
     return gw, gw.cfg.site.listen_port
@@ -68,16 +45,6 @@ def add_gateway(mesh: LocalMesh, name: str, *, uplink_port: int | None = None, h
 
 def add_device(mesh: LocalMesh, name: str, gateway: GatewayProcess) -> AgentProcess:
     return mesh.add_site_device(name, gateway)
-
-
-def wait_for(pred: Any, timeout: float, what: str, logs: list[AgentProcess] = ()) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.2)
-    tails = "\n".join(f"--- {a.cfg.name}\n{a.log_path.read_text()[-2500:]}" for a in logs if a.log_path.exists())
-    raise AssertionError(f"timed out: {what}\n{tails}")
 
 
 def results_of(mesh: LocalMesh, ids: list[str]) -> dict[str, Any]:
@@ -117,7 +84,7 @@ def test_devices_behind_gateway_run_work_exactly_once(mesh: LocalMesh, tmp_path:
     fid = c.register_function(count_runs)
     out = tmp_path / "runs.txt"
     ids = [c.submit(d.endpoint_id, fid, str(out), f"{d.cfg.name}-{i}") for d in devs for i in range(5)]
-    wait_for(lambda: len(results_of(mesh, ids)) == len(ids), 60, "results through the gateway", [gw, *devs])
+    wait_for(lambda: len(results_of(mesh, ids)) == len(ids), "results through the gateway", 60, logs=[gw, *devs])
     got = results_of(mesh, ids)
     assert all(r["ok"] for r in got.values())
     assert sorted(runs(out)) == sorted(f"{d.cfg.name}-{i}" for d in devs for i in range(5))
@@ -149,7 +116,7 @@ def test_work_continues_through_uplink_outage_and_kills(mesh: LocalMesh, tmp_pat
         dev.kill()
         dev2.kill()
         ids = [c.submit(d.endpoint_id, fid, str(out), f"{d.cfg.name}-{i}") for d in (dev, dev2) for i in range(6)]
-        wait_for(lambda: held_at_site(mesh) >= len(ids), 30, "the gateway confirmed it holds the site's work", [gw])
+        wait_for(lambda: held_at_site(mesh) >= len(ids), "the gateway confirmed it holds the site's work", 30, logs=[gw])
         # The uplink goes down; then the gateway loses power, comes back, still without an uplink.
         proxy.cut()
         gw.kill()
@@ -157,13 +124,13 @@ def test_work_continues_through_uplink_outage_and_kills(mesh: LocalMesh, tmp_pat
         dev.start()
         dev2.start()
         # Both devices run all their work with the uplink down.
-        wait_for(lambda: len(set(runs(out))) == len(ids), 60, "all tasks ran during the outage", [gw, dev, dev2])
+        wait_for(lambda: len(set(runs(out))) == len(ids), "all tasks ran during the outage", 60, logs=[gw, dev, dev2])
         assert not results_of(mesh, ids), "no result can reach the hub while the uplink is down"
         # A device dies after running its work, with its results only at the gateway (and on its disk).
         time.sleep(2.0)  # its results frames reached the gateway's queue
         dev.kill()
         proxy.restore()
-        wait_for(lambda: len(results_of(mesh, ids)) == len(ids), 90, "results after the uplink came back", [gw, dev, dev2])
+        wait_for(lambda: len(results_of(mesh, ids)) == len(ids), "results after the uplink came back", 90, logs=[gw, dev, dev2])
         got = results_of(mesh, ids)
         assert all(r["ok"] for r in got.values())
         assert sorted(runs(out)) == sorted(f"{d.cfg.name}-{i}" for d in (dev, dev2) for i in range(6)), "each task ran exactly once"
@@ -235,7 +202,7 @@ def test_tampering_gateway_runs_nothing(mesh: LocalMesh, tmp_path: Path) -> None
             # A substituted task: the same header and MAC, another body (a task of the attacker's choosing).
             forged = encode(Envelope(Kind.TASKS, dev.endpoint_id, {"tasks": [{"id": "f" * 32, "fn": fid, "args": b"x", "timeout": None,
                                                                               "exp": None}], "functions": {}}), os.urandom(32))
-            await asyncio.to_thread(wait_for, lambda: runs(out).count("genuine") == 1, 60, "the genuine task ran", [gw, dev])
+            await asyncio.to_thread(wait_for, lambda: runs(out).count("genuine") == 1, "the genuine task ran", 60, logs=[gw, dev])
             for f in (bytes(flipped), forged, frame, frame):  # flipped byte, forged task, replays of the genuine frame
                 await site.publish(down, f, qos=1)
             return genuine
@@ -246,7 +213,7 @@ def test_tampering_gateway_runs_nothing(mesh: LocalMesh, tmp_path: Path) -> None
     # The genuine task is stored, so the device sees the replays as known; a second genuine task
     # sent after the tampered frames proves the device processed them all (frames are in order).
     second = c.submit(dev.endpoint_id, fid, str(out), "second")
-    wait_for(lambda: runs(out).count("second") == 1, 60, "a later genuine task ran", [gw, dev])
+    wait_for(lambda: runs(out).count("second") == 1, "a later genuine task ran", 60, logs=[gw, dev])
     time.sleep(1.0)
     assert sorted(runs(out)) == ["genuine", "second"], "nothing tampered ran, nothing ran twice"
     got = results_of(mesh, [genuine, second])
@@ -282,13 +249,13 @@ def test_device_moves_to_hub_when_its_gateway_dies(tmp_path: Path) -> None:
         out = tmp_path / "runs.txt"
         ids = [c.submit(dev.endpoint_id, fid, str(out), f"t{i}") for i in range(4)]
         disp = mesh.hub.hub.dispatcher  # type: ignore[union-attr]
-        wait_for(lambda: disp.stats.get("site_leased", 0) >= len(ids), 30, "work leased ahead to the site", [gw])
+        wait_for(lambda: disp.stats.get("site_leased", 0) >= len(ids), "work leased ahead to the site", 30, logs=[gw])
         gw.kill()  # for good: its held tasks must not be lost with it
         cfg = AgentConfig.model_validate({**dev.cfg.model_dump(), "mqtt": {**dev.cfg.mqtt.model_dump(), "port": mesh.broker.port}})
         cfg.save(dev.config_path)
         dev.cfg = cfg
         dev.start()
-        wait_for(lambda: len(results_of(mesh, ids)) == len(ids), 60, "results straight through the hub", [dev])
+        wait_for(lambda: len(results_of(mesh, ids)) == len(ids), "results straight through the hub", 60, logs=[dev])
         assert all(r["ok"] for r in results_of(mesh, ids).values())
         assert sorted(runs(out)) == [f"t{i}" for i in range(4)]
 
@@ -318,10 +285,10 @@ def test_function_body_crosses_uplink_once_per_site(tmp_path: Path, cache: bool)
         disp = mesh.hub.hub.dispatcher  # type: ignore[union-attr]
         before = sum(disp.traffic.get(e, [0, 0])[1] for e in [gw.endpoint_id, *(d.endpoint_id for d in devs)])
         ids = [c.submit(d.endpoint_id, fid, f"t{i}") for d in devs for i in range(2)]
-        wait_for(lambda: disp.stats.get("site_leased", 0) >= len(ids), 30, "leased ahead", [gw])
+        wait_for(lambda: disp.stats.get("site_leased", 0) >= len(ids), "leased ahead", 30, logs=[gw])
         for d in devs:
             d.start()
-        wait_for(lambda: len(results_of(mesh, ids)) == len(ids), 60, "results", [gw, *devs])
+        wait_for(lambda: len(results_of(mesh, ids)) == len(ids), "results", 60, logs=[gw, *devs])
         bad = [deserialize(base64.b64decode(r["data"])) for r in results_of(mesh, ids).values() if not r["ok"]]
         assert not bad
         sent = sum(disp.traffic.get(e, [0, 0])[1] for e in [gw.endpoint_id, *(d.endpoint_id for d in devs)]) - before
@@ -348,7 +315,7 @@ def test_device_moves_to_another_gateway(mesh: LocalMesh, tmp_path: Path) -> Non
     out = tmp_path / "runs.txt"
     ids = [c.submit(dev.endpoint_id, fid, str(out), f"t{i}") for i in range(4)]
     disp = mesh.hub.hub.dispatcher  # type: ignore[union-attr]
-    wait_for(lambda: disp.stats.get("site_leased", 0) >= len(ids), 30, "leased ahead to gateway A", [gwa])
+    wait_for(lambda: disp.stats.get("site_leased", 0) >= len(ids), "leased ahead to gateway A", 30, logs=[gwa])
     gwa.kill()
     http = c._http
     # Bad input: a gateway that does not exist, a device as its own gateway: 422/404, nothing moved.
@@ -364,7 +331,7 @@ def test_device_moves_to_another_gateway(mesh: LocalMesh, tmp_path: Path) -> Non
     cfg.save(dev.config_path)
     dev.cfg = cfg
     dev.start()
-    wait_for(lambda: len(results_of(mesh, ids)) == len(ids), 60, "results through gateway B", [gwb, dev])
+    wait_for(lambda: len(results_of(mesh, ids)) == len(ids), "results through gateway B", 60, logs=[gwb, dev])
     assert all(r["ok"] for r in results_of(mesh, ids).values())
     assert sorted(runs(out)) == [f"t{i}" for i in range(4)]
 
@@ -386,7 +353,7 @@ def test_gateway_uplink_is_tls_and_its_devices_run_work(tmp_path: Path) -> None:
         fid = mesh.client.register_function(count_runs)
         out = tmp_path / "runs.txt"
         ids = [mesh.client.submit(d.endpoint_id, fid, str(out), f"{d.cfg.name}-{i}") for d in devs for i in range(4)]
-        wait_for(lambda: len(results_of(mesh, ids)) == len(ids), 90, "results through the TLS uplink", [gw, *devs])
+        wait_for(lambda: len(results_of(mesh, ids)) == len(ids), "results through the TLS uplink", 90, logs=[gw, *devs])
         assert all(r["ok"] for r in results_of(mesh, ids).values())
         assert sorted(runs(out)) == sorted(f"{d.cfg.name}-{i}" for d in devs for i in range(4))
 
@@ -416,7 +383,7 @@ def test_a_shared_ref_crosses_the_uplink_once_per_site(mesh: LocalMesh, monkeypa
     devs = [add_device(mesh, f"rdev{i}", gw) for i in range(2)]
     mesh.wait_online(*devs, gw, timeout=40)
     store_addr = f"127.0.0.1:{gw.cfg.site.store_port}"
-    wait_for(lambda: all((d.cfg.data_dir / SITE_STORE_FILE).exists() for d in devs), 30, "the welcome naming the site store", devs)
+    wait_for(lambda: all((d.cfg.data_dir / SITE_STORE_FILE).exists() for d in devs), "the welcome naming the site store", 30, logs=devs)
     assert all((d.cfg.data_dir / SITE_STORE_FILE).read_text() == store_addr for d in devs)
     value = os.urandom(300_000)
     store = refs.Store()

@@ -10,15 +10,15 @@ import os
 import sqlite3
 import subprocess
 import sys
-import time
 from concurrent.futures import wait
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
 
 from cloud_hub.client import Executor
 from cloud_hub.localmesh import AgentProcess, LocalMesh
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -80,15 +80,6 @@ def fill(path: Path) -> None:
         os.close(fd)
 
 
-def wait_until(pred: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def log_of(agent: AgentProcess) -> str:
     return agent.log_path.read_text() if agent.log_path.exists() else ""
 
@@ -124,7 +115,7 @@ def test_full_disk_nothing_unstored_is_acknowledged_and_results_survive(mesh: Lo
         # batch was being written; those finish and their results reach the hub, which keeps one.
         fill(tiny_disk / "filler")
         futures = [ex.submit(slow_square, i) for i in range(20)]
-        wait_until(lambda: "could not store" in log_of(agent), "the agent reporting it cannot store tasks")
+        wait_for(lambda: "could not store" in log_of(agent), "the agent reporting it cannot store tasks")
         line = next(ln for ln in log_of(agent).splitlines() if "could not store" in ln)
         assert "disk full" in line and str(agent.cfg.queue_path) in line and "not acknowledged" in line
         status = [mesh.client.task_status(f.task_id) for f in futures]  # type: ignore[attr-defined]
@@ -138,7 +129,7 @@ def test_full_disk_nothing_unstored_is_acknowledged_and_results_survive(mesh: Lo
 
         # 2. the disk fills while a result is waiting to be written, and then the power goes
         fut = ex.submit(fill_then_answer, str(tiny_disk), str(tmp_path / "filled-once"), str(agent.cfg.queue_path))
-        wait_until(lambda: "could not store 1 results" in log_of(agent), "the agent holding a result it cannot store")
+        wait_for(lambda: "could not store 1 results" in log_of(agent), "the agent holding a result it cannot store")
         assert not fut.done()
         agent.kill()
         (tiny_disk / "filler-from-task").unlink()
@@ -153,7 +144,7 @@ def test_truncated_queue_after_a_power_cut(mesh: LocalMesh) -> None:
     mesh.wait_online(agent)
     with Executor(mesh.client, agent.endpoint_id) as ex:
         futures = [ex.submit(slow_square, i) for i in range(60)]
-        wait_until(lambda: sum(f.done() for f in futures) >= 10, "first results")
+        wait_for(lambda: sum(f.done() for f in futures) >= 10, "first results")
         agent.kill()
         q = agent.cfg.queue_path
         with sqlite3.connect(q) as db:  # what any next opener does: fold the WAL into the file

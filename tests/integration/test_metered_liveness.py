@@ -6,44 +6,20 @@ and waits are bounded loops."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from cloud_hub.broker import find_mosquitto
 from cloud_hub.localmesh import AgentProcess, LocalMesh
-from sim.emulate.proxy import FaultProxy
+from tests.proxy import ProxyThread
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 
 
-class _Loop:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-
-    def run(self, coro):  # type: ignore[no-untyped-def]
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
-
-    def call(self, fn, *args):  # type: ignore[no-untyped-def]
-        """Run a plain call on the proxy's loop (cutting a link aborts its connections there)."""
-        async def go():  # type: ignore[no-untyped-def]
-            return fn(*args)
-        return self.run(go())
-
-
-@pytest.fixture
-def loop() -> Iterator[_Loop]:
-    lp = _Loop()
-    yield lp
-    lp.loop.call_soon_threadsafe(lp.loop.stop)
-
-
-def _metered_agent(mesh: LocalMesh, proxy: FaultProxy, **settings: object) -> AgentProcess:
+def _metered_agent(mesh: LocalMesh, proxy: ProxyThread, **settings: object) -> AgentProcess:
     return mesh.add_agent("pi", workers=1, profile="metered",
                           mqtt={"host": "127.0.0.1", "port": proxy.port, "topic_prefix": "mesh"}, **settings)
 
@@ -52,24 +28,15 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-def _wait(pred, timeout: float) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def test_idle_metered_agent_sends_no_more_than_one_frame_per_beat_max(tmp_path: Path, loop: _Loop) -> None:
+def test_idle_metered_agent_sends_no_more_than_one_frame_per_beat_max(tmp_path: Path) -> None:
     # beat_max 1 s: a lan agent with heartbeat_s 0.25 would send ~4 beats per period.
     mesh = LocalMesh(tmp_path / "mesh", heartbeat_s=0.25, lost_after_s=5.0, hub_overrides={"beat_max_s": 1.0, "mqtt_lost_after_s": 6.0}).start()
-    proxy = loop.run(FaultProxy("pi", ("127.0.0.1", mesh.broker.port)).start())
+    proxy = ProxyThread(("127.0.0.1", mesh.broker.port), "pi")
     try:
         agent = _metered_agent(mesh, proxy, heartbeat_min_s=0.25)
         mesh.wait_online(agent)
         disp = mesh.hub.hub.dispatcher
-        assert _wait(lambda: disp.session_info(agent.endpoint_id) is not None, 10)
+        wait_for(lambda: disp.session_info(agent.endpoint_id) is not None, "the agent's session", 10)
         time.sleep(2.0)  # settle: fetch, first full beat, the confirm beat
         ep = agent.endpoint_id
         periods = 6
@@ -88,64 +55,64 @@ def test_idle_metered_agent_sends_no_more_than_one_frame_per_beat_max(tmp_path: 
         assert info is not None and info.get("capacity") == 1 and isinstance(info.get("want"), int)
     finally:
         mesh.stop()
-        loop.run(proxy.stop())
+        proxy.stop()
 
 
-def test_black_holed_metered_agent_is_offline_within_the_bound_by_its_will(tmp_path: Path, loop: _Loop) -> None:
+def test_black_holed_metered_agent_is_offline_within_the_bound_by_its_will(tmp_path: Path) -> None:
     bound = 6.0  # keepalive (6 - 3) / 1.5 -> 2 s; beats allowed only every 10 minutes
     mesh = LocalMesh(tmp_path / "mesh", heartbeat_s=0.5, lost_after_s=5.0,
                      hub_overrides={"beat_max_s": 600.0, "mqtt_lost_after_s": bound}).start()
-    proxy = loop.run(FaultProxy("pi", ("127.0.0.1", mesh.broker.port)).start())
+    proxy = ProxyThread(("127.0.0.1", mesh.broker.port), "pi")
     try:
         agent = _metered_agent(mesh, proxy)
         mesh.wait_online(agent)
         disp = mesh.hub.hub.dispatcher
         ep = agent.endpoint_id
         # The first connection used the provisional keepalive; the welcome's 1 s takes a reconnect.
-        assert _wait(lambda: proxy.stats["connections"] >= 2 and disp.session_info(ep) is not None, 15)
+        wait_for(lambda: proxy.stats["connections"] >= 2 and disp.session_info(ep) is not None, "a second connection (the welcome's keepalive)", 15)
         time.sleep(1.0)
-        loop.call(proxy.cut, "test", "blackhole")
+        proxy.cut("blackhole")
         t0 = time.monotonic()
         # Bounded wait of twice the bound (a loaded machine); what proves the bound is that the will
         # did it: without it the session would last beat_max_s + bound = 606 s.
-        assert _wait(lambda: disp.session_info(ep) is None, 2 * bound), "black-holed agent not marked offline within 2x the bound"
+        wait_for(lambda: disp.session_info(ep) is None, "the black-holed agent marked offline within 2x the bound", 2 * bound)
         took = time.monotonic() - t0
         print(f"black hole -> offline after {took:.1f}s (bound {bound} s, wills {disp.stats['wills']})")
         assert disp.stats["wills"] >= 1  # the broker's will did it, not the 600 s silence bound
         assert not mesh.client.get_endpoint(ep)["online"]
         # Link back: the agent reconnects, says hello, and runs work.
-        loop.call(proxy.restore, "test")
+        proxy.restore()
         mesh.wait_online(agent, timeout=30)
         fid = mesh.client.register_function(add)
         assert mesh.client.get_result(mesh.client.submit(ep, fid, 2, 3), 60) == 5
     finally:
         mesh.stop()
-        loop.run(proxy.stop())
+        proxy.stop()
 
 
-def test_clean_stop_says_goodbye_and_stale_will_is_ignored(tmp_path: Path, loop: _Loop) -> None:
+def test_clean_stop_says_goodbye_and_stale_will_is_ignored(tmp_path: Path) -> None:
     mesh = LocalMesh(tmp_path / "mesh", heartbeat_s=0.5, lost_after_s=5.0, hub_overrides={"beat_max_s": 600.0, "mqtt_lost_after_s": 300.0}).start()
-    proxy = loop.run(FaultProxy("pi", ("127.0.0.1", mesh.broker.port)).start())
+    proxy = ProxyThread(("127.0.0.1", mesh.broker.port), "pi")
     try:
         agent = _metered_agent(mesh, proxy)
         mesh.wait_online(agent)
         disp = mesh.hub.hub.dispatcher
         ep = agent.endpoint_id
-        assert _wait(lambda: proxy.stats["connections"] >= 2 and disp.session_info(ep) is not None, 15)
+        wait_for(lambda: proxy.stats["connections"] >= 2 and disp.session_info(ep) is not None, "a second connection (the welcome's keepalive)", 15)
         agent.stop()
         # Offline by its goodbye, not after the 300 s bound (30 s: a stop on a loaded machine first
         # finishes what it was sending through the proxy; seen slower than 10 s once in CI in this
         # module). The will count below tells a goodbye from a dropped connection.
-        assert _wait(lambda: disp.session_info(ep) is None, 30), (disp.stats, agent.log_path.read_text()[-2500:])
+        wait_for(lambda: disp.session_info(ep) is None, f"offline by its goodbye ({disp.stats})", 30, logs=[agent])
         assert disp.stats["goodbyes"] == 1 and disp.stats["wills"] == 0, disp.stats
         agent.start()
         mesh.wait_online(agent)
         # Reset the link: the broker publishes the will of the dead connection; the agent reconnects
         # with a new conn id. Whichever comes first, the endpoint ends up online.
-        loop.call(proxy.cut, "reset", "reset")
-        loop.call(proxy.restore, "reset")
-        assert _wait(lambda: disp.session_info(ep) is not None and proxy.stats["connections"] >= 4, 30)
+        proxy.cut("reset", cause="reset")
+        proxy.restore("reset")
+        wait_for(lambda: disp.session_info(ep) is not None and proxy.stats["connections"] >= 4, "back online on a new connection", 30)
         mesh.wait_online(agent, timeout=30)
     finally:
         mesh.stop()
-        loop.run(proxy.stop())
+        proxy.stop()

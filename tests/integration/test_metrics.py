@@ -17,6 +17,7 @@ from cloud_hub.config import HubConfig
 from cloud_hub.localmesh import LocalMesh
 from cloud_hub.server import HubThread
 from tests.pg import pg_url  # noqa: F401  (fixture)
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -46,16 +47,6 @@ def value(m: dict[str, Any], metric: str, /, **labels: str) -> float:
     got = [v for lab, v in m.get(metric, []) if all(lab.get(k) == want for k, want in labels.items())]
     assert len(got) == 1, (metric, labels, m.get(metric))
     return got[0]
-
-
-def wait_for(pred: Any, what: str, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def test_metrics_of_a_working_mesh(mesh: LocalMesh) -> None:
@@ -101,7 +92,7 @@ def test_metrics_of_a_working_mesh(mesh: LocalMesh) -> None:
         d = scrape(url)
         return d if value(d, "mesh_devices_sum", counter="bytes_sent") > 0 else None
 
-    d = wait_for(devices, "a heartbeat with device counters")
+    d = wait_for(devices, "a heartbeat with device counters", timeout=60, step=0.3)
     free = value(d, "mesh_devices_disk_free_min_bytes")
     assert not math.isnan(free) and free > 0
     assert value(d, "mesh_devices_sum", counter="worker_restarts") == 0
@@ -198,7 +189,7 @@ def test_metrics_of_sites_fl_scheduler_and_full_detail(tmp_path: Any) -> None:
             online = {(lab["transport"], lab["site"]): v for lab, v in m.get("mesh_endpoints_online", [])}
             return m if sum(v for (_, site), v in online.items() if site == g) == 1 and sum(online.values()) == 2 else None
 
-        m = wait_for(sites, "the device online under its site")
+        m = wait_for(sites, "the device online under its site", timeout=60, step=0.3)
         assert sum(v for lab, v in m["mesh_endpoints_online"] if lab["site"] == "") == 1  # the gateway itself
         assert value(m, "mesh_site_uplink_up", site=g, name="gw-metrics") == 1
         assert value(m, "mesh_site_devices", site=g) == 1
@@ -226,7 +217,7 @@ def test_metrics_of_sites_fl_scheduler_and_full_detail(tmp_path: Any) -> None:
             disk = {lab["endpoint"]: v for lab, v in m.get("mesh_device_disk_free_bytes", [])}
             return m if set(disk) == {g, d} and all(v > 0 for v in disk.values()) else None
 
-        m = wait_for(detail, "device counters of both endpoints")
+        m = wait_for(detail, "device counters of both endpoints", timeout=60, step=0.3)
         for ep in (g, d):
             assert value(m, "mesh_endpoint_frame_bytes_received_total", endpoint=ep) > 0
             assert value(m, "mesh_endpoint_frame_bytes_sent_total", endpoint=ep) > 0
@@ -259,5 +250,5 @@ def test_metrics_of_sites_fl_scheduler_and_full_detail(tmp_path: Any) -> None:
         gw.kill()
         mesh.wait_online(gw, online=False, timeout=60)
         m = wait_for(lambda: (lambda m: m if value(m, "mesh_site_uplink_up", site=g, name="gw-metrics") == 0 else None)(scrape(url)),
-                     "the site's uplink to read 0")
+                     "the site's uplink to read 0", timeout=60, step=0.3)
         assert value(m, "mesh_site_devices", site=g) == 1

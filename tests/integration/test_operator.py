@@ -82,12 +82,13 @@ def test_embedded_broker_on_a_taken_port_stops_the_hub_with_one_line(tmp_path: P
 def test_embedded_broker_failure_leaves_no_child(tmp_path: Path, broker: MosquittoBroker) -> None:
     from cloud_hub.broker import BrokerError
 
+    me = psutil.Process()
+    before = {c.pid for c in me.children(recursive=True)}  # other tests' children in this process are not ours to judge
     embedded = MosquittoBroker(tmp_path / "embedded", port=broker.port, hub_login=("mesh-hub", "pw"))
     with pytest.raises(BrokerError, match=rf"127\.0\.0\.1:{broker.port} is already in use by pid {broker.proc.pid} \(mosquitto\)"):
         embedded.start()
     assert embedded.proc is None
-    me = psutil.Process()
-    children = [c for c in me.children(recursive=True) if c.pid != broker.proc.pid]
+    children = [c for c in me.children(recursive=True) if c.pid != broker.proc.pid and c.pid not in before]
     assert not [c for c in children if c.status() == psutil.STATUS_ZOMBIE or "mosquitto" in c.name()], children
 
 

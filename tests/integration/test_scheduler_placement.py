@@ -80,7 +80,9 @@ def test_auto_learns_the_faster_endpoint_explains_itself_and_survives_restart_an
     assert len(older["decisions"]) == 46 + moved_early and older["next_before"] is None
     assert not {d["seq"] for d in older["decisions"]} & {d["seq"] for d in page["decisions"]}
     one = mesh.client.scheduler_decisions(task_id=page["decisions"][5]["task_id"])["decisions"]
-    assert [d["seq"] for d in one] == [page["decisions"][5]["seq"]]
+    assert page["decisions"][5]["seq"] in [d["seq"] for d in one]
+    # one decision per placement of that task: the first, plus one "moved" row per late re-placement
+    assert [d["state"] for d in one].count("moved") == len(one) - 1, one
 
     # Profiles and decisions survive a hub restart: the next batch is placed by what was learned.
     mesh.stop_hub()

@@ -21,6 +21,10 @@ def test_references_need_a_collection_and_an_absolute_path() -> None:
 
 def test_reference_on_an_endpoint_without_staging_fails_the_task_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MESH_STAGING", raising=False)
+    import mesh_agent.engine._worker as worker
+
+    # run_task marks the process as running a task (a worker process's state); this one is pytest's
+    monkeypatch.setattr(worker, "CURRENT_TASK_ID", None)
     body = serialize_function(len)
     task_id, ok, data, _, _ = run_task({}, ("t1", "f1", body, serialize(((GlobusFile("c", "/x"),), {}))))
     err = deserialize(data)
