@@ -25,6 +25,9 @@ What a restore can promise, and what it cannot (docs/operations.md, "Backups and
 Files are created 0600 (the database holds every endpoint's key and the hub's CURVE secret key),
 a partial backup never carries the final name, and a failed restore leaves the old database in
 place. PostgreSQL is backed up with its own tools (``pg_dump``, WAL archiving): see the docs.
+
+The file handling is here (``sqlite3`` connections, SQLite's backup API, integrity check,
+transactions); the SQL on the hub's tables is in ``cloud_hub/store/backup.py``.
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cloud_hub.store import backup as sql
+from cloud_hub.store.backup import MARKER_TABLE
 from cloud_hub.store.migrations import MIGRATIONS
 from cloud_hub.store.sqlite import migrate
 
 __all__ = ["BackupError", "BackupInfo", "RestoreReport", "backup_sqlite", "inspect_backup", "restore_sqlite", "db_in_use"]
 
-MARKER_TABLE = "mesh_backup"
 SQLITE_HEADER = b"SQLite format 3\x00"
 # Without the old database, how far the result cursor jumps: more results than one hub stores
 # between two backups, so that no SDK cursor from before the restore is ahead of new results.
@@ -113,7 +117,7 @@ def _new_private(path: Path) -> None:
 
 
 def _tables(db: sqlite3.Connection) -> set[str]:
-    return {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    return sql.tables(db)
 
 
 def _check_hub_db(db: sqlite3.Connection, path: Path) -> int:
@@ -128,7 +132,7 @@ def _check_hub_db(db: sqlite3.Connection, path: Path) -> int:
     missing = {"schema_version", "tasks", "results", "endpoints"} - tables
     if missing:
         raise BackupError(f"{path}: a SQLite database, but not a hub database or backup (no {', '.join(sorted(missing))} table)")
-    version = db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0
+    version = sql.schema_version(db) or 0
     latest = max(v for v, _ in MIGRATIONS)
     if version > latest:
         raise BackupError(f"{path}: schema v{version} is newer than this hub (v{latest}); restore it with the hub version that made it")
@@ -151,8 +155,8 @@ def inspect_backup(path: Path) -> BackupInfo:
     try:
         version = _check_hub_db(db, path)
         try:
-            counts = [db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("tasks", "results", "endpoints")]
-            marker = db.execute(f"SELECT taken_at, source FROM {MARKER_TABLE}").fetchone() if MARKER_TABLE in _tables(db) else None
+            counts = sql.counts(db)
+            marker = sql.marker(db) if MARKER_TABLE in _tables(db) else None
         except sqlite3.DatabaseError as exc:
             raise BackupError(f"{path}: corrupt hub backup ({exc})") from None
     finally:
@@ -169,7 +173,7 @@ def db_in_use(path: Path, timeout_s: float = 0.5) -> bool:
     try:
         db.execute("PRAGMA locking_mode=EXCLUSIVE")
         db.execute("BEGIN EXCLUSIVE")
-        db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+        sql.lock_probe(db)
         db.execute("COMMIT")
         return False
     except sqlite3.OperationalError as exc:
@@ -206,10 +210,9 @@ def backup_sqlite(db_path: Path, out: Path, *, force: bool = False) -> BackupInf
         try:
             src.backup(dst)  # pages=-1: one read transaction, one consistent snapshot; WAL lets the hub write meanwhile
             dst.execute("PRAGMA journal_mode=DELETE")  # one self-contained file, no -wal beside it
-            dst.execute(f"CREATE TABLE {MARKER_TABLE} (taken_at REAL NOT NULL, source TEXT NOT NULL, hub_version TEXT NOT NULL)")
             from cloud_hub import __version__
 
-            dst.execute(f"INSERT INTO {MARKER_TABLE} VALUES (?, ?, ?)", (time.time(), str(db_path.resolve()), __version__))
+            sql.write_marker(dst, time.time(), str(db_path.resolve()), __version__)
         finally:
             dst.close()
         with open(tmp, "rb+") as f:
@@ -230,44 +233,41 @@ def backup_sqlite(db_path: Path, out: Path, *, force: bool = False) -> BackupInf
 
 
 def _user_cursors(db: sqlite3.Connection) -> dict[str, int]:
-    """Each user's last result cursor: migration 14's counters, or before it the global seq of the
-    user's newest result (what that hub's clients were handed)."""
-    if "result_cursors" in _tables(db):
-        return dict(db.execute("SELECT user_id, last FROM result_cursors").fetchall())
-    return dict(db.execute("SELECT user_id, MAX(seq) FROM results GROUP BY user_id").fetchall())
+    """Each user's last result cursor (``cloud_hub.store.backup.user_cursors``)."""
+    return sql.user_cursors(db)
 
 
 def _compare(old: sqlite3.Connection, new: sqlite3.Connection, report: RestoreReport) -> None:
     """Fill ``report`` with what ``old`` (the database being replaced) has that ``new`` (the backup) lacks."""
-    in_backup = {r[0] for r in new.execute("SELECT id FROM tasks")}
-    backup_unfinished = {r[0] for r in new.execute("SELECT id FROM tasks WHERE state != 'done'")}
-    for tid, state in old.execute("SELECT id, state FROM tasks"):
+    in_backup = sql.task_ids(new)
+    backup_unfinished = sql.unfinished_task_ids(new)
+    for tid, state in sql.task_states(old):
         if tid not in in_backup:
             report.lost_task_ids.append(tid)
             report.lost_by_state[state] = report.lost_by_state.get(state, 0) + 1
         elif state == "done" and tid in backup_unfinished:
             report.rerun_tasks += 1
     report.lost_tasks = len(report.lost_task_ids)
-    backup_eps = {r[0] for r in new.execute("SELECT id FROM endpoints")}
-    report.lost_endpoints = sorted(r[0] for r in old.execute("SELECT id FROM endpoints WHERE revoked IS NULL") if r[0] not in backup_eps)
+    backup_eps = sql.endpoint_ids(new)
+    report.lost_endpoints = sorted(ep for ep in sql.live_endpoint_ids(old) if ep not in backup_eps)
     for table, attr in (("api_tokens", "lost_api_tokens"), ("enroll_tokens", "lost_enroll_tokens")):
-        kept = {r[0] for r in new.execute(f"SELECT hash FROM {table}")}
-        setattr(report, attr, sum(1 for r in old.execute(f"SELECT hash FROM {table}") if r[0] not in kept))
-    live_revoked = dict(old.execute("SELECT id, revoked FROM endpoints WHERE revoked IS NOT NULL").fetchall())
-    for ep, _ in new.execute("SELECT id, revoked FROM endpoints WHERE revoked IS NULL").fetchall():
+        kept = set(sql.token_hashes(new, table))
+        setattr(report, attr, sum(1 for h in sql.token_hashes(old, table) if h not in kept))
+    live_revoked = sql.revoked_endpoints(old)
+    for ep, _ in sql.unrevoked_endpoints(new):
         if ep in live_revoked:
             # The same wipe as a revocation (cloud_hub/store/access.py): no key, no broker login.
-            new.execute("UPDATE endpoints SET revoked=?, online=0, key=X'', mqtt_hash=NULL, curve_key=NULL WHERE id=?", (live_revoked[ep], ep))
+            sql.revoke_endpoint(new, ep, live_revoked[ep])
             report.revocations_reapplied.append(ep)
     # An API token revoked after the backup stays revoked (migration 13; both databases have the column).
-    if all("revoked" in {r[1] for r in c.execute("PRAGMA table_info(api_tokens)")} for c in (old, new)):
+    if all("revoked" in sql.api_token_columns(c) for c in (old, new)):
         from cloud_hub.store.sqlite import token_id_of_hash
 
-        for h, t in old.execute("SELECT hash, revoked FROM api_tokens WHERE revoked IS NOT NULL").fetchall():
-            if new.execute("UPDATE api_tokens SET revoked=? WHERE hash=? AND revoked IS NULL", (t, h)).rowcount:
+        for h, t in sql.revoked_api_tokens(old):
+            if sql.revoke_api_token(new, h, t):
                 report.token_revocations_reapplied.append(token_id_of_hash(h))
-    report.result_seq = max(report.result_seq, old.execute("SELECT COALESCE(MAX(seq), 0) FROM results").fetchone()[0])
-    seq = old.execute("SELECT seq FROM sqlite_sequence WHERE name='results'").fetchone() if "sqlite_sequence" in _tables(old) else None
+    report.result_seq = max(report.result_seq, sql.max_result_seq(old))
+    seq = sql.results_sequence(old) if "sqlite_sequence" in _tables(old) else None
     if seq:
         report.result_seq = max(report.result_seq, int(seq[0]))
 
@@ -308,8 +308,8 @@ def restore_sqlite(backup: Path, db_path: Path, *, force: bool = False) -> Resto
             migrate(new, backup)  # a backup from an older hub: its result cursors are fixed up below on the new schema
             old_cursors: dict[str, int] = {}
             new.execute("BEGIN IMMEDIATE")
-            new.execute(f"DROP TABLE IF EXISTS {MARKER_TABLE}")
-            report.result_seq = new.execute("SELECT COALESCE(MAX(seq), 0) FROM results").fetchone()[0]
+            sql.drop_marker(new)
+            report.result_seq = sql.max_result_seq(new)
             if exists:
                 try:
                     old = _ro(db_path)
@@ -327,17 +327,13 @@ def restore_sqlite(backup: Path, db_path: Path, *, force: bool = False) -> Resto
             if not report.compared:
                 report.result_seq += _SEQ_JUMP_UNKNOWN
             # The next result gets a cursor above every one a client may have read before.
-            new.execute("DELETE FROM sqlite_sequence WHERE name='results'")
-            new.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('results', ?)", (report.result_seq,))
+            sql.set_results_sequence(new, report.result_seq)
             # Each user's own cursor (migration 14) never goes back either: it starts above the one
             # the replaced database had for that user, or jumps when that is unknown.
             jump = 0 if report.compared else _SEQ_JUMP_UNKNOWN
             mine = _user_cursors(new)
-            users = {r[0] for r in new.execute("SELECT id FROM users")} | set(mine) | set(old_cursors)
-            new.executemany(
-                "INSERT INTO result_cursors (user_id, last) VALUES (?, ?) ON CONFLICT (user_id) DO UPDATE SET last=excluded.last",
-                [(u, max(mine.get(u, 0), old_cursors.get(u, 0)) + jump) for u in sorted(users)],
-            )
+            users = sql.user_ids(new) | set(mine) | set(old_cursors)
+            sql.set_user_cursors(new, [(u, max(mine.get(u, 0), old_cursors.get(u, 0)) + jump) for u in sorted(users)])
             new.execute("COMMIT")
         finally:
             new.close()

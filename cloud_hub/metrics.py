@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, GCCollector, Histogram, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from cloud_hub.store import metrics as sql
+
 if TYPE_CHECKING:
     from cloud_hub.service.hub import Hub
 
@@ -89,27 +91,15 @@ class _Snapshot:
 
 
 def _read(db: sqlite3.Connection, seq: int, fl_after: float, fids: list[str]) -> _Snapshot:
-    """Every read a scrape needs, in one visit to the reader connection. Portable SQL (SQLite and
-    PostgreSQL); each query walks an index or a small table."""
+    """Every read a scrape needs, in one visit to the reader connection (the SQL:
+    ``cloud_hub/store/metrics.py``)."""
     s = _Snapshot()
-    s.endpoints = db.execute(
-        "SELECT id, name, transport, last_seen, online, gateway_id, info FROM endpoints WHERE revoked IS NULL"
-    ).fetchall()
-    s.backlog = db.execute(
-        "SELECT endpoint_id, state, COUNT(*) FROM tasks WHERE state IN ('queued', 'leased', 'acked') GROUP BY endpoint_id, state"
-    ).fetchall()
-    s.results = db.execute(
-        "SELECT r.seq, r.ok, r.received, t.function_id, t.created, t.dispatched, d.predicted_s, d.placed_at "
-        "FROM results r JOIN tasks t ON t.id = r.task_id "
-        "LEFT JOIN scheduler_decisions d ON d.task_id = r.task_id AND d.state != 'moved' "
-        f"WHERE r.seq > ? ORDER BY r.seq LIMIT {_ROWS_PER_SCRAPE}",
-        (seq,),
-    ).fetchall()
-    s.fl_status = dict(db.execute("SELECT status, COUNT(*) FROM fl_runs GROUP BY status").fetchall())
-    s.fl_rounds = db.execute("SELECT record, created FROM fl_rounds WHERE created > ? ORDER BY created", (fl_after,)).fetchall()
-    for i in range(0, len(fids), 500):
-        chunk = fids[i:i + 500]
-        s.names.update(db.execute(f"SELECT id, name FROM functions WHERE id IN ({','.join('?' * len(chunk))})", chunk).fetchall())
+    s.endpoints = sql.live_endpoints(db)
+    s.backlog = sql.backlog(db)
+    s.results = sql.results_after(db, seq, _ROWS_PER_SCRAPE)
+    s.fl_status = sql.fl_status(db)
+    s.fl_rounds = sql.fl_rounds_after(db, fl_after)
+    s.names.update(sql.function_names(db, fids))
     return s
 
 
@@ -128,9 +118,7 @@ def _timed_format(registry: CollectorRegistry) -> tuple[bytes, float]:
 
 
 def _cursors(db: sqlite3.Connection) -> tuple[int, float]:
-    seq = db.execute("SELECT COALESCE(MAX(seq), 0) FROM results").fetchone()[0]
-    fl = db.execute("SELECT COALESCE(MAX(created), 0) FROM fl_rounds").fetchone()[0]
-    return int(seq), float(fl)
+    return sql.cursors(db)
 
 
 class HubMetrics:

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from cloud_hub.observer import DispatchObserver
+from cloud_hub.store import scheduling
 from scheduler import Constraints, EndpointState, NoEligibleEndpoint, Scheduler, TaskInfo
 from scheduler.environments import EnvCosts
 from scheduler.model import Placement, Prediction
@@ -232,18 +233,13 @@ class PlacementService(DispatchObserver):
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Load saved profiles and re-register every endpoint (offline until its hello)."""
-
-        def load(db: sqlite3.Connection) -> str | None:
-            row = db.execute("SELECT state FROM scheduler_state WHERE id=1").fetchone()
-            return row[0] if row else None
-
-        raw = await self.store.tx(load, durable=False)
+        raw = await self.store.tx(scheduling.load_state, durable=False)
         if raw is not None:
             try:
                 self.sched = self._new_scheduler(json.loads(raw))
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("saved scheduler profiles unusable (%s); starting with empty profiles", exc)
-        for ep_id, uid in await self.store.read(lambda db: db.execute("SELECT endpoint_id, user_id FROM endpoint_shares").fetchall()):
+        for ep_id, uid in await self.store.read(scheduling.endpoint_shares):
             self._shared.setdefault(ep_id, set()).add(uid)
         for e in await self.store.list_endpoints():
             self._owner[e["id"]] = e["user_id"]
@@ -255,16 +251,9 @@ class PlacementService(DispatchObserver):
     async def _restore_ledger(self) -> None:
         """Every task not done yet is in its endpoint's queue: the ledger must know, or the first
         placements after a restart would see idle endpoints that have hours of work queued."""
-
-        def pending(db: sqlite3.Connection) -> list[tuple[str, str, str, int | None]]:
-            return db.execute(
-                "SELECT id, endpoint_id, function_id, LENGTH(args) FROM tasks WHERE state IN ('queued', 'leased', 'acked') "
-                "ORDER BY created"
-            ).fetchall()
-
         now = time.time()
         nodes = self.sched.fleet.nodes
-        for tid, eid, fid, nbytes in await self.store.tx(pending, durable=False):
+        for tid, eid, fid, nbytes in await self.store.tx(scheduling.pending_tasks, durable=False):
             if eid in nodes:
                 self.sched.assign(TaskInfo(tid, fid, nbytes or 0), eid, now)
 
@@ -282,11 +271,7 @@ class PlacementService(DispatchObserver):
         self._changes = 0
 
         def q(db: sqlite3.Connection) -> None:
-            db.execute(
-                "INSERT INTO scheduler_state (id, saved, policy, state) VALUES (1, ?, ?, ?) "
-                "ON CONFLICT(id) DO UPDATE SET saved=excluded.saved, policy=excluded.policy, state=excluded.state",
-                (time.time(), self.sched.policy.name, state),
-            )
+            scheduling.save_state(db, time.time(), self.sched.policy.name, state)
 
         await self.store.tx(q)
         self.stats["saves"] += 1
@@ -306,7 +291,7 @@ class PlacementService(DispatchObserver):
 
     async def _prune(self, older_than: float) -> None:
         def q(db: sqlite3.Connection) -> None:
-            db.execute("DELETE FROM scheduler_decisions WHERE placed_at < ? AND state != 'placed'", (older_than,))
+            scheduling.prune_decisions(db, older_than)
 
         await self.store.tx(q, durable=False)
 
@@ -501,20 +486,9 @@ class PlacementService(DispatchObserver):
 
     async def _record_results(self, endpoint_id: str, now: float, done: list[tuple[float, float | None, int, str]],
                               unknown: list[tuple[str, float, int, bool, str | None]]) -> None:
-        def q(db: sqlite3.Connection) -> dict[str, str]:
-            db.executemany(
-                "UPDATE scheduler_decisions SET state='done', completed_at=?1, actual_s=?1 - placed_at, runtime_s=?2, ok=?3 "
-                "WHERE task_id=?4 AND state='placed'",
-                done,
-            )
-            fns: dict[str, tuple[str, str | None]] = {}
-            ids = [u[0] for u in unknown]
-            for i in range(0, len(ids), 500):
-                chunk = ids[i:i + 500]
-                for tid, fid, env in db.execute(f"SELECT id, function_id, env FROM tasks WHERE id IN ({','.join('?' * len(chunk))})",
-                                                chunk).fetchall():
-                    fns[tid] = (fid, env)
-            return fns
+        def q(db: sqlite3.Connection) -> dict[str, tuple[str, str | None]]:
+            scheduling.complete_decisions(db, done)
+            return scheduling.task_functions(db, [u[0] for u in unknown])
 
         fns = await self.store.tx(q, durable=False)
         if endpoint_id not in self.sched.fleet:
@@ -657,11 +631,7 @@ class PlacementService(DispatchObserver):
             return None
 
         def q(db: sqlite3.Connection) -> None:
-            db.executemany(
-                "INSERT INTO scheduler_decisions (task_id, user_id, function_id, endpoint_id, policy, placed_at, predicted_s, state, detail) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, 'placed', ?)",
-                decisions,
-            )
+            scheduling.write_decisions(db, decisions)
 
         return q
 
@@ -808,14 +778,7 @@ class PlacementService(DispatchObserver):
         out of work). Returns how many moved."""
 
         def find(db: sqlite3.Connection) -> list[tuple[str, str, str, str, int, str | None]]:
-            return db.execute(
-                "SELECT t.id, t.user_id, t.function_id, d.detail, LENGTH(t.args), t.env FROM tasks t "
-                "JOIN scheduler_decisions d ON d.task_id = t.id AND d.state = 'placed' "
-                "WHERE t.endpoint_id = ? AND t.state = 'queued' AND t.dispatched IS NULL "
-                + ("AND t.placed IS NOT NULL AND t.start_now IS NULL ORDER BY t.created DESC " if newest else "ORDER BY t.created ")
-                + "LIMIT ?",
-                (endpoint_id, limit),
-            ).fetchall()
+            return scheduling.stranded_tasks(db, endpoint_id, limit, newest)
 
         rows = await self.store.tx(find, durable=False)
         if not rows:
@@ -855,17 +818,10 @@ class PlacementService(DispatchObserver):
         def move(db: sqlite3.Connection) -> list[int]:
             ok = []
             for i, pl in enumerate(moves):
-                n = db.execute(
-                    "UPDATE tasks SET endpoint_id=?, env=? WHERE id=? AND endpoint_id=? AND state='queued' AND dispatched IS NULL",
-                    (pl.endpoint_id, new_env[i], pl.task_id, endpoint_id),
-                ).rowcount
+                n = scheduling.move_task(db, pl.task_id, pl.endpoint_id, new_env[i], endpoint_id)
                 if n:
-                    db.execute("UPDATE scheduler_decisions SET state='moved' WHERE task_id=? AND state='placed'", (pl.task_id,))
-                    db.execute(
-                        "INSERT INTO scheduler_decisions (task_id, user_id, function_id, endpoint_id, policy, placed_at, predicted_s, state, detail) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?, 'placed', ?)",
-                        decisions[i],
-                    )
+                    scheduling.mark_moved(db, pl.task_id)
+                    scheduling.write_decision(db, decisions[i])
                     ok.append(i)
             return ok
 
@@ -922,26 +878,10 @@ class PlacementService(DispatchObserver):
     async def decisions(self, user_id: str, limit: int, before: int | None = None, task_id: str | None = None,
                         endpoint_id: str | None = None, function_id: str | None = None) -> dict[str, Any]:
         def q(db: sqlite3.Connection) -> dict[str, Any]:
-            sql = ("SELECT seq, task_id, function_id, endpoint_id, policy, placed_at, predicted_s, state, completed_at, "
-                   "actual_s, runtime_s, ok, detail FROM scheduler_decisions WHERE user_id=?")
-            args: list[Any] = [user_id]
-            for col, val in (("task_id", task_id), ("endpoint_id", endpoint_id), ("function_id", function_id)):
-                if val is not None:
-                    sql += f" AND {col}=?"
-                    args.append(val)
-            if before is not None:
-                sql += " AND seq < ?"
-                args.append(before)
-            rows = db.execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit + 1)).fetchall()
+            rows = scheduling.decisions_page(db, user_id, limit + 1, before, task_id, endpoint_id, function_id)
             more = len(rows) > limit
             rows = rows[:limit]
-            n, n_done, n_moved, mae, mre = db.execute(
-                "SELECT COUNT(*), COUNT(actual_s), COUNT(CASE WHEN state='moved' THEN 1 END), "
-                "AVG(CASE WHEN ok=1 THEN ABS(actual_s - predicted_s) END), "
-                "AVG(CASE WHEN ok=1 AND actual_s > 0 THEN ABS(actual_s - predicted_s) / actual_s END) "
-                "FROM scheduler_decisions WHERE user_id=?",
-                (user_id,),
-            ).fetchone()
+            n, n_done, n_moved, mae, mre = scheduling.decision_summary(db, user_id)
             return {
                 "decisions": [_decision_out(r) for r in rows],
                 "next_before": rows[-1][0] if more and rows else None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from cloud_hub.broker_auth import mosquitto_hash, verify_mosquitto_hash
+from cloud_hub.store import replicas as sql
 
 __all__ = ["broker_peers"]
 
@@ -24,11 +25,10 @@ async def broker_peers(store: Any, username: str, password: str) -> list[tuple[s
         import time
 
         name = _PREFIX + username
-        row = db.execute("SELECT value FROM hub_secrets WHERE name=?", (name,)).fetchone()
-        if row is None or not verify_mosquitto_hash(password, row[0]):
-            db.execute("DELETE FROM hub_secrets WHERE name=?", (name,))
-            db.execute("INSERT INTO hub_secrets (name, value, created) VALUES (?, ?, ?)", (name, mosquitto_hash(password), time.time()))
-        rows = db.execute("SELECT name, value FROM hub_secrets WHERE name LIKE 'broker_hub:%'").fetchall()
+        recorded = sql.secret(db, name)
+        if recorded is None or not verify_mosquitto_hash(password, recorded):
+            sql.replace_secret(db, name, mosquitto_hash(password), time.time())
+        rows = sql.broker_logins(db)
         return [(n[len(_PREFIX):], v) for n, v in rows if n != name]
 
     return list(await store.tx(q))

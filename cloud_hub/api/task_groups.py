@@ -18,6 +18,7 @@ from fastapi import APIRouter, HTTPException, Path
 
 from cloud_hub.api.deps import HubDep, UserDep
 from cloud_hub.api.schemas import BatchFunction, GroupTask, GroupTasksOut
+from cloud_hub.store.task_groups import group_tasks as group_tasks_of
 from mesh_agent.protocol import SerializationError, function_id, method_of
 
 __all__ = ["router", "CODE_METHODS", "checked_functions"]
@@ -55,11 +56,7 @@ async def group_tasks(task_group_id: GroupId, h: HubDep, user: UserDep) -> Group
     """The caller's tasks filed under this group in submission order (an unknown group is empty)."""
 
     def q(db: Any) -> list[Any]:
-        return db.execute(
-            "SELECT t.id, t.endpoint_id, t.function_id, t.state, t.created, r.ok FROM tasks t LEFT JOIN results r ON r.task_id=t.id "
-            "WHERE t.user_id=? AND t.task_group_id=? ORDER BY t.created, t.rowid LIMIT 100000",
-            (user, task_group_id),
-        ).fetchall()
+        return group_tasks_of(db, user, task_group_id)
 
     rows = await h.store.read(q)
     return GroupTasksOut(task_group_id=task_group_id, tasks=[

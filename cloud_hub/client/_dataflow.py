@@ -20,6 +20,8 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from cloud_hub.client._futures import cancel_and_notify
+
 __all__ = ["has_futures", "submit_after", "swap_all", "chain", "DependencyError"]
 
 
@@ -84,7 +86,7 @@ def chain(real: Future[Any], out: Future[Any]) -> None:
             return
         exc = f.exception() if not f.cancelled() else None
         if f.cancelled():
-            out.cancel()
+            cancel_and_notify(out)  # waiters on ``out`` wake (Future.cancel alone would not tell them)
         elif exc is not None:
             out.set_exception(exc)
         else:

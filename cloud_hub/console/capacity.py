@@ -12,6 +12,8 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
+from cloud_hub.store.console import function_run_rates
+
 __all__ = ["WINDOW_S", "function_rates", "predicted_capacity", "memo_counts"]
 
 #: Runs older than this do not count (a function's speed changes with its code and its inputs).
@@ -20,12 +22,7 @@ WINDOW_S = 3600.0
 
 def function_rates(db: sqlite3.Connection, user_id: str, endpoint_id: str, since: float) -> list[tuple[str, str, int, float]]:
     """(function id, name, runs, mean run seconds) of the user's functions that ran on the endpoint since ``since``."""
-    rows = db.execute(
-        "SELECT t.function_id, COALESCE(f.name, t.function_id), COUNT(*), AVG(r.finished - r.started) FROM tasks t "
-        "JOIN results r ON r.task_id = t.id LEFT JOIN functions f ON f.id = t.function_id "
-        "WHERE t.endpoint_id=? AND t.state='done' AND t.created > ? AND t.user_id=? AND r.ok = 1 AND r.finished >= r.started "
-        "AND t.dispatched IS NOT NULL GROUP BY t.function_id, f.name ORDER BY COUNT(*) DESC LIMIT 50",
-        (endpoint_id, since, user_id)).fetchall()
+    rows = function_run_rates(db, user_id, endpoint_id, since)
     return [(fid, name, int(n), float(mean)) for fid, name, n, mean in rows if mean is not None]
 
 

@@ -17,6 +17,7 @@ from starlette.responses import Response
 from cloud_hub.console import charts
 from cloud_hub.console.optional import Helpers, OptionalPage
 from cloud_hub.console.views import render
+from cloud_hub.store.console import fl_run_summary
 
 if TYPE_CHECKING:
     from cloud_hub.service.hub import Hub
@@ -29,9 +30,7 @@ async def summary(hub: "Hub", user_id: str) -> dict[str, Any]:
 
     def q(db: sqlite3.Connection) -> dict[str, Any]:
         try:
-            n, updated, running = db.execute(
-                "SELECT COUNT(*), MAX(updated), SUM(CASE WHEN status = 'running' THEN 1 ELSE 0 END) FROM fl_runs WHERE user_id=?",
-                (user_id,)).fetchone()
+            n, updated, running = fl_run_summary(db, user_id)
         except sqlite3.OperationalError:  # a hub without the FL tables
             return {"count": 0}
         return {"count": n, "updated": updated, "running": running or 0}

@@ -17,6 +17,7 @@ from starlette.responses import Response
 from cloud_hub.console import charts, queries
 from cloud_hub.console.optional import Helpers, OptionalPage
 from cloud_hub.console.views import fmt_duration, render
+from cloud_hub.store.scheduling import last_decision_seq
 
 if TYPE_CHECKING:
     from cloud_hub.service.hub import Hub
@@ -31,7 +32,7 @@ async def summary(hub: "Hub", user_id: str) -> dict[str, Any]:
 
     def q(db: sqlite3.Connection) -> dict[str, Any]:
         try:
-            last = db.execute("SELECT MAX(seq) FROM scheduler_decisions WHERE user_id=?", (user_id,)).fetchone()[0]
+            last = last_decision_seq(db, user_id)
         except sqlite3.OperationalError:  # a hub without the scheduler's tables
             return {"count": 0}
         return {"count": 1 if last else 0, "last": last}

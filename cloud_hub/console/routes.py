@@ -25,6 +25,7 @@ from cloud_hub.console.optional import OPTIONAL_PAGES, Helpers, add_routes, opti
 from cloud_hub.console.sessions import COOKIE, SESSION_TTL_S, Session, close_session, csrf_token, find_session, open_session
 from cloud_hub.console.views import HERE, fmt_duration, render, secure
 from cloud_hub.store.availability import events_between
+from cloud_hub.store.console import recent_transitions
 
 if TYPE_CHECKING:
     from cloud_hub.service.hub import Hub
@@ -250,9 +251,7 @@ async def endpoint_detail(request: Request, viewer: ViewerDep, endpoint_id: str,
         return _bad_request(request, viewer, f"no endpoint {endpoint_id} among yours", 404)
     e = rows[0]
     hub = _hub(request)
-    transitions = await hub.store.read_parallel(
-        lambda db: db.execute("SELECT at, online FROM endpoint_events WHERE endpoint_id=? ORDER BY at DESC, seq DESC LIMIT 20",
-                              (endpoint_id,)).fetchall())
+    transitions = await hub.store.read_parallel(recent_transitions, endpoint_id)
     recent = await hub.store.read_parallel(lambda db: queries.list_tasks(db, viewer.user_id, endpoint_id=endpoint_id, limit=15))
     _, fns = await hub.store.read_parallel(queries.names, viewer.user_id)
     fn_names = dict(fns)

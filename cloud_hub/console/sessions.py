@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from cloud_hub.store import SqliteStore, hash_token
+from cloud_hub.store import console as sql
 
 __all__ = ["COOKIE", "SESSION_TTL_S", "Session", "open_session", "find_session", "close_session", "csrf_token"]
 
@@ -46,11 +47,8 @@ async def open_session(store: SqliteStore, user_id: str, api_token: str, ttl_s: 
     now = time.time()
 
     def q(db: sqlite3.Connection) -> None:
-        db.execute("DELETE FROM console_sessions WHERE expires < ?", (now,))  # housekeeping on each sign-in
-        db.execute(
-            "INSERT INTO console_sessions (hash, user_id, token_hash, created, expires, last_used) VALUES (?, ?, ?, ?, ?, ?)",
-            (_hash(sid), user_id, hash_token(api_token), now, now + ttl_s, now),
-        )
+        sql.drop_expired_sessions(db, now)  # housekeeping on each sign-in
+        sql.insert_session(db, _hash(sid), user_id, hash_token(api_token), now, now + ttl_s)
 
     await store.tx(q)
     return sid
@@ -64,12 +62,7 @@ async def find_session(store: SqliteStore, session_id: str | None) -> Session | 
     now = time.time()
 
     def q(db: sqlite3.Connection) -> tuple[Session, float] | None:
-        row = db.execute(
-            "SELECT s.user_id, u.name, s.expires, s.last_used FROM console_sessions s "
-            "JOIN users u ON u.id = s.user_id JOIN api_tokens t ON t.hash = s.token_hash "
-            "WHERE s.hash=? AND s.expires > ? AND t.user_id = s.user_id AND t.revoked IS NULL AND (t.expires IS NULL OR t.expires > ?)",
-            (h, now, now),
-        ).fetchone()
+        row = sql.live_session(db, h, now)
         return (Session(h, row[0], row[1], row[2]), row[3]) if row else None
 
     found = await store.read_parallel(q)
@@ -77,11 +70,11 @@ async def find_session(store: SqliteStore, session_id: str | None) -> Session | 
         return None
     sess, last_used = found
     if now - last_used > _TOUCH_EVERY_S:
-        await store.tx(lambda db: db.execute("UPDATE console_sessions SET last_used=? WHERE hash=?", (now, h)), durable=False)
+        await store.tx(lambda db: sql.touch_session(db, h, now), durable=False)
     return sess
 
 
 async def close_session(store: SqliteStore, session_id: str | None) -> None:
     if session_id:
         h = _hash(session_id)
-        await store.tx(lambda db: db.execute("DELETE FROM console_sessions WHERE hash=?", (h,)))
+        await store.tx(lambda db: sql.delete_session(db, h))

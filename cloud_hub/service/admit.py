@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 from cloud_hub.admission import AdmissionPolicy, check_queue, too_big
 from cloud_hub.observer import DispatchObserver
 from cloud_hub.service.errors import ServiceError, TooManyTasks
+from cloud_hub.store import admission as admission_rows
 from cloud_hub.store import memo as memo_rows
 from cloud_hub.store.memo import Hit, MemoSettings
 
@@ -100,13 +101,11 @@ class Admission:
         def q(db: Any) -> tuple[int, dict[str, int]]:
             n = 0
             if lim.max_queued is not None:  # counted no further than the bound needs
-                n = db.execute("SELECT COUNT(*) FROM (SELECT 1 FROM tasks WHERE user_id=? AND state='queued' LIMIT ?) q",
-                               (user, lim.max_queued + 1)).fetchone()[0]
+                n = admission_rows.queued(db, user, lim.max_queued + 1)
             per: dict[str, int] = {}
             for fid in fids:
                 cap = int(pol.function_limits(fid).max_queued or 0)
-                per[fid] = db.execute("SELECT COUNT(*) FROM (SELECT 1 FROM tasks WHERE user_id=? AND state='queued' AND function_id=? LIMIT ?) q",
-                                      (user, fid, cap + 1)).fetchone()[0]
+                per[fid] = admission_rows.queued_of_function(db, user, fid, cap + 1)
             return int(n), per
 
         queued, per = await self.store.read(q)
@@ -133,8 +132,7 @@ class Admission:
     async def _name(self, user: str) -> str | None:
         """The user's name (limits and shares may name users by name); users are never renamed."""
         if user not in self._names:
-            row = await self.store.read(lambda db: db.execute("SELECT name FROM users WHERE id=?", (user,)).fetchone())
-            self._names[user] = row[0] if row else None
+            self._names[user] = await self.store.read(lambda db: admission_rows.user_name(db, user))
         return self._names[user]
 
     # ------------------------------------------------------------------ memoization

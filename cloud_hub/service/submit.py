@@ -149,7 +149,7 @@ def function_writer(user: str, functions: dict[str, tuple[str, bytes]]) -> Any:
     def q(db: Any) -> None:
         now = time.time()
         for fid, (name, body) in functions.items():
-            db.execute("INSERT OR IGNORE INTO functions (id, body, name, created) VALUES (?, ?, ?, ?)", (fid, body, name, now))
-            db.execute("INSERT OR IGNORE INTO function_owners (function_id, user_id) VALUES (?, ?)", (fid, user))
+            db.execute("INSERT INTO functions (id, body, name, created) VALUES (?, ?, ?, ?) ON CONFLICT (id) DO NOTHING", (fid, body, name, now))
+            db.execute("INSERT INTO function_owners (function_id, user_id) VALUES (?, ?) ON CONFLICT (function_id, user_id) DO NOTHING", (fid, user))
 
     return q

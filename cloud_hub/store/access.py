@@ -45,7 +45,8 @@ class AccessStore:
             row = db.execute("SELECT id FROM users WHERE name=?", (user_name,)).fetchone()
             if row is None:
                 return None
-            db.execute("INSERT OR IGNORE INTO endpoint_shares (endpoint_id, user_id, created) VALUES (?, ?, ?)", (endpoint_id, row[0], time.time()))
+            db.execute("INSERT INTO endpoint_shares (endpoint_id, user_id, created) VALUES (?, ?, ?) ON CONFLICT (endpoint_id, user_id) DO NOTHING",
+                       (endpoint_id, row[0], time.time()))
             return str(row[0])
 
         return await self.store.tx(q)

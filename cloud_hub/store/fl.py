@@ -121,11 +121,15 @@ class FLStore:
             if round not in (done, done + 1) or round < 1:
                 raise FLConflict(f"run {run_id} has {done} round(s) stored; the next round is {done + 1}, not {round}")
             db.execute(
-                "INSERT OR REPLACE INTO fl_rounds (run_id, round, record, loss, accuracy, created) VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO fl_rounds (run_id, round, record, loss, accuracy, created) VALUES (?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (run_id, round) DO UPDATE SET record=excluded.record, loss=excluded.loss, accuracy=excluded.accuracy, "
+                "created=excluded.created",
                 (run_id, round, json.dumps(record), record.get("loss"), record.get("accuracy"), now),
             )
             db.execute(
-                "INSERT OR REPLACE INTO fl_checkpoints (run_id, round, weights, state, created) VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO fl_checkpoints (run_id, round, weights, state, created) VALUES (?, ?, ?, ?, ?) "
+                "ON CONFLICT (run_id) DO UPDATE SET round=excluded.round, weights=excluded.weights, state=excluded.state, "
+                "created=excluded.created",
                 (run_id, round, weights, json.dumps(state), now),
             )
             db.execute("UPDATE fl_runs SET rounds_done=?, status=?, error=NULL, updated=? WHERE id=?", (round, status, now, run_id))

@@ -6,7 +6,8 @@ a memo row whose result is gone simply stops matching). A hit costs one indexed 
 and, in the submit's own transaction, a task row born ``done`` plus a copy of the result row, so
 the caller's stream delivers it like any other result: no dispatch, nothing on an endpoint.
 
-Plain SQL that both stores run (the PostgreSQL store translates ``INSERT OR REPLACE``).
+Plain SQL that both stores run (portable ``INSERT ... ON CONFLICT``; the PostgreSQL store only
+maps placeholders).
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ def record(db: Any, fresh: Sequence[Mapping[str, Any]], settings: MemoSettings, 
                                list(chunk)).fetchall())
     if not rows:
         return 0
-    db.executemany("INSERT OR REPLACE INTO memo (user_id, key, task_id, function_id, created, expires, last_hit, hits, size) "
-                   "VALUES (?, ?, ?, ?, ?, ?, NULL, 0, ?)",
+    db.executemany("INSERT INTO memo (user_id, key, task_id, function_id, created, expires, last_hit, hits, size) "
+                   "VALUES (?, ?, ?, ?, ?, ?, NULL, 0, ?) ON CONFLICT (user_id, key) DO UPDATE SET task_id=excluded.task_id, "
+                   "function_id=excluded.function_id, created=excluded.created, expires=excluded.expires, "
+                   "last_hit=excluded.last_hit, hits=excluded.hits, size=excluded.size",
                    [(uid, key, tid, fid, now, now + settings.ttl_s, sizes.get(tid, 0)) for tid, uid, fid, key in rows])
     for uid in sorted({r[1] for r in rows}):
         n = db.execute("SELECT COUNT(*) FROM memo WHERE user_id=?", (uid,)).fetchone()[0]

@@ -1,20 +1,23 @@
 """The hub store on PostgreSQL, for when one machine is outgrown (several hub replicas, one database).
 
 Why a subclass of :class:`SqliteStore` and not a second implementation: every query, and the raw
-SQL the scheduler runs through ``store.tx``, is written once in SQLite's dialect; a small
-adapter (:class:`_PgConn`) translates the few differences (``?`` and ``:name`` placeholders,
-``INSERT OR IGNORE``), and the same migrations are translated to PostgreSQL DDL (``REAL`` is
-``DOUBLE PRECISION`` — timestamps need the precision —, ``BLOB`` is ``BYTEA``, every table
-gets a ``rowid``). So a migration or query someone adds later works on both, and the store test
-suite runs against both.
+SQL the scheduler runs through ``store.tx``, is written once, in SQL that both databases read
+(upserts are ``INSERT ... ON CONFLICT (key) DO NOTHING / DO UPDATE SET c = excluded.c``, which
+SQLite reads since 3.24, not SQLite's own ``OR IGNORE``/``OR REPLACE``; ``CASE`` rather than its
+two-argument ``MIN``). The adapter (:class:`_PgConn`) maps placeholders and nothing else:
+:func:`pg_query` walks a statement once, skipping string literals, quoted names and comments,
+and turns ``?``, ``?N`` and ``:name`` into psycopg's ``%s``, ``%(_N)s`` and ``%(name)s`` (and
+``%`` into ``%%``). No statement is rewritten: one that PostgreSQL would not accept is fixed at
+its source. The migrations are one text too, with markers where the types differ
+(cloud_hub/store/migrations.py: ``{real}`` is ``DOUBLE PRECISION`` here — timestamps need the
+precision —, ``{blob}`` is ``BYTEA``, every table gets a ``rowid``), filled in per backend. So a
+migration or query someone adds later works on both, and the store test suite runs against both.
 
 What changes with several writers, and how it is handled:
 
 * Every transaction runs ``SERIALIZABLE`` and is retried on a serialization failure or a
   deadlock: leasing a batch, consuming a single-use enrollment token, storing a result once are
   read-then-write sequences that two replicas may run at the same moment.
-* ``INSERT OR REPLACE`` becomes ``ON CONFLICT (<primary key>) DO UPDATE`` (the key read from the
-  catalog once per table).
 * ``results.seq`` is the cursor of result streams: a reader must never see seq 11 committed
   before seq 10 appears. Writes to ``results`` take a transaction-level advisory lock first, so
   sequence numbers are handed out and committed in the same order.
@@ -35,12 +38,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, NamedTuple, Sequence, TypeVar
 
+from cloud_hub.store.migrations import PG_MIGRATIONS
 from cloud_hub.store.sqlite import SqliteStore, StoreError, StoreFull, _statements, pending_migrations
 from mesh_agent.backoff import Backoff, retry
 
-__all__ = ["PostgresStore", "to_pg_sql", "to_pg_ddl"]
+__all__ = ["PostgresStore", "PgQuery", "pg_query", "to_pg_sql"]
 
 log = logging.getLogger("cloud_hub.store.postgres")
 T = TypeVar("T")
@@ -56,36 +60,87 @@ _RESULTS_LOCK = 0x6D657368  # advisory lock key ("mesh") serializing writes to r
 _MIGRATE_LOCK = 0x6D657369
 
 
+class PgQuery(NamedTuple):
+    sql: str  # with psycopg's placeholders
+    numbered: bool  # it used ?N: positional params must become a mapping (``_params``)
+
+
+_WORD = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+_DIGITS = frozenset("0123456789")
+_SPECIAL = frozenset("'\"-/%?:")
+
+
 @lru_cache(maxsize=2048)
+def pg_query(sql: str) -> PgQuery:
+    """Map a statement's placeholders to psycopg's, in one pass; nothing else changes.
+
+    ``?`` -> ``%s``; ``?N`` -> ``%(_N)s`` (then every ``?`` is numbered, as SQLite numbers them:
+    one more than the highest before it); ``:name`` -> ``%(name)s``; a literal ``%`` -> ``%%``
+    (psycopg reads ``%`` everywhere, in string literals too). String literals, quoted identifiers
+    and comments are copied as they are (bar ``%``), and so are ``::`` casts and a ``:`` right
+    after a word (``a[lo:hi]``). Mixing named and positional placeholders is refused, as psycopg
+    would refuse it.
+    """
+    out: list[str | int] = []  # text, or the number of a ? (rendered once the whole statement is read)
+    n, i, highest = len(sql), 0, 0
+    numbered = positional = named = False
+    while i < n:
+        c = sql[i]
+        if c == "'" or c == '"':  # to the closing quote; a doubled one ('it''s') just opens the next run
+            j = sql.find(c, i + 1)
+            j = n if j < 0 else j + 1
+            out.append(sql[i:j].replace("%", "%%"))
+        elif c == "-" and sql.startswith("--", i):
+            j = sql.find("\n", i)
+            j = n if j < 0 else j
+            out.append(sql[i:j].replace("%", "%%"))
+        elif c == "/" and sql.startswith("/*", i):
+            j = sql.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append(sql[i:j].replace("%", "%%"))
+        elif c == "%":
+            j = i + 1
+            out.append("%%")
+        elif c == "?":
+            j = i + 1
+            while j < n and sql[j] in _DIGITS:
+                j += 1
+            positional = True
+            number = int(sql[i + 1:j]) if j > i + 1 else highest + 1  # a plain ?: one more than the highest so far
+            numbered = numbered or j > i + 1
+            highest = max(highest, number)
+            out.append(number)
+        elif c == ":" and sql.startswith("::", i):
+            j = i + 2
+            out.append("::")
+        elif c == ":" and i + 1 < n and sql[i + 1] in _WORD and sql[i + 1] not in _DIGITS and (i == 0 or sql[i - 1] not in _WORD):
+            j = i + 1
+            while j < n and sql[j] in _WORD:
+                j += 1
+            named = True
+            out.append(f"%({sql[i + 1:j]})s")
+        else:
+            j = i + 1
+            while j < n and sql[j] not in _SPECIAL:
+                j += 1
+            out.append(sql[i:j])
+        i = j
+    if named and positional:
+        raise ValueError(f"a statement mixes named and positional placeholders: {sql[:200]}")
+    text = "".join(p if isinstance(p, str) else f"%(_{p})s" if numbered else "%s" for p in out)
+    return PgQuery(text, numbered)
+
+
 def to_pg_sql(sql: str) -> str:
-    """SQLite-dialect DML -> PostgreSQL (psycopg placeholders)."""
-    s = sql.replace("%", "%%")
-    if re.match(r"\s*INSERT\s+OR\s+IGNORE\s+INTO", s, re.I):
-        s = re.sub(r"INSERT\s+OR\s+IGNORE\s+INTO", "INSERT INTO", s, count=1, flags=re.I).rstrip().rstrip(";") + " ON CONFLICT DO NOTHING"
-    s = re.sub(r"(?<![:\w]):([A-Za-z_]\w*)", r"%(\1)s", s)
-    s = re.sub(r"\?(\d+)", r"%(_\1)s", s)  # SQLite's numbered ?1: named, params become a mapping
-    return s.replace("?", "%s")
+    """The statement as psycopg runs it: placeholders mapped (``pg_query``), nothing else."""
+    return pg_query(sql).sql
 
 
-def _numbered(q: str, params: Any) -> Any:
-    """Positional params for a query that used ``?1``-style placeholders, as the mapping psycopg needs."""
-    if "%(_" in q and isinstance(params, (list, tuple)):
+def _params(q: PgQuery, params: Any) -> Any:
+    """Positional params for a query that used ``?N``-style placeholders, as the mapping psycopg needs."""
+    if q.numbered and isinstance(params, (list, tuple)):
         return {f"_{i}": v for i, v in enumerate(params, 1)}
     return params
-
-
-def to_pg_ddl(sql: str) -> str:
-    """SQLite-dialect migration -> PostgreSQL DDL."""
-    s = re.sub(r"\bINTEGER\s+PRIMARY\s+KEY\s+AUTOINCREMENT\b", "BIGSERIAL PRIMARY KEY", sql, flags=re.I)
-    s = re.sub(r"\bREAL\b", "DOUBLE PRECISION", s)
-    s = re.sub(r"\bBLOB\b", "BYTEA", s)
-    s = re.sub(r"\bINTEGER\b", "BIGINT", s)
-    # SQLite gives every table a rowid (queries order by it); PostgreSQL needs it spelled out.
-    return re.sub(r"(CREATE\s+TABLE\s+(?:IF\s+NOT\s+EXISTS\s+)?\w+\s*\()", r"\1rowid BIGSERIAL, ", s, flags=re.I)
-
-
-_REPLACE = re.compile(r"\s*INSERT\s+OR\s+REPLACE\s+INTO\s+(\w+)\s*\(([^)]*)\)", re.I)
-_PKS: dict[str, list[str]] = {}  # table -> primary key columns (the schema is the same in every database)
 
 
 class _PgConn:
@@ -96,39 +151,23 @@ class _PgConn:
         self.locked_results = False
 
     def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
-        q = self._replace(sql)
-        self._maybe_lock(q)
+        q = pg_query(sql)
+        self._maybe_lock(sql)
         cur = self.raw.cursor()
-        cur.execute(q, _numbered(q, params))
+        cur.execute(q.sql, _params(q, params))
         return cur
 
     def executemany(self, sql: str, seq: Iterable[Any]) -> Any:
         rows = list(seq)
         cur = self.raw.cursor()
         if rows:
-            q = self._replace(sql)
-            self._maybe_lock(q)
-            cur.executemany(q, [_numbered(q, r) for r in rows])
+            q = pg_query(sql)
+            self._maybe_lock(sql)
+            cur.executemany(q.sql, [_params(q, r) for r in rows])
         return cur
 
-    def _replace(self, sql: str) -> str:
-        """``INSERT OR REPLACE`` needs the table's primary key in PostgreSQL (``ON CONFLICT (pk)``)."""
-        m = _REPLACE.match(sql)
-        if m is None:
-            return to_pg_sql(sql)
-        table, cols = m.group(1), [c.strip() for c in m.group(2).split(",")]
-        pk = _PKS.get(table)
-        if pk is None:
-            pk = _PKS[table] = [r[0] for r in self.raw.execute(
-                "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
-                "WHERE i.indrelid = %s::regclass AND i.indisprimary", (table,)).fetchall()]
-        updates = ", ".join(f"{c}=EXCLUDED.{c}" for c in cols if c not in pk)
-        action = f"DO UPDATE SET {updates}" if updates else "DO NOTHING"
-        rest = sql[m.end():].rstrip().rstrip(";")
-        return to_pg_sql(f"INSERT INTO {table} ({', '.join(cols)}) {rest} ON CONFLICT ({', '.join(pk)}) {action}")
-
-    def _maybe_lock(self, q: str) -> None:
-        if not self.locked_results and re.match(r"\s*INSERT\s+INTO\s+results\b", q, re.I):
+    def _maybe_lock(self, sql: str) -> None:
+        if not self.locked_results and _inserts_into_results(sql):
             self.raw.execute("SELECT pg_advisory_xact_lock(%s)", (_RESULTS_LOCK,))
             self.locked_results = True
 
@@ -293,8 +332,9 @@ class PostgresStore(SqliteStore):
             db.execute("BEGIN")
             db.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATE_LOCK,))  # replicas starting together
             db.execute("CREATE TABLE IF NOT EXISTS schema_version (version BIGINT NOT NULL)")
-            for version, sql in pending_migrations(db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0], _safe(self.url)):
-                for statement in _statements(to_pg_ddl(sql)):
+            current = db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0]
+            for version, sql in pending_migrations(current, _safe(self.url), PG_MIGRATIONS):
+                for statement in _statements(sql):
                     db.execute(statement)
                 db.execute("INSERT INTO schema_version VALUES (%s)", (version,))
             db.execute("COMMIT")
@@ -401,6 +441,12 @@ class PostgresStore(SqliteStore):
                 log.warning("PostgreSQL LISTEN connection lost (%s); retrying in %.1fs", exc, delay)
                 self._stop_listen.wait(delay)
                 failed += 1
+
+
+def _inserts_into_results(sql: str) -> bool:
+    """``INSERT INTO results ...``: the statements that take ``_RESULTS_LOCK`` first."""
+    words = sql[:64].replace("(", " ").split(None, 3)
+    return len(words) >= 3 and words[0].upper() == "INSERT" and words[1].upper() == "INTO" and words[2].lower() == "results"
 
 
 def _safe(url: str) -> str:

@@ -471,8 +471,10 @@ class SqliteStore:
     # ------------------------------------------------------------------ functions
     async def put_function(self, user_id: str, fid: str, body: bytes, name: str) -> None:
         def q(db: sqlite3.Connection) -> None:
-            db.execute("INSERT OR IGNORE INTO functions (id, body, name, created) VALUES (?, ?, ?, ?)", (fid, body, name, time.time()))
-            db.execute("INSERT OR IGNORE INTO function_owners (function_id, user_id) VALUES (?, ?)", (fid, user_id))
+            db.execute("INSERT INTO functions (id, body, name, created) VALUES (?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+                       (fid, body, name, time.time()))
+            db.execute("INSERT INTO function_owners (function_id, user_id) VALUES (?, ?) ON CONFLICT (function_id, user_id) DO NOTHING",
+                       (fid, user_id))
 
         await self.tx(q)
 
@@ -739,9 +741,11 @@ class SqliteStore:
             if frame_ttl_s is not None:
                 now = time.time()
                 n += sum(db.execute(
-                    "UPDATE tasks SET state='leased', leased_until=MIN(?, dispatched + ?) WHERE id=? AND site=? AND state='queued' "
+                    # the earlier of until and the frame's expiry (CASE: scalar MIN() is SQLite's own, LEAST() PostgreSQL's)
+                    "UPDATE tasks SET state='leased', leased_until=CASE WHEN ? < dispatched + ? THEN ? ELSE dispatched + ? END "
+                    "WHERE id=? AND site=? AND state='queued' "
                     "AND dispatched + ? > ? AND endpoint_id IN (SELECT id FROM endpoints WHERE gateway_id=?)",
-                    (until, frame_ttl_s, i, gateway_id, frame_ttl_s, now + 1.0, gateway_id)).rowcount for i in ids)
+                    (until, frame_ttl_s, until, frame_ttl_s, i, gateway_id, frame_ttl_s, now + 1.0, gateway_id)).rowcount for i in ids)
             return n
 
         return await self.tx(q, durable=False)
@@ -844,8 +848,8 @@ class SqliteStore:
                 )
             fresh = list({r["id"]: r for r in results if r["id"] in owners}.values())  # a batch may repeat an id
             db.executemany(
-                "INSERT OR IGNORE INTO results (task_id, user_id, ok, data, started, finished, received, pid) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO results (task_id, user_id, ok, data, started, finished, received, pid) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (task_id) DO NOTHING",
                 [(r["id"], owners[r["id"]], int(bool(r["ok"])), r["data"], r.get("started"), r.get("finished"), now, r.get("pid")) for r in fresh],
             )
             db.executemany("UPDATE tasks SET state='done', done=?, args=NULL WHERE id=?", [(now, r["id"]) for r in fresh])
@@ -1043,14 +1047,16 @@ def migrate(db: sqlite3.Connection, path: Path | str) -> None:
         db.execute("COMMIT")
 
 
-def pending_migrations(current: int | None, where: object) -> list[tuple[int, str]]:
-    """The migrations a database at schema ``current`` still needs (both backends); a database
-    newer than this hub is refused rather than half understood."""
+def pending_migrations(current: int | None, where: object,
+                       migrations: Sequence[tuple[int, str]] = MIGRATIONS) -> list[tuple[int, str]]:
+    """The migrations a database at schema ``current`` still needs (both backends: PostgreSQL
+    passes its own text, ``PG_MIGRATIONS``); a database newer than this hub is refused rather
+    than half understood."""
     current = current or 0
-    latest = max(v for v, _ in MIGRATIONS)
+    latest = max(v for v, _ in migrations)
     if current > latest:
         raise StoreError(f"{where}: database schema v{current} is newer than this hub (v{latest})")
-    return [(v, sql) for v, sql in MIGRATIONS if v > current]
+    return [(v, sql) for v, sql in migrations if v > current]
 
 
 class UnknownTask(KeyError):
@@ -1106,7 +1112,8 @@ def fail_tasks(db: Any, rows: Sequence[tuple[str, str, bytes]], now: float) -> N
     no longer allowed): ``rows`` are (task id, user id, error blob). A task that already has a
     result keeps it."""
     db.executemany(
-        "INSERT OR IGNORE INTO results (task_id, user_id, ok, data, started, finished, received, pid) VALUES (?, ?, 0, ?, ?, ?, ?, 0)",
+        "INSERT INTO results (task_id, user_id, ok, data, started, finished, received, pid) VALUES (?, ?, 0, ?, ?, ?, ?, 0) "
+        "ON CONFLICT (task_id) DO NOTHING",
         [(tid, uid, blob, now, now, now) for tid, uid, blob in rows],
     )
     db.executemany("UPDATE tasks SET state='done', done=?, args=NULL WHERE id=?", [(now, tid) for tid, _, _ in rows])

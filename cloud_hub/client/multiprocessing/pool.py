@@ -27,6 +27,7 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from multiprocessing import TimeoutError
 from typing import Any, Callable, Iterable, Iterator
 
+from cloud_hub.client._futures import cancel_and_notify
 from cloud_hub.client.multiprocessing import _runner, _state
 from cloud_hub.client.multiprocessing.queues import task_ended
 
@@ -449,7 +450,7 @@ class _Window:
                 outer.set_exception(BlockingIOError(errno.EAGAIN, f"a Pool task did not start within start_timeout_s={self._timeout:g} s: "
                                                     "the hub still held it (every selected endpoint offline?); it was cancelled"))
             elif inner is _CANCELLED or inner.cancelled():
-                outer.cancel()
+                cancel_and_notify(outer)
             elif exc is not None:
                 outer.set_exception(exc)
             else:
@@ -515,7 +516,7 @@ class _Window:
             pending, self._pending = list(self._pending), deque()
             inflight = [f for f in self._inflight if not f.done()]
         for outer, _fn, _args in pending:
-            outer.cancel()
+            cancel_and_notify(outer)
         return inflight
 
 
