@@ -41,18 +41,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cloud_hub.healthcheck", description=__doc__.splitlines()[0])
     p.add_argument("url", help="e.g. http://127.0.0.1:8700/healthz or .../readyz")
     p.add_argument("--wait", type=float, default=0.0, help="keep asking once a second for this many seconds")
+    p.add_argument("--timeout", type=float, default=2.0, help="how long one probe waits for an answer (default 2 s)")
     args = p.parse_args(argv)
     if not args.url.startswith(("http://", "https://")):
         p.error(f"URL must start with http:// or https://, not {args.url!r}")
+    if not args.timeout > 0:
+        p.error(f"--timeout must be a positive number of seconds, not {args.timeout:g}")
     deadline = time.monotonic() + max(0.0, args.wait)
-    while True:
-        ok, said = check(args.url)
+    for _ in range(int(max(0.0, args.wait)) + 2):  # bounded: about one probe a second until the deadline
+        ok, said = check(args.url, args.timeout)
         if ok:
             return 0
         if time.monotonic() >= deadline:
-            print(f"{args.url}: {said}", file=sys.stderr)
-            return 1
+            break
         time.sleep(1.0)
+    print(f"{args.url}: {said}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -340,9 +340,13 @@ class Agent:
             for t in done:
                 if t is not stopper and t.exception() is not None:
                     raise t.exception()  # type: ignore[misc]
-            if stopper in done and self._conn is not None and self._welcomed.is_set():
+            if stopper in done and self._conn is not None:
                 # A clean stop sends no will (the client says DISCONNECT): say goodbye, so the hub
-                # marks us offline now rather than after its bound.
+                # marks us offline now rather than after its bound. Also before this connection's
+                # welcome: the hub reads our hello first (one connection, in order), so a session it
+                # opened for it is closed; a hello it refused makes the goodbye a no-op. (Waiting for
+                # the welcome left the hub's session open for its whole bound when a stop came right
+                # after a reconnect, e.g. the one that applies the welcome's keepalive.)
                 with contextlib.suppress(LinkError, asyncio.TimeoutError):
                     await asyncio.wait_for(link.send(self._gone_frame(bye=True)), 2.0)
         finally:

@@ -36,7 +36,7 @@ def test_probes_against_a_hub_whose_broker_is_unreachable(tmp_path: Path) -> Non
     cfg = HubConfig(db_path=tmp_path / "hub.sqlite3", port=0, mqtt_host="127.0.0.1", mqtt_port=hold.getsockname()[1], zmq_bind=None)
     hub = HubThread(cfg).start()
     try:
-        live = probe(f"{hub.url}/healthz")
+        live = probe("--wait", "30", "--timeout", "10", f"{hub.url}/healthz")  # bounds for a loaded machine
         assert live.returncode == 0, live.stderr
         ready = probe("--wait", "2", f"{hub.url}/readyz")
         assert ready.returncode == 1
@@ -85,6 +85,8 @@ def test_rest_does_not_wait_for_a_broker_that_never_answers(tmp_path: Path) -> N
 def test_probe_refuses_what_is_not_a_url() -> None:
     r = probe("127.0.0.1:8700/healthz")
     assert r.returncode == 2 and "must start with http://" in r.stderr
+    r = probe("--timeout", "0", "http://127.0.0.1:8700/healthz")
+    assert r.returncode == 2 and "--timeout must be a positive number of seconds" in r.stderr
 
 
 def test_hub_unit_waits_for_healthz_and_passes_systemd_analyze(tmp_path: Path) -> None:
