@@ -18,6 +18,7 @@ from cloud_hub.service.environments import apply_environments, task_environments
 from cloud_hub.service.errors import ServiceError
 from cloud_hub.service.hub import Hub
 from cloud_hub.service.schemas import TaskIn
+from cloud_hub.store.endpoints import put_functions
 from mesh_agent.protocol import SerializationError, method_of
 
 __all__ = ["accept", "check_size", "function_writer"]
@@ -147,9 +148,6 @@ def function_writer(user: str, functions: dict[str, tuple[str, bytes]]) -> Any:
     """Stores the batch's bodies inside the transaction that inserts its tasks."""
 
     def q(db: Any) -> None:
-        now = time.time()
-        for fid, (name, body) in functions.items():
-            db.execute("INSERT INTO functions (id, body, name, created) VALUES (?, ?, ?, ?) ON CONFLICT (id) DO NOTHING", (fid, body, name, now))
-            db.execute("INSERT INTO function_owners (function_id, user_id) VALUES (?, ?) ON CONFLICT (function_id, user_id) DO NOTHING", (fid, user))
+        put_functions(db, user, functions, time.time())
 
     return q

@@ -388,8 +388,9 @@ class PostgresStore(SqliteStore):
         await self._notify("mesh_results", {u for _, u in expired})
         return expired
 
-    async def cancel_tasks(self, user_id: str, ids: Sequence[str] | None = None, **kw: Any) -> dict[str, Any]:
-        done = await super().cancel_tasks(user_id, ids, **kw)
+    async def cancel_tasks(self, user_id: str, ids: Sequence[str] | None = None, *, group: str | None = None,
+                           why: str = "cancelled by its submitter", now: float | None = None) -> dict[str, Any]:
+        done = await super().cancel_tasks(user_id, ids, group=group, why=why, now=now)
         await self._notify("mesh_results", {user_id} if done["fresh"] else set())
         await self._notify("mesh_tasks", set(done["endpoints"]))  # the replica holding the session sends the cancel
         return done

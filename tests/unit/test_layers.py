@@ -273,12 +273,8 @@ SQL_STATEMENT = re.compile(
 
 #: (file, pattern the literal starts with): SQL allowed outside cloud_hub/store/, each with why.
 #: An entry that no longer matches anything fails too (remove it when its statement moves).
-SQL_ALLOWED = (
-    # function_writer's two statements (a batch's function bodies and owners, in the transaction
-    # that inserts its tasks): they are being ported from INSERT OR IGNORE to INSERT ... ON
-    # CONFLICT by another change; their move into the store follows it.
-    ("cloud_hub/service/submit.py", r"INSERT (?:OR IGNORE )?INTO functions "),
-    ("cloud_hub/service/submit.py", r"INSERT (?:OR IGNORE )?INTO function_owners "),
+SQL_ALLOWED: tuple[tuple[str, str], ...] = (
+    # none today: every statement lives in cloud_hub/store/
 )
 
 
