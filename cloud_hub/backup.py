@@ -26,8 +26,9 @@ Files are created 0600 (the database holds every endpoint's key and the hub's CU
 a partial backup never carries the final name, and a failed restore leaves the old database in
 place. PostgreSQL is backed up with its own tools (``pg_dump``, WAL archiving): see the docs.
 
-The file handling is here (``sqlite3`` connections, SQLite's backup API, integrity check,
-transactions); the SQL on the hub's tables is in ``cloud_hub/store/backup.py``.
+The file handling is here (``sqlite3`` connections, SQLite's backup API, fsync, renames); every
+SQL statement, on the hub's tables or not (integrity check, locking, transactions), is in
+``cloud_hub/store/backup.py``.
 """
 
 from __future__ import annotations
@@ -123,11 +124,11 @@ def _tables(db: sqlite3.Connection) -> set[str]:
 def _check_hub_db(db: sqlite3.Connection, path: Path) -> int:
     """Raise BackupError unless ``db`` is an intact hub database this hub can run; return its schema version."""
     try:
-        row = db.execute("PRAGMA quick_check").fetchone()
+        check = sql.quick_check(db)
     except sqlite3.DatabaseError as exc:
         raise BackupError(f"{path}: corrupt or not a SQLite database ({exc})") from None
-    if row is None or row[0] != "ok":
-        raise BackupError(f"{path}: corrupt SQLite database (integrity check: {row[0] if row else '?'})")
+    if check != "ok":
+        raise BackupError(f"{path}: corrupt SQLite database (integrity check: {check or '?'})")
     tables = _tables(db)
     missing = {"schema_version", "tasks", "results", "endpoints"} - tables
     if missing:
@@ -171,10 +172,7 @@ def db_in_use(path: Path, timeout_s: float = 0.5) -> bool:
     is merely idle still holds its shared lock, so this is not fooled by a quiet moment."""
     db = sqlite3.connect(path, isolation_level=None, timeout=timeout_s)
     try:
-        db.execute("PRAGMA locking_mode=EXCLUSIVE")
-        db.execute("BEGIN EXCLUSIVE")
-        sql.lock_probe(db)
-        db.execute("COMMIT")
+        sql.exclusive_probe(db)
         return False
     except sqlite3.OperationalError as exc:
         if "locked" in str(exc) or "busy" in str(exc):
@@ -209,7 +207,7 @@ def backup_sqlite(db_path: Path, out: Path, *, force: bool = False) -> BackupInf
         dst = sqlite3.connect(tmp, isolation_level=None)
         try:
             src.backup(dst)  # pages=-1: one read transaction, one consistent snapshot; WAL lets the hub write meanwhile
-            dst.execute("PRAGMA journal_mode=DELETE")  # one self-contained file, no -wal beside it
+            sql.self_contained(dst)  # one file, no -wal beside it
             from cloud_hub import __version__
 
             sql.write_marker(dst, time.time(), str(db_path.resolve()), __version__)
@@ -307,34 +305,33 @@ def restore_sqlite(backup: Path, db_path: Path, *, force: bool = False) -> Resto
             src.backup(new)
             migrate(new, backup)  # a backup from an older hub: its result cursors are fixed up below on the new schema
             old_cursors: dict[str, int] = {}
-            new.execute("BEGIN IMMEDIATE")
-            sql.drop_marker(new)
-            report.result_seq = sql.max_result_seq(new)
-            if exists:
-                try:
-                    old = _ro(db_path)
+            with sql.immediate(new):
+                sql.drop_marker(new)
+                report.result_seq = sql.max_result_seq(new)
+                if exists:
                     try:
-                        _check_hub_db(old, db_path)
-                        _compare(old, new, report)
-                        old_cursors = _user_cursors(old)
-                        report.compared = True
-                    finally:
-                        old.close()
-                except (sqlite3.Error, BackupError) as exc:
-                    report.not_compared_why = f"the replaced database is not readable ({exc})"
-            else:
-                report.not_compared_why = f"there was no database at {db_path} to compare with"
-            if not report.compared:
-                report.result_seq += _SEQ_JUMP_UNKNOWN
-            # The next result gets a cursor above every one a client may have read before.
-            sql.set_results_sequence(new, report.result_seq)
-            # Each user's own cursor (migration 14) never goes back either: it starts above the one
-            # the replaced database had for that user, or jumps when that is unknown.
-            jump = 0 if report.compared else _SEQ_JUMP_UNKNOWN
-            mine = _user_cursors(new)
-            users = sql.user_ids(new) | set(mine) | set(old_cursors)
-            sql.set_user_cursors(new, [(u, max(mine.get(u, 0), old_cursors.get(u, 0)) + jump) for u in sorted(users)])
-            new.execute("COMMIT")
+                        old = _ro(db_path)
+                        try:
+                            _check_hub_db(old, db_path)
+                            _compare(old, new, report)
+                            old_cursors = _user_cursors(old)
+                            report.compared = True
+                        finally:
+                            old.close()
+                    except (sqlite3.Error, BackupError) as exc:
+                        report.not_compared_why = f"the replaced database is not readable ({exc})"
+                else:
+                    report.not_compared_why = f"there was no database at {db_path} to compare with"
+                if not report.compared:
+                    report.result_seq += _SEQ_JUMP_UNKNOWN
+                # The next result gets a cursor above every one a client may have read before.
+                sql.set_results_sequence(new, report.result_seq)
+                # Each user's own cursor (migration 14) never goes back either: it starts above the one
+                # the replaced database had for that user, or jumps when that is unknown.
+                jump = 0 if report.compared else _SEQ_JUMP_UNKNOWN
+                mine = _user_cursors(new)
+                users = sql.user_ids(new) | set(mine) | set(old_cursors)
+                sql.set_user_cursors(new, [(u, max(mine.get(u, 0), old_cursors.get(u, 0)) + jump) for u in sorted(users)])
         finally:
             new.close()
         with open(tmp, "rb+") as f:

@@ -3,8 +3,9 @@
 Why here: these statements read and write the hub's own tables (tasks, results, endpoints, tokens,
 result cursors) and the backup's marker table, so they live with the rest of the hub's SQL.
 ``cloud_hub/backup.py`` keeps the file handling: opening the files with ``sqlite3``, SQLite's
-backup API, the integrity check, journal and locking modes, and each transaction's
-``BEGIN``/``COMMIT``.
+backup API, fsync and renames. The statements that are not about tables (the integrity check,
+journal and locking modes, ``BEGIN``/``COMMIT``) are here too, so that no SQL text lives outside
+``cloud_hub/store``.
 
 Every function takes a ``sqlite3.Connection`` to a hub database file (the live one, a backup, or
 the one a restore replaces), never the running hub's store. SQLite only: ``sqlite_master``,
@@ -14,10 +15,12 @@ the one a restore replaces), never the running hub's store. SQLite only: ``sqlit
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 __all__ = [
-    "MARKER_TABLE", "tables", "schema_version", "counts", "marker", "lock_probe", "write_marker", "drop_marker",
+    "MARKER_TABLE", "quick_check", "exclusive_probe", "self_contained", "immediate", "tables", "schema_version", "counts", "marker", "lock_probe", "write_marker", "drop_marker",
     "user_cursors", "task_ids", "unfinished_task_ids", "task_states", "endpoint_ids", "live_endpoint_ids",
     "token_hashes", "revoked_endpoints", "unrevoked_endpoints", "revoke_endpoint", "api_token_columns",
     "revoked_api_tokens", "revoke_api_token", "max_result_seq", "results_sequence", "set_results_sequence",
@@ -26,6 +29,44 @@ __all__ = [
 
 #: The table a backup file carries (when it was taken, from where, by which hub version).
 MARKER_TABLE = "mesh_backup"
+
+
+def quick_check(db: sqlite3.Connection) -> str | None:
+    """SQLite's quick integrity check: ``"ok"``, the first problem found, or None. Raises
+    ``sqlite3.DatabaseError`` on a file that is not a database at all."""
+    row = db.execute("PRAGMA quick_check").fetchone()
+    return None if row is None else str(row[0])
+
+
+def exclusive_probe(db: sqlite3.Connection) -> None:
+    """Take and release an exclusive lock on the file (``locking_mode=EXCLUSIVE``, ``BEGIN EXCLUSIVE``).
+
+    Raises ``sqlite3.OperationalError`` ("locked"/"busy") when another process has it open: in WAL
+    mode an idle hub still holds its shared lock, so a quiet moment does not fool it."""
+    db.execute("PRAGMA locking_mode=EXCLUSIVE")
+    db.execute("BEGIN EXCLUSIVE")
+    lock_probe(db)
+    db.execute("COMMIT")
+
+
+def self_contained(db: sqlite3.Connection) -> None:
+    """Switch a fresh copy to the rollback journal: one file, no ``-wal`` beside it."""
+    db.execute("PRAGMA journal_mode=DELETE")
+
+
+@contextmanager
+def immediate(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """One write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``), rolled back when the body raises.
+
+    The connection must be in autocommit mode (``isolation_level=None``)."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield db
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
 
 
 def tables(db: sqlite3.Connection) -> set[str]:

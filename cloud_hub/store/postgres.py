@@ -286,7 +286,9 @@ class PostgresStore(SqliteStore):
 
                 attach_envs(db, tasks)
                 db.raw.cursor().executemany(
-                    "UPDATE tasks SET state='leased', leased_until=%s, attempts=attempts+1, dispatched=%s WHERE id=%s AND state='queued'",
+                    # site=NULL as in the SQLite lease: a task leased directly is no longer held by a site
+                    "UPDATE tasks SET state='leased', leased_until=%s, attempts=attempts+1, dispatched=%s, site=NULL "
+                    "WHERE id=%s AND state='queued'",
                     [(now + lease_s, now, t["id"]) for t in tasks],
                 )
             fids = sorted({t["fn"] for t in tasks})

@@ -21,7 +21,6 @@ import os
 import platform
 import shutil
 import signal
-import sqlite3
 import threading
 import time
 from collections import Counter, defaultdict
@@ -33,6 +32,7 @@ import httpx
 
 from cloud_hub.client import Client, HubError
 from cloud_hub.localmesh import AgentProcess, LocalMesh
+from cloud_hub.store import readback
 
 from .checker import Records, check, percentiles, reconnect_delays
 from .faults import FaultEvent, FaultSchedule, build_schedule
@@ -446,14 +446,8 @@ class Emulation:
         assert self.mesh is not None
         r = self.records
         db_path = self.mesh.hub_cfg.db_path
-        db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
-        try:
-            for tid, ep, state, attempts in db.execute("SELECT id, endpoint_id, state, attempts FROM tasks"):
-                r.hub_tasks[tid] = (ep, state, attempts)
-            for tid, n, ok, data in db.execute("SELECT task_id, COUNT(*), MAX(ok), MAX(data) FROM results GROUP BY task_id"):
-                r.hub_results[tid] = (n, bool(ok), data)
-        finally:
-            db.close()
+        r.hub_tasks.update(readback.task_states(db_path))
+        r.hub_results.update(readback.result_summary(db_path))
         for a in self.agents.values():  # what the agents had to say about it (warnings they logged)
             text = a.log_path.read_text(errors="replace") if a.log_path.exists() else ""
             self.agent_log["clock_remeasures"] += text.count("measuring the hub's clock again")

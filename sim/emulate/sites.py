@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import sqlite3
 import time
 from typing import Any, Mapping, Sequence
+
+from cloud_hub.store import readback
 
 __all__ = ["gateway_slot", "lan_upstream", "move_device", "site_of_at", "tasks_during_outages", "site_figures", "compare"]
 
@@ -114,13 +115,8 @@ def site_figures(run: Any) -> dict[str, Any] | None:
         tr = p.transitions + [(now, "up")]
         down[site] = [(t, t2) for (t, st), (t2, _) in zip(tr, tr[1:]) if st != "up" and t2 > t]
     by_eid = {eid: name for name, eid in run.endpoints.items()}
-    db = sqlite3.connect(f"file:{run.mesh.hub_cfg.db_path}?mode=ro", uri=True)
-    try:
-        rows = db.execute("SELECT t.endpoint_id, r.finished FROM results r JOIN tasks t ON t.id = r.task_id "
-                          "WHERE r.finished IS NOT NULL").fetchall()
-    finally:
-        db.close()
-    finished = [(by_eid[e], float(f)) for e, f in rows if e in by_eid]
+    rows = readback.finished_results(run.mesh.hub_cfg.db_path)
+    finished = [(by_eid[e], f) for e, f in rows if e in by_eid]
     counts = tasks_during_outages(finished, initial, run.moves, down)
     t0, T = run.t0, run.sc.duration_s
     out: dict[str, Any] = {"gateways": not run.without_gateways, "sites": {}}

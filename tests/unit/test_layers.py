@@ -258,17 +258,19 @@ def test_no_import_circle_in_the_sdk_even_through_lazy_imports() -> None:
 # (docs/architecture.md, "Hub store"). A string literal (implicitly concatenated parts are one
 # literal; an f-string counts with its fields as "{}") outside cloud_hub/store/ that looks like a
 # statement fails: SELECT ... FROM, INSERT [OR ...] INTO, REPLACE INTO, UPDATE x SET, DELETE FROM,
-# CREATE [TEMP] TABLE. Keywords in capitals, as this project writes SQL, so prose does not match;
+# CREATE [TEMP] TABLE, and a literal that is a PRAGMA, BEGIN, COMMIT or ROLLBACK. Keywords in
+# capitals, as this project writes SQL, so prose does not match;
 # docstrings are not statements and are skipped. Not SQL, so not listed below: cloud_hub/kv/ is
 # the Redis-protocol key-value server (its "SELECT" is the Redis command; its keyspace lives in
 # memory) and the SDK's multiprocessing modules call Redis pipelines' ``execute()``; the SDK's
 # local refs.sqlite3 is mesh_agent/refstore.py's. cloud_hub/backup.py keeps only file handling on
-# SQLite files (connections, the backup API, PRAGMAs, BEGIN/COMMIT): its SQL on the hub's tables
-# is cloud_hub/store/backup.py's.
+# SQLite files (connections, the backup API, fsync): its statements are cloud_hub/store/backup.py's.
+# sim/ is scanned too: the simulator reads a stopped hub's file through cloud_hub/store/readback.py.
 
 SQL_STATEMENT = re.compile(
     r"\bSELECT\b[^;]*?\bFROM\b|\bINSERT\s+(?:OR\s+[A-Z]+\s+)?INTO\b|\bREPLACE\s+INTO\b|\bUPDATE\s+\S+\s+SET\b"
     r"|\bDELETE\s+FROM\b|\bCREATE\s+(?:TEMP(?:ORARY)?\s+)?TABLE\b"
+    r"|^\s*PRAGMA\s+[a-z_]+|^\s*BEGIN(?:\s+(?:IMMEDIATE|EXCLUSIVE|DEFERRED|TRANSACTION))?\s*$|^\s*(?:COMMIT|ROLLBACK)\s*$"
 )
 
 #: (file, pattern the literal starts with): SQL allowed outside cloud_hub/store/, each with why.
@@ -304,7 +306,7 @@ def sql_literals(source: str, file: str) -> list[tuple[int, str]]:
 
 def _sql_outside_store() -> list[tuple[str, int, str]]:
     out = []
-    for path in sorted((ROOT / "cloud_hub").rglob("*.py")):
+    for path in sorted([*(ROOT / "cloud_hub").rglob("*.py"), *(ROOT / "sim").rglob("*.py")]):
         file = path.relative_to(ROOT).as_posix()
         if not file.startswith("cloud_hub/store/"):
             out.extend((file, line, text) for line, text in sql_literals(path.read_text(), file))
@@ -317,8 +319,9 @@ def test_the_sql_finder_sees_statements_in_literals_and_f_strings_not_in_docstri
            '    db.execute(f"DELETE FROM {t} WHERE x=?")\n    db.execute(f"UPDATE {t} SET a=1")\n'
            '    db.execute("INSERT OR REPLACE INTO m VALUES (?)")\n    db.execute("CREATE TABLE IF NOT EXISTS z (a)")\n'
            '    log("select the endpoints from the list; update the settings; delete from disk")\n'
-           '    redis.execute_command("SELECT", 0)\n    db.execute("PRAGMA quick_check")\n')
-    assert [line for line, _ in sql_literals(src, "x.py")] == [3, 5, 6, 7, 8]
+           '    redis.execute_command("SELECT", 0)\n    db.execute("PRAGMA quick_check")\n'
+           '    db.execute("BEGIN IMMEDIATE")\n    db.execute("COMMIT")\n    say("Begin here; commit later")\n')
+    assert [line for line, _ in sql_literals(src, "x.py")] == [3, 5, 6, 7, 8, 11, 12, 13]
 
 
 def test_all_sql_lives_in_the_store() -> None:
