@@ -27,6 +27,7 @@ from typing import Any
 from cloud_hub.config import HubConfig
 from cloud_hub.lanes import Lanes
 from cloud_hub.observer import DispatchObserver
+from cloud_hub.site_frames import SiteDownLink, split_site_up
 from cloud_hub.site_lease import ConfirmClock
 from cloud_hub.store import SqliteStore
 from cloud_hub.store.availability import close_stale_sessions, prune_events
@@ -47,6 +48,7 @@ from mesh_agent.protocol import (
     peek_endpoint,
     serialize,
 )
+from mesh_agent.protocol.site import site_body
 from mesh_agent.transport import HubLink, LinkError
 
 __all__ = ["Dispatcher", "ResultBus"]
@@ -61,6 +63,8 @@ _REACK_EVERY_S = 5.0
 #: on a frame that is sent anyway.
 _ECHOED = frozenset({Kind.TASKS, Kind.RESULT_ACK})
 _REACK_REMEMBER = 20_000
+#: A frame from an endpoint without a session is answered hello_required at most this often.
+_HELLO_REQUIRED_EVERY_S = 2.0
 
 #: Why a frame from an endpoint's channel was refused, as ``mesh_frames_rejected_total`` labels it
 #: (cloud_hub/metrics.py, docs/security.md): forged or damaged (``bad_mac``), too old or from the
@@ -68,7 +72,8 @@ _REACK_REMEMBER = 20_000
 #: (``malformed``), past the size limit (``oversize``), a hub kind sent back at the hub
 #: (``wrong_direction``), another endpoint's frame on this channel (``wrong_channel``), a channel no
 #: enrolled endpoint has (``unknown_endpoint``).
-REJECT_REASONS = ("bad_mac", "stale", "replay", "malformed", "oversize", "wrong_direction", "wrong_channel", "unknown_endpoint")
+REJECT_REASONS = ("bad_mac", "stale", "replay", "malformed", "oversize", "wrong_direction", "wrong_channel", "unknown_endpoint",
+                  "foreign_device")
 #: Endpoint label values of the rejected-frame counter: past this many, "other" (a label per
 #: endpoint is affordable for the few that misbehave, not for a fleet of 10,000 all at once).
 #: A channel no enrolled endpoint has is always "unknown", so no sender can mint labels.
@@ -179,6 +184,7 @@ class _Session:
     # when sent): what counts against the endpoint's lookahead (docs/scheduler.md, "Late binding").
     placed_out: dict[str, float] = field(default_factory=dict)
     metered: bool = False  # the agent runs the metered profile (adaptive beats): every frame costs it money
+    site_frames: bool = False  # a site gateway that reads and sends site_up/site_down (cloud_hub/site_frames.py)
 
 
 def per_day(t: list[float], now: float | None = None) -> dict[str, float]:
@@ -230,6 +236,9 @@ class Dispatcher:
         # transaction per watchdog pass instead of one durable transaction per heartbeat.
         self._beat_dirty: set[str] = set()
         self._site_of: dict[str, str] = {}  # device -> the site gateway that relays its frames
+        self._site_links: dict[str, SiteDownLink] = {}  # gateway -> its devices' site_down batcher
+        #: endpoint -> when it was last told hello_required: at most once per _HELLO_REQUIRED_EVERY_S
+        self._hello_asked: OrderedDict[str, float] = OrderedDict()
         self._sites = hasattr(store, "lease_site")  # site leasing ahead: SQLite only for now (docs/sites.md)
         # Incoming frames: different endpoints concurrently, each endpoint's in arrival order
         # (cloud_hub/lanes.py), so a slow hello does not hold up everyone's acks.
@@ -452,6 +461,15 @@ class Dispatcher:
         return [{"id": a.endpoint_id, "user": a.username, "hash": h} for a in accounts
                 if a.endpoint_id in devices and (h := hash_part(a.password_hash, "mosquitto"))]
 
+    def _site_signer(self, gateway_id: str) -> Any:
+        """Signs a site_down for ``gateway_id`` with its key, compressed (it said it reads z)."""
+        def sign(frames: list[tuple[str, bytes]], seq: int) -> bytes:
+            env = Envelope(Kind.SITE_DOWN, gateway_id, site_body(frames, seq=seq))
+            frame = encode(env, self._keys[gateway_id], ttl=self.cfg.frame_ttl_s, compress=True)
+            self._count(gateway_id, len(frame), out=True)
+            return frame
+        return sign
+
     def kick_site(self, gateway_id: str) -> None:
         g = self._sessions.get(gateway_id)
         if g is None or g.site_hold <= 0 or g.site_pumping:
@@ -504,7 +522,7 @@ class Dispatcher:
                         body = {"tasks": tasks, "functions": {f: b for f, b in bodies.items() if f in fids}, "allow": self._allow_field(dev)}
                     frame = encode(Envelope(Kind.TASKS, dev, body), self._keys[dev], ttl=self.cfg.site_hold_s)
                     try:
-                        await g.link.send(dev, frame)
+                        await self._site_links.get(g.endpoint_id, g.link).send(dev, frame)
                     except LinkError as exc:
                         n = await self.store.unlease(dev, [t["id"] for t in tasks])
                         log.warning("leasing ahead to site %s failed (%s); %d tasks re-queued", g.endpoint_id, exc, n, extra={"endpoint_id": g.endpoint_id})
@@ -759,7 +777,11 @@ class Dispatcher:
         s = self._sessions.get(endpoint_id)
         if s is None:
             tmp = _Session(endpoint_id, link, time.time())
-            if env.kind in (Kind.RESULTS, Kind.ACK):
+            if env.kind is Kind.SITE_UP:
+                # Each inner frame stands on its own (verified as if direct): a gateway's results
+                # and acks count even before its hello (the hub restarted, the session was lost).
+                await self._on_site_up(tmp, env.body)
+            elif env.kind in (Kind.RESULTS, Kind.ACK):
                 # Authentic and fresh: keep it even without a session. A site gateway forwards a
                 # device's results and acks long after the device's session ended (the uplink was
                 # down), possibly with the device itself dead; dropping them would leave the
@@ -767,8 +789,9 @@ class Dispatcher:
                 handler = _HANDLERS[env.kind]
                 with contextlib.suppress(LinkError):
                     await handler(self, tmp, env.body)
-            with contextlib.suppress(LinkError):
-                await self._send(tmp, Kind.ERROR, {"code": "hello_required", "message": "no session; say hello"})
+            if self._may_ask_hello(endpoint_id):
+                with contextlib.suppress(LinkError):
+                    await self._send(tmp, Kind.ERROR, {"code": "hello_required", "message": "no session; say hello"})
             return
         s.last_seen = time.time()
         s.link = link
@@ -779,6 +802,35 @@ class Dispatcher:
         handler = _HANDLERS.get(env.kind)
         if handler is not None:
             await handler(self, s, env.body)
+
+    def _may_ask_hello(self, endpoint_id: str) -> bool:
+        """Whether to answer a frame without a session with hello_required now: at most once per
+        ``_HELLO_REQUIRED_EVERY_S`` per endpoint. A device behind a gateway can have many frames
+        in flight (a site_up after an outage carries them all); one answer is enough."""
+        now = time.monotonic()
+        if now - self._hello_asked.get(endpoint_id, -1e9) < _HELLO_REQUIRED_EVERY_S:
+            self.stats["hello_required_held"] = self.stats.get("hello_required_held", 0) + 1
+            return False
+        self._hello_asked[endpoint_id] = now
+        self._hello_asked.move_to_end(endpoint_id)
+        while len(self._hello_asked) > _REACK_REMEMBER:
+            self._hello_asked.popitem(last=False)
+        return True
+
+    async def _on_site_up(self, s: _Session, body: dict[str, Any]) -> None:
+        """A gateway's batch of its devices' frames (cloud_hub/site_frames.py): each inner frame is
+        handled as if it had come on its own, in its device's lane, and answered through the
+        gateway's site_down batcher; one that is not for a device of this gateway is refused."""
+        gateway = s.endpoint_id
+        mine = {d for d, g in self._site_of.items() if g == gateway}
+        link = self._site_links.get(gateway, s.link)
+        for device, frame in split_site_up(body, mine):
+            if isinstance(frame, BadFrame):
+                exc = _refused(frame, "foreign_device")
+                self._count_rejected(gateway, exc)
+                log.warning("rejected inner frame of site %s: %s", gateway, exc, extra={"endpoint_id": gateway})
+                continue
+            await self.enqueue_frame(device, frame, link)
 
     async def _reack(self, endpoint_id: str, sealed: Any, link: HubLink) -> None:
         """A results frame we handled already came again, verbatim: a site gateway re-sends the very
@@ -899,6 +951,7 @@ class Dispatcher:
             if isinstance(blobs, str) and len(blobs) < 300 and blobs.count(":") == 1 and blobs.rsplit(":", 1)[1].isdigit():
                 s.info["site"]["store"] = blobs
             s.site_cache = site.get("cache") == 1
+            s.site_frames = site.get("frames") == 1  # it then reads compressed site_down bodies too
             have = site.get("functions")
             if isinstance(have, list):
                 s.site_have = {f for f in have[:10_000] if isinstance(f, str) and len(f) == 64}
@@ -931,6 +984,11 @@ class Dispatcher:
                    **({"keepalive_s": keepalive_for(self.cfg.mqtt_lost_after_s)} if adaptive else {})}
         if isinstance(site, dict):
             welcome["site"] = {"devices": await self._site_welcome(env.endpoint), "hold_s": self.cfg.site_hold_s}
+            if s.site_frames:
+                welcome["site"]["frames"] = 1
+                self._site_links[env.endpoint] = SiteDownLink(env.endpoint, link, self._site_signer(env.endpoint))
+            else:
+                self._site_links.pop(env.endpoint, None)
         gw = self._sessions.get(self._site_of.get(env.endpoint) or "")
         if gw is not None and isinstance((gw.info.get("site") or {}).get("store"), str):
             # a device behind a gateway with a LAN blob store: shared data refs are read there first (cloud_hub/client/refs.py)
@@ -1140,6 +1198,7 @@ def _expired_blob(task_id: str) -> bytes:
 
 
 _HANDLERS = {
+    Kind.SITE_UP: Dispatcher._on_site_up,
     Kind.FETCH: Dispatcher._on_fetch,
     Kind.ACK: Dispatcher._on_ack,
     Kind.RESULTS: Dispatcher._on_results,

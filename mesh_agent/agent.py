@@ -58,6 +58,11 @@ log = logging.getLogger("mesh_agent")
 #: Results per ``results`` frame; keeps frames well under broker limits.
 _RESULTS_PER_FRAME = 2000
 _RESEND_AFTER_S = 10.0
+#: Behind a site gateway, which keeps our results until the hub acks them (docs/sites.md): they
+#: are sent again after a welcome (a restart, a reconnect, a hello the hub asked for), and on a
+#: timer only this rarely, as a safety net; a blind 10 s timer re-signed each one every 10 s of
+#: an uplink outage, and every copy crossed the uplink afterwards.
+_RELAYED_RESEND_S = 300.0
 _FRAME_BUDGET = 8 * 2**20
 _MAX_RESULT_BYTES = MAX_FRAME_BYTES // 2
 #: After a failed queue write (full disk) the agent takes no new tasks for this long, then tries again.
@@ -358,7 +363,7 @@ class Agent:
     def _now(self) -> float:
         return self._clock.now()
 
-    async def _send(self, kind: Kind, body: dict[str, Any]) -> None:
+    async def _send(self, kind: Kind, body: dict[str, Any], *, compress: bool | None = None) -> None:
         link = self._link
         if link is None:
             raise LinkError("not connected")
@@ -371,7 +376,7 @@ class Agent:
         # uplink outage: they stay valid for a week (both are idempotent by task id at the hub).
         exp = ts + _RELAYED_TTL_S if self._relayed and kind in (Kind.RESULTS, Kind.ACK) else 0.0
         frame = encode(Envelope(kind, self.endpoint_id, body, ts=ts, exp=exp), self._key,
-                       compress=self._hub_reads_z and self.footprint.compress)
+                       compress=self._hub_reads_z and (self.footprint.compress if compress is None else compress))
         await link.send(frame)
         self._bytes_sent += len(frame)  # frame bytes, reported in heartbeats (device counters)
         self._last_frame = time.monotonic()
@@ -557,6 +562,18 @@ class Agent:
         total = sum(len(b) for b in self._site_bodies.values())
         while total > _SITE_BODIES_MAX and len(self._site_bodies) > 1:
             total -= len(self._site_bodies.pop(next(iter(self._site_bodies))))
+
+    def open_site_down(self, frame: bytes) -> Envelope:
+        """A site gateway's check of a ``site_down`` (mesh_agent/gateway.py): our key, our endpoint,
+        fresh by our estimate of the hub's clock, not a replay; then its body. Raises ProtocolError.
+        Each inner frame is still checked by its device, with the device's key."""
+        sealed = open_frame(frame, self._key)
+        if sealed.endpoint != self.endpoint_id or sealed.kind is not Kind.SITE_DOWN:
+            raise BadFrame(f"not a site_down for {self.endpoint_id}")
+        now = self._now()
+        check_freshness(sealed, now=now)
+        self._replay.check(sealed, now=now)
+        return sealed.open()
 
     async def _handle(self, frame: bytes) -> None:
         """Trust before parsing (invariant 3): header and MAC, direction, freshness (for a welcome:
@@ -894,7 +911,7 @@ class Agent:
             self.stats["results_sent"] += len(chunk)
 
     async def _resend_stale_results(self, all_of_them: bool = False) -> None:
-        cutoff = time.time() - _RESEND_AFTER_S
+        cutoff = time.time() - (_RELAYED_RESEND_S if self._relayed else _RESEND_AFTER_S)
         stale = [
             r for r in await self.store.unacked_results(limit=50_000)
             if all_of_them or self._sent_at.get(r.id, 0.0) < cutoff

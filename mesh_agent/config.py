@@ -161,6 +161,10 @@ class SiteSettings(BaseModel):
     mosquitto: str = Field("mosquitto", description="the Mosquitto binary")
     store_port: int | None = Field(None, ge=0, le=65535, description="the site's content-addressed blob store on the LAN "
                                    "(hierarchical FL: models and updates, mesh_agent/site_store.py); default listen_port + 1, 0: off")
+    frames: bool = Field(True, description="relay the devices' frames in batched, compressed site frames (site_up/site_down) "
+                         "when the hub reads them; off: one MQTT message per device frame on the device's own topic")
+    batch_s: float = Field(1.0, ge=0.0, le=30.0, description="how long a device frame may wait at the gateway for others to share "
+                           "its site_up (a hello goes at once; 16 KB of frames also flush)")
 
 
 class _MaskedRepr(BaseModel):

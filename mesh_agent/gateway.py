@@ -45,8 +45,9 @@ import msgpack
 
 from mesh_agent.agent import SITE_BODY_MAGIC
 from mesh_agent.backoff import AckTimeout
-from mesh_agent.protocol import Kind
+from mesh_agent.protocol import Kind, ProtocolError
 from mesh_agent.protocol.envelope import _inflate, _parse_header
+from mesh_agent.protocol.site import SiteBatch, inner_frames, site_body
 from mesh_agent.reload import reload_process
 from mesh_agent.site_store import SiteStore
 from mesh_agent.store import AgentStore, StoreError
@@ -64,6 +65,8 @@ REDELIVER_S = 15.0
 RESEND_UP_S = 10.0
 #: Frames relayed up without being kept (heartbeats, hellos, fetches) that may wait for their PUBACK at once.
 MAX_IN_FLIGHT = 1000
+#: Held frames sent up in one site_up at most (before compression), when the uplink is back.
+_SITE_UP_CHUNK = 64 * 1024
 _SITE_USER = "mesh-gateway"
 
 
@@ -97,6 +100,13 @@ def frame_cancel_ids(frame: bytes, end: int, compressed: bool) -> list[str]:
 def _is_tasks(frame: bytes) -> bool:
     try:
         return _parse_header(frame)[0] is Kind.TASKS
+    except Exception:
+        return False
+
+
+def _is_site_down(frame: bytes) -> bool:
+    try:
+        return _parse_header(frame)[0] is Kind.SITE_DOWN
     except Exception:
         return False
 
@@ -240,7 +250,10 @@ class _Uplink(MqttAgentLink):
                 if not isinstance(msg.payload, (bytes, bytearray)):
                     continue
                 if str(msg.topic) == self._down:
-                    yield bytes(msg.payload)
+                    if _is_site_down(bytes(msg.payload)):
+                        await self._relay.from_site_down(bytes(msg.payload))
+                    else:
+                        yield bytes(msg.payload)
                     continue
                 parts = str(msg.topic).split("/")
                 if len(parts) == 4 and parts[3] == "down":
@@ -273,7 +286,8 @@ class Gateway:
 
         self.agent = Agent(cfg, creds, link_factory=uplink_factory)
         self.agent.hello_extra = {"site": {"hold": int(site.hold), "broker": f"{site.public_host or site.listen_host}:{site.listen_port}",
-                                           **({"cache": 1} if site.cache_bodies else {})}}
+                                           **({"cache": 1} if site.cache_bodies else {}),
+                                           **({"frames": 1} if site.frames else {})}}
         store_port = site.listen_port + 1 if site.store_port is None else site.store_port
         self.blob_store_port = store_port if store_port and store_port <= 65535 else 0
         if self.blob_store_port:  # hierarchical FL: models and updates on the LAN (mesh_agent/site_store.py)
@@ -290,7 +304,12 @@ class Gateway:
         #: task id -> (when its results frame was first sent up, whether it was sent again): the ack
         #: delays AckTimeout learns from. Bounded; lost on restart (the next sends count as first).
         self._results_sent: dict[str, tuple[float, bool]] = {}
-        self.stats = {"up_frames": 0, "down_frames": 0, "up_bytes": 0, "down_bytes": 0, "dropped": 0, "redelivered": 0, "bodies_to_devices": 0,
+        #: Site frames (docs/sites.md): on once the hub's welcome says it reads them. Device frames
+        #: that are not kept (beats, hellos, fetches) wait here up to site.batch_s for company.
+        self.site_frames = False
+        self._out = SiteBatch()
+        self._out_timer: asyncio.TimerHandle | None = None
+        self.stats = {"site_up": 0, "site_down": 0, "up_frames": 0, "down_frames": 0, "up_bytes": 0, "down_bytes": 0, "dropped": 0, "redelivered": 0, "bodies_to_devices": 0,
                       "results_resent": 0}
 
     # ------------------------------------------------------------------ lifecycle
@@ -350,6 +369,7 @@ class Gateway:
 
     async def _on_site(self, site: dict[str, Any]) -> None:
         """The hub's welcome lists the site's devices with their broker hashes."""
+        self.site_frames = site.get("frames") == 1 and bool(self.cfg.site.frames)
         raw = site.get("devices")
         if not isinstance(raw, list):
             return
@@ -370,6 +390,21 @@ class Gateway:
             log.info("site: %d devices (%d new)", len(devices), len(new))
 
     # ------------------------------------------------------------------ hub -> device
+    async def from_site_down(self, frame: bytes) -> None:
+        """A batch of hub frames for our devices: the batch checked with our own key (freshness and
+        replay as any hub frame), then each inner frame handled as if it had come on its device's
+        topic. Inner frames are not verified here: each device checks its own with its key."""
+        try:
+            env = self.agent.open_site_down(frame)
+            frames = inner_frames(env.body)
+        except (ProtocolError, KeyError, TypeError) as exc:
+            self.stats["dropped"] += 1
+            log.warning("rejected site_down from hub: %s", exc)
+            return
+        self.stats["site_down"] += 1
+        for device, inner in frames:
+            await self.from_hub(device, inner)
+
     async def from_hub(self, device: str, frame: bytes) -> None:
         """A frame for one of our devices came down the uplink: keep tasks until the device acks
         them, drop our copy of results the hub acknowledged, hand everything on."""
@@ -469,7 +504,9 @@ class Gateway:
             self._up_wake.set()
         else:  # hello, fetch, heartbeat, gone: worth sending only now (they are re-sent or go stale)
             up = self._uplink
-            if up is not None and len(self._in_flight) < MAX_IN_FLIGHT:
+            if up is not None and self.site_frames:
+                self._queue_up(device, frame, at_once=kind is Kind.HELLO)
+            elif up is not None and len(self._in_flight) < MAX_IN_FLIGHT:
                 # Not awaited here: a QoS 1 publish waits one uplink round trip for its PUBACK, and
                 # a satellite or LTE uplink's round trip would otherwise pace every device's frames.
                 t = asyncio.create_task(self._send_now(up, device, frame))
@@ -478,6 +515,41 @@ class Gateway:
             elif up is not None:
                 self.stats["dropped"] += 1  # the uplink is that far behind: a beat or hello is re-sent anyway
         await self._hand_held(device, again=kind is Kind.HELLO)
+
+    def _queue_up(self, device: str, frame: bytes, *, at_once: bool) -> None:
+        """A device frame that is not kept goes in the next site_up: now for a hello (its device
+        waits for the welcome) or a full batch, else within ``site.batch_s``."""
+        if self._out.add(device, frame) or at_once or self.cfg.site.batch_s <= 0:
+            self._flush_out()
+        elif self._out_timer is None:
+            self._out_timer = asyncio.get_running_loop().call_later(self.cfg.site.batch_s, self._flush_out)
+
+    def _flush_out(self) -> None:
+        if self._out_timer is not None:
+            self._out_timer.cancel()
+            self._out_timer = None
+        frames = self._out.take()
+        if not frames:
+            return
+        if len(self._in_flight) >= MAX_IN_FLIGHT:
+            self.stats["dropped"] += len(frames)  # the uplink is that far behind: beats and hellos are re-sent anyway
+            return
+        t = asyncio.ensure_future(self._send_site_up(frames, quiet=True))
+        self._in_flight.add(t)
+        t.add_done_callback(self._in_flight.discard)
+
+    async def _send_site_up(self, frames: list[tuple[str, bytes]], *, quiet: bool = False) -> None:
+        """One site_up signed with our key, compressed; raises LinkError unless ``quiet``."""
+        try:
+            await self.agent._send(Kind.SITE_UP, site_body(frames), compress=True)
+        except LinkError:
+            if not quiet:
+                raise
+            self.stats["dropped"] += len(frames)
+            return
+        self.stats["site_up"] += 1
+        for _dev, f in frames:
+            self._count_up(f)
 
     async def _send_now(self, up: "_Uplink", device: str, frame: bytes) -> None:
         with contextlib.suppress(LinkError):
@@ -540,9 +612,13 @@ class Gateway:
                     acks, results = [], []
                     # All of them in flight at once: each QoS 1 publish waits one uplink round trip for
                     # its PUBACK, so one after the other would pace the site at one frame per round trip.
-                    await asyncio.gather(*(up.send_for(ep, frame) for _seq, ep, _kind, frame in rows))
+                    if self.site_frames:
+                        await asyncio.gather(*(self._send_site_up(chunk) for chunk in _chunks(rows)))
+                    else:
+                        await asyncio.gather(*(up.send_for(ep, frame) for _seq, ep, _kind, frame in rows))
+                        for _seq, _ep, _kind, frame in rows:
+                            self._count_up(frame)
                     for seq, ep, kind, frame in rows:
-                        self._count_up(frame)
                         if kind == Kind.ACK.value:
                             acks.append(seq)
                         else:
@@ -582,6 +658,19 @@ class Gateway:
                 delays.append(now - sent[0])
         if delays:
             self.ack_timeout.sample(max(delays))
+
+
+def _chunks(rows: list[tuple[int, str, str, bytes]]) -> list[list[tuple[str, bytes]]]:
+    """Held rows as site_up contents of at most _SITE_UP_CHUNK bytes each (at least one frame each)."""
+    out: list[list[tuple[str, bytes]]] = [[]]
+    size = 0
+    for _seq, ep, _kind, frame in rows:
+        if out[-1] and size + len(frame) > _SITE_UP_CHUNK:
+            out.append([])
+            size = 0
+        out[-1].append((ep, frame))
+        size += len(frame)
+    return [c for c in out if c]
 
 
 async def _held_ids(store: AgentStore, limit: int = 50_000) -> list[str]:

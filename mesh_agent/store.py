@@ -410,13 +410,28 @@ class AgentStore:
         async with self._tx_lock:
             try:
                 await db.execute("BEGIN IMMEDIATE")
+                ids = sorted(set(task_ids))
+                copy = direction == "up" and kind == "results" and bool(ids)
+                if copy and await self._relay_held(db, endpoint, ids) == len(ids):
+                    # A device's re-signed copy of results we hold already (new message id, same
+                    # tasks): the copy we have goes up, this one is not kept (one copy per result).
+                    await db.execute("COMMIT")
+                    return False
                 cur = await db.execute(
                     "INSERT OR IGNORE INTO relay (dir, endpoint, kind, msg_id, frame, exp) VALUES (?, ?, ?, ?, ?, ?)",
                     (direction, endpoint, kind, msg_id, frame, exp))
                 new = cur.rowcount == 1
                 if new and task_ids:
                     seq = cur.lastrowid
-                    await db.executemany("INSERT OR IGNORE INTO relay_ids (seq, task_id) VALUES (?, ?)", [(seq, t) for t in task_ids])
+                    await db.executemany("INSERT OR IGNORE INTO relay_ids (seq, task_id) VALUES (?, ?)", [(seq, t) for t in ids])
+                    if copy:  # older frames give up the tasks this one carries; a frame left with none goes
+                        for i in range(0, len(ids), 500):
+                            chunk = ids[i : i + 500]
+                            await db.execute(
+                                f"DELETE FROM relay_ids WHERE seq<>? AND task_id IN ({','.join('?' * len(chunk))}) AND seq IN "
+                                "(SELECT seq FROM relay WHERE dir='up' AND endpoint=? AND kind='results')", (seq, *chunk, endpoint))
+                        await db.execute("DELETE FROM relay WHERE dir='up' AND endpoint=? AND kind='results' "
+                                         "AND seq NOT IN (SELECT seq FROM relay_ids)", (endpoint,))
                 await db.execute("COMMIT")
                 return new
             except sqlite3.Error as exc:
@@ -425,6 +440,18 @@ class AgentStore:
             except BaseException:
                 await self._rollback(db)
                 raise
+
+    @staticmethod
+    async def _relay_held(db: Any, endpoint: str, ids: list[str]) -> int:
+        """How many of ``ids`` an up results frame of ``endpoint`` held here already carries."""
+        held = 0
+        for i in range(0, len(ids), 500):
+            chunk = ids[i : i + 500]
+            cur = await db.execute(
+                f"SELECT COUNT(DISTINCT i.task_id) FROM relay_ids i JOIN relay r ON r.seq = i.seq WHERE r.dir='up' "
+                f"AND r.endpoint=? AND r.kind='results' AND i.task_id IN ({','.join('?' * len(chunk))})", (endpoint, *chunk))
+            held += int((await cur.fetchone())[0])
+        return held
 
     async def relay_pending(self, direction: str, *, endpoint: str | None = None, sent_before: float = float("inf"),
                             limit: int = 500) -> list[tuple[int, str, str, bytes]]:

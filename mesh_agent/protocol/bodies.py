@@ -180,6 +180,12 @@ def _gone(k: Kind, b: dict[str, Any]) -> None:
     _need(k, b, "conn", lambda v: type(v) is str and 0 < len(v) <= 64 and v.isascii(), "a short ascii string")
 
 
+def _site(k: Kind, b: dict[str, Any]) -> None:
+    from mesh_agent.protocol.site import check_site_body
+
+    check_site_body(k, b)
+
+
 _RULES: dict[Kind, Callable[[Kind, dict[str, Any]], None]] = {
     Kind.HELLO: _hello,
     Kind.WELCOME: _welcome,
@@ -191,6 +197,8 @@ _RULES: dict[Kind, Callable[[Kind, dict[str, Any]], None]] = {
     Kind.HEARTBEAT: _heartbeat,
     Kind.ERROR: _error,
     Kind.GONE: _gone,
+    Kind.SITE_UP: _site,
+    Kind.SITE_DOWN: _site,
 }
 
 

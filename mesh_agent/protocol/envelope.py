@@ -72,7 +72,8 @@ _ZFLAG = 0x80  # in the kind byte: body is zlib-compressed
 
 
 class Kind(str, Enum):
-    """Message kinds. Agent to hub: hello, fetch, ack, results, heartbeat. Hub to agent: the rest."""
+    """Message kinds. Agent to hub: hello, fetch, ack, results, heartbeat, gone, site_up. Hub to
+    agent: the rest. The two site kinds pass only between the hub and a site gateway."""
 
     HELLO = "hello"  # register on (re)connect: capacity, what the agent already holds
     WELCOME = "welcome"  # hub's answer to hello: its clock, heartbeat period
@@ -84,6 +85,8 @@ class Kind(str, Enum):
     HEARTBEAT = "heartbeat"  # liveness, capacity, queue depth, resources
     ERROR = "error"  # hub refuses something (unknown endpoint, disabled, ...)
     GONE = "gone"  # the agent's connection ended: its MQTT will, or said on a clean stop
+    SITE_UP = "site_up"  # a site gateway's batch of its devices' frames, each unchanged (docs/sites.md)
+    SITE_DOWN = "site_down"  # the hub's batch of frames for a gateway's devices, each unchanged
 
 
 #: The one-byte kind code in the header. Fixed forever within a protocol version.
@@ -98,12 +101,14 @@ KIND_CODES: dict[Kind, int] = {
     Kind.HEARTBEAT: 8,
     Kind.ERROR: 9,
     Kind.GONE: 10,
+    Kind.SITE_UP: 11,
+    Kind.SITE_DOWN: 12,
 }
 _KIND_OF = {code: kind for kind, code in KIND_CODES.items()}
 #: Direction of each kind. Both sides share one key per endpoint, so a receiver refuses a kind that
 #: only the other direction sends: a frame cannot be reflected back at its sender.
-UP_KINDS = frozenset({Kind.HELLO, Kind.FETCH, Kind.ACK, Kind.RESULTS, Kind.HEARTBEAT, Kind.GONE})
-DOWN_KINDS = frozenset({Kind.WELCOME, Kind.TASKS, Kind.RESULT_ACK, Kind.ERROR})
+UP_KINDS = frozenset({Kind.HELLO, Kind.FETCH, Kind.ACK, Kind.RESULTS, Kind.HEARTBEAT, Kind.GONE, Kind.SITE_UP})
+DOWN_KINDS = frozenset({Kind.WELCOME, Kind.TASKS, Kind.RESULT_ACK, Kind.ERROR, Kind.SITE_DOWN})
 
 
 class ProtocolError(ValueError):

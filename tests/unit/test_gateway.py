@@ -86,6 +86,30 @@ def test_relay_queue_rules(tmp_path: Path) -> None:
     asyncio.run(go())
 
 
+def test_one_copy_per_result_at_the_gateway(tmp_path: Path) -> None:
+    """A device re-signs unacked results under new message ids; the gateway keeps one frame per task
+    (issue 29): a copy of tasks it holds is not kept, a frame with new tasks takes over the ones it
+    shares, and another device's frame for the same ids is another device's."""
+    async def go() -> None:
+        s = await AgentStore(tmp_path / "q.sqlite3").open()
+        try:
+            assert await s.relay_put("up", EP, "results", "r1", b"R1", 2e9, ["a", "b"])
+            assert not await s.relay_put("up", EP, "results", "r2", b"R2", 2e9, ["b", "a"]), "a re-signed copy is not kept"
+            assert not await s.relay_put("up", EP, "results", "r3", b"R3", 2e9, ["a"])
+            assert [f for *_, f in await s.relay_pending("up")] == [b"R1"]
+            assert await s.relay_put("up", EP, "results", "r4", b"R4", 2e9, ["b", "c"])  # c is new: kept, and takes b
+            assert [f for *_, f in await s.relay_pending("up")] == [b"R1", b"R4"]
+            assert await s.relay_put("up", EP, "results", "r5", b"R5", 2e9, ["a", "b", "c", "d"])  # covers both: they go
+            assert [f for *_, f in await s.relay_pending("up")] == [b"R5"]
+            assert await s.relay_put("up", "ep-other", "results", "r1", b"O", 2e9, ["a"])
+            assert await s.relay_release("up", EP, ["a", "b", "c", "d"]) == 1
+            assert [f for *_, f in await s.relay_pending("up")] == [b"O"]
+        finally:
+            await s.close()
+
+    asyncio.run(go())
+
+
 def test_gateway_command_without_site_section_is_one_line(tmp_path: Path) -> None:
     from mesh_agent.config import AgentConfig, Credentials
 

@@ -91,7 +91,8 @@ def test_encode_matches_golden_frame(vec: dict[str, Any]) -> None:
     assert encode(envelope_of(vec), bytes.fromhex(vec["key"])) == frame_of(vec)
 
 
-KIND_CODE = {"hello": 1, "welcome": 2, "fetch": 3, "tasks": 4, "ack": 5, "results": 6, "result_ack": 7, "heartbeat": 8, "error": 9, "gone": 10}
+KIND_CODE = {"hello": 1, "welcome": 2, "fetch": 3, "tasks": 4, "ack": 5, "results": 6, "result_ack": 7, "heartbeat": 8, "error": 9, "gone": 10,
+             "site_up": 11, "site_down": 12}
 
 
 def documented_header(endpoint: str, kind: str, msg_id: str, ts: float, exp: float) -> bytes:
@@ -315,7 +316,7 @@ def test_unknown_body_keys_are_ignored() -> None:
 def test_unknown_kind_code_and_empty_message_id_are_bad_frame() -> None:
     good = _signed(msgpack.packb({"want": 1}))
     pos = 4 + len(EP)
-    for code in (0, 11, 127, 128, 255):  # 0x80 is the compression flag: 128 is kind 0, 255 kind 127
+    for code in (0, 13, 127, 128, 255):  # 0x80 is the compression flag: 128 is kind 0, 255 kind 127
         bad = bytearray(good)
         bad[pos] = code
         with pytest.raises(BadFrame, match="unknown message kind"):
@@ -360,7 +361,7 @@ def test_replay_guard_is_per_endpoint() -> None:
 
 def test_directions_partition_the_kinds() -> None:
     assert UP_KINDS | DOWN_KINDS == set(Kind) and not UP_KINDS & DOWN_KINDS
-    assert sorted(KIND_CODES.values()) == list(range(1, 11))
+    assert sorted(KIND_CODES.values()) == list(range(1, 13))
 
 
 # ---------------------------------------------------------------------------------- freshness

@@ -32,6 +32,16 @@ ERROR = serialize(
      "traceback": "Traceback (most recent call last):\nZeroDivisionError: division by zero\n", "exception": None}
 )
 
+# Site frames (docs/sites.md, "Site frames"): the gateway is EP with KEY; its devices' inner frames
+# are signed with their own keys and carried unchanged.
+DEV_A, DEV_B = "ep-aaaaaaaaaaaa", "ep-bbbbbbbbbbbb"
+DEV_KEY = bytes(range(32, 64))
+INNER_BEAT_A = encode(Envelope(Kind.HEARTBEAT, DEV_A, {"running": 1, "want": 2}, id="0000000000000000000000a1", ts=TS, exp=EXP), DEV_KEY)
+INNER_BEAT_B = encode(Envelope(Kind.HEARTBEAT, DEV_B, {"running": 0, "want": 4}, id="0000000000000000000000b1", ts=TS, exp=EXP), DEV_KEY)
+INNER_ACK_A = encode(Envelope(Kind.ACK, DEV_A, {"ids": ["a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1"]}, id="0000000000000000000000a2", ts=TS, exp=EXP), DEV_KEY)
+INNER_RACK_B = encode(Envelope(Kind.RESULT_ACK, DEV_B, {"ids": ["b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2"]}, id="0000000000000000000000b2",
+                               ts=TS, exp=EXP), DEV_KEY)
+
 MESSAGES: list[tuple[str, Kind, str, dict[str, Any]]] = [
     ("hello", Kind.HELLO, "000000000000000000000001", {
         "nonce": "00112233aabbccdd", "capacity": 4, "prefetch": 8,
@@ -69,6 +79,12 @@ MESSAGES: list[tuple[str, Kind, str, dict[str, Any]]] = [
     ("error", Kind.ERROR, "000000000000000000000009", {"code": "hello_required", "message": "no session; say hello"}),
     # The agent's MQTT will (docs/protocol.md, "Liveness"): ends the session whose hello carried this conn.
     ("gone", Kind.GONE, "00000000000000000000000a", {"conn": "0011223344556677"}),
+    # A gateway's batch of its devices' frames: a device table, then [index, frame] in order.
+    ("site_up", Kind.SITE_UP, "00000000000000000000000b", {
+        "d": [DEV_A, DEV_B], "f": [[0, INNER_BEAT_A], [1, INNER_BEAT_B], [0, INNER_ACK_A]],
+    }),
+    # The hub's batch for a gateway's devices, numbered ("n") per gateway session.
+    ("site_down", Kind.SITE_DOWN, "00000000000000000000000c", {"d": [DEV_B], "f": [[0, INNER_RACK_B]], "n": 1}),
 ]
 
 

@@ -1,0 +1,110 @@
+"""Site frames: many devices' frames in one gateway-signed envelope over a site's uplink.
+
+Why: a site gateway used to relay each device frame as one MQTT message on the device's own
+topic, so a site of ten idle devices paid ten envelopes, ten MQTT headers and ten PUBACKs where
+one would do, and the bytes never met a compressor (docs/sites.md, "Site frames"). A ``site_up``
+(gateway to hub) or ``site_down`` (hub to gateway) envelope is signed with the **gateway's** key
+and carries a list of inner frames, each exactly as its signer made it: a device's frame with the
+device's MAC, a hub frame with the hub's MAC for that device. The outer MAC only says which
+gateway sent the batch; every inner frame is verified by its receiver exactly as if it had come on
+its own (key, MAC, direction, freshness, replay), and the hub also checks that each inner frame's
+endpoint is a device of this gateway. So a gateway can still delay or drop, never forge or alter.
+
+Body, a msgpack map (compressed as a whole by the envelope when it shrinks)::
+
+    {"d": [device id, ...],            # this batch's device table: each id once
+     "f": [[index into d, frame], ...], # the inner frames, in the order they were produced
+     "n": seq,                          # optional: the sender's batch number (site_down: for "stored up to")
+     "s": {...}}                        # optional: the site's own section (liveness rows, confirmations)
+
+Pure: no I/O. :class:`SiteBatch` is the sender's accumulator; who flushes it, and when, is the
+caller's business (a window in seconds, a size in bytes, at once for a hello).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mesh_agent.protocol.envelope import BadFrame, Kind
+
+__all__ = ["SITE_FLUSH_BYTES", "SITE_MAX_FRAMES", "SITE_MAX_BYTES", "SiteBatch", "site_body", "inner_frames", "check_site_body"]
+
+#: A batch is flushed once its inner frames add up to this many bytes (before compression).
+SITE_FLUSH_BYTES = 16 * 1024
+#: At most this many inner frames per batch, and this many bytes of them: bounds what one
+#: envelope can make a receiver hold and verify.
+SITE_MAX_FRAMES = 4096
+SITE_MAX_BYTES = 8 * 1024 * 1024
+_MAX_ID_LEN = 255
+
+
+def site_body(frames: list[tuple[str, bytes]], *, seq: int | None = None, site: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The body of a ``site_up``/``site_down`` envelope carrying ``frames`` ((device id, frame) pairs, in order)."""
+    devices: list[str] = []
+    index: dict[str, int] = {}
+    items: list[list[Any]] = []
+    for device, frame in frames:
+        i = index.get(device)
+        if i is None:
+            i = index[device] = len(devices)
+            devices.append(device)
+        items.append([i, frame])
+    body: dict[str, Any] = {"d": devices, "f": items}
+    if seq is not None:
+        body["n"] = int(seq)
+    if site:
+        body["s"] = site
+    return body
+
+
+def check_site_body(kind: Kind, body: dict[str, Any]) -> None:
+    """Shape check (mesh_agent/protocol/bodies.py calls it): raise :class:`BadFrame` naming the field."""
+    d, f = body.get("d"), body.get("f")
+    if type(d) is not list or len(d) > SITE_MAX_FRAMES:
+        raise BadFrame(f"{kind.value} body: d must be a list of at most {SITE_MAX_FRAMES} device ids")
+    for dev in d:
+        if type(dev) is not str or not 0 < len(dev) <= _MAX_ID_LEN or not dev.isascii():
+            raise BadFrame(f"{kind.value} body: d must hold short ascii device ids")
+    if type(f) is not list or len(f) > SITE_MAX_FRAMES:
+        raise BadFrame(f"{kind.value} body: f must be a list of at most {SITE_MAX_FRAMES} frames")
+    total = 0
+    for n, item in enumerate(f):
+        if type(item) is not list or len(item) != 2 or type(item[0]) is not int or not 0 <= item[0] < len(d) \
+                or type(item[1]) is not bytes:
+            raise BadFrame(f"{kind.value} body: f[{n}] must be [device index, frame bytes]")
+        total += len(item[1])
+    if total > SITE_MAX_BYTES:
+        raise BadFrame(f"{kind.value} body: inner frames of {total} bytes exceed {SITE_MAX_BYTES}")
+    if "n" in body and (type(body["n"]) is not int or body["n"] < 0):
+        raise BadFrame(f"{kind.value} body: n must be an int >= 0")
+    if "s" in body and type(body["s"]) is not dict:
+        raise BadFrame(f"{kind.value} body: s must be a map")
+
+
+def inner_frames(body: dict[str, Any]) -> list[tuple[str, bytes]]:
+    """(device id, frame) pairs of a checked site body, in order. Nothing in them is verified yet."""
+    devices = body["d"]
+    return [(devices[i], frame) for i, frame in body["f"]]
+
+
+class SiteBatch:
+    """Frames waiting to go out in one site envelope: add, ask whether it is due, take."""
+
+    def __init__(self, flush_bytes: int = SITE_FLUSH_BYTES) -> None:
+        self.flush_bytes = flush_bytes
+        self.frames: list[tuple[str, bytes]] = []
+        self.nbytes = 0
+
+    def add(self, device: str, frame: bytes) -> bool:
+        """Queue one inner frame; True when the batch should go now (size or count reached)."""
+        self.frames.append((device, frame))
+        self.nbytes += len(frame)
+        return self.nbytes >= self.flush_bytes or len(self.frames) >= SITE_MAX_FRAMES
+
+    def take(self) -> list[tuple[str, bytes]]:
+        """Everything queued, in order; the batch is empty after."""
+        out, self.frames, self.nbytes = self.frames, [], 0
+        return out
+
+    def __len__(self) -> int:
+        return len(self.frames)

@@ -1,0 +1,94 @@
+"""Site frames (mesh_agent/protocol/site.py, cloud_hub/site_frames.py; docs/sites.md "Site frames").
+
+Pure checks: the body round-trips in order with a device table; a malformed body is one clear
+BadFrame; the hub's split refuses an inner frame for a device that is not the gateway's, and one
+whose clear header names another endpoint than its listing; inner frames stay byte for byte what
+their signer made (the gateway cannot re-sign them), so a flipped byte still fails the device's MAC.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cloud_hub.site_frames import split_site_up
+from mesh_agent.protocol import BadFrame, BadSignature, Envelope, Kind, decode, encode, new_key
+from mesh_agent.protocol.bodies import validate_body
+from mesh_agent.protocol.site import SITE_FLUSH_BYTES, SITE_MAX_FRAMES, SiteBatch, inner_frames, site_body
+
+KA, KB = new_key(), new_key()
+
+
+def beat(ep: str, key: bytes, **body: int) -> bytes:
+    return encode(Envelope(Kind.HEARTBEAT, ep, dict(body) or {"want": 1}, ts=time.time()), key)
+
+
+def roundtrip(kind: Kind, body: dict) -> dict:
+    gw_key = new_key()
+    env = decode(encode(Envelope(kind, "ep-gw", body), gw_key, compress=True), gw_key)
+    return env.body
+
+
+def test_body_keeps_order_and_lists_each_device_once() -> None:
+    a1, b1, a2 = beat("ep-a", KA), beat("ep-b", KB), beat("ep-a", KA, running=1)
+    body = site_body([("ep-a", a1), ("ep-b", b1), ("ep-a", a2)], seq=7, site={"x": 1})
+    assert body["d"] == ["ep-a", "ep-b"] and body["n"] == 7 and body["s"] == {"x": 1}
+    got = roundtrip(Kind.SITE_UP, body)
+    assert inner_frames(got) == [("ep-a", a1), ("ep-b", b1), ("ep-a", a2)]
+    # each inner frame is still exactly its signer's: it verifies with the device's key, not the gateway's
+    assert decode(inner_frames(got)[1][1], KB).body == {"want": 1}
+
+
+def test_compression_pays_on_many_small_frames() -> None:
+    frames = [(f"ep-{i:012d}", beat(f"ep-{i:012d}", KA, running=i % 2)) for i in range(50)]
+    raw = sum(len(f) for _, f in frames)
+    gw_key = new_key()
+    out = encode(Envelope(Kind.SITE_UP, "ep-gw", site_body(frames)), gw_key, compress=True)
+    assert len(out) < raw  # MACs do not compress; headers and bodies do
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"f": []}, "d must be"),
+    ({"d": [], "f": {}}, "f must be"),
+    ({"d": ["ep-a"], "f": [[1, b"x"]]}, "f[0]"),
+    ({"d": ["ep-a"], "f": [[0, "not bytes"]]}, "f[0]"),
+    ({"d": ["ep-a"], "f": [[0, b"x", 3]]}, "f[0]"),
+    ({"d": ["ep-a"], "f": [[True, b"x"]]}, "f[0]"),
+    ({"d": [""], "f": []}, "d must hold"),
+    ({"d": ["ep-\u00e9"], "f": []}, "d must hold"),
+    ({"d": ["ep-a"] * (SITE_MAX_FRAMES + 1), "f": []}, "d must be"),
+    ({"d": ["ep-a"], "f": [], "n": -1}, "n must be"),
+    ({"d": ["ep-a"], "f": [], "s": []}, "s must be"),
+])
+def test_malformed_bodies_are_one_clear_error(body: dict, field: str) -> None:
+    for kind in (Kind.SITE_UP, Kind.SITE_DOWN):
+        with pytest.raises(BadFrame, match=field.replace("[", r"\[").replace("]", r"\]")):
+            validate_body(kind, body)
+
+
+def test_split_refuses_foreign_devices_and_mislabelled_frames() -> None:
+    mine, other = beat("ep-a", KA), beat("ep-x", KB)
+    body = site_body([("ep-a", mine), ("ep-x", other), ("ep-a", other), ("ep-a", b"junk")])
+    got = list(split_site_up(body, {"ep-a"}))
+    assert got[0] == ("ep-a", mine)
+    assert got[1][0] == "ep-x" and isinstance(got[1][1], BadFrame) and "not a device of this gateway" in str(got[1][1])
+    assert isinstance(got[2][1], BadFrame) and "names ep-x" in str(got[2][1])
+    assert isinstance(got[3][1], BadFrame)
+
+
+def test_a_flipped_byte_in_an_inner_frame_fails_its_own_mac() -> None:
+    inner = bytearray(beat("ep-a", KA, running=3))
+    inner[-1] ^= 1
+    body = roundtrip(Kind.SITE_UP, site_body([("ep-a", bytes(inner))]))
+    (dev, frame), = list(split_site_up(body, {"ep-a"}))
+    with pytest.raises(BadSignature):
+        decode(frame, KA)
+
+
+def test_batch_says_when_it_is_full() -> None:
+    b = SiteBatch()
+    assert not b.add("ep-a", b"x" * 100)
+    assert b.add("ep-a", b"y" * SITE_FLUSH_BYTES)
+    assert len(b) == 2 and b.nbytes == 100 + SITE_FLUSH_BYTES
+    assert [d for d, _ in b.take()] == ["ep-a", "ep-a"] and len(b) == 0 and b.nbytes == 0
