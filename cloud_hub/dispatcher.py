@@ -48,7 +48,8 @@ from mesh_agent.protocol import (
     peek_endpoint,
     serialize,
 )
-from mesh_agent.protocol.site import site_body
+from mesh_agent.protocol.bodies import validate_body
+from mesh_agent.protocol.site import site_body, summary_rows
 from mesh_agent.transport import HubLink, LinkError
 
 __all__ = ["Dispatcher", "ResultBus"]
@@ -237,6 +238,9 @@ class Dispatcher:
         self._beat_dirty: set[str] = set()
         self._site_of: dict[str, str] = {}  # device -> the site gateway that relays its frames
         self._site_links: dict[str, SiteDownLink] = {}  # gateway -> its devices' site_down batcher
+        #: device -> whether its gateway's last liveness row had it on the site's LAN (site frames):
+        #: such a device's session lives as long as its gateway's does (Dispatcher._watch)
+        self._on_lan: dict[str, bool] = {}
         #: endpoint -> when it was last told hello_required: at most once per _HELLO_REQUIRED_EVERY_S
         self._hello_asked: OrderedDict[str, float] = OrderedDict()
         self._sites = hasattr(store, "lease_site")  # site leasing ahead: SQLite only for now (docs/sites.md)
@@ -824,6 +828,9 @@ class Dispatcher:
         gateway = s.endpoint_id
         mine = {d for d, g in self._site_of.items() if g == gateway}
         link = self._site_links.get(gateway, s.link)
+        # The rows first: they are the gateway's state now, and an inner hello below may open a
+        # session that an older "off the LAN" must not end.
+        await self._site_rows(gateway, summary_rows(body), mine, link)
         for device, frame in split_site_up(body, mine):
             if isinstance(frame, BadFrame):
                 exc = _refused(frame, "foreign_device")
@@ -831,6 +838,52 @@ class Dispatcher:
                 log.warning("rejected inner frame of site %s: %s", gateway, exc, extra={"endpoint_id": gateway})
                 continue
             await self.enqueue_frame(device, frame, link)
+
+    async def _site_rows(self, gateway: str, rows: list[tuple[str, dict[str, int]]], mine: set[str], link: HubLink) -> None:
+        """A gateway's liveness rows (docs/sites.md, "One liveness summary per site") stand in for
+        its devices' heartbeats, fetches and LAN gones: a row on the LAN updates the session as a
+        heartbeat would and keeps it alive with the gateway's; a row off the LAN ends it; a device
+        on the LAN without a session is asked to say hello. The rows are the gateway's word, not
+        the device's: a lying gateway can make the hub think a device idle, busy or gone, which
+        delays work (it could drop the device's frames anyway); it cannot make anything run."""
+        now = time.time()
+        for device, row in rows:
+            if device not in mine:
+                self._count_rejected(gateway, _refused(BadFrame(f"liveness row for {device[:64]}"), "foreign_device"))
+                continue
+            self._on_lan[device] = bool(row["lan"])
+            d = self._sessions.get(device)
+            if d is not None and not row["lan"]:
+                await self._lose(device, d, now, "off its site's LAN (its gateway's summary)", level=logging.INFO)
+            elif d is not None:
+                d.last_seen = now
+                beat = {k: v for k, v in row.items() if k not in ("lan", "epoch")}
+                try:
+                    validate_body(Kind.HEARTBEAT, beat)  # the device's other fields, as the gateway relays them
+                except BadFrame as exc:
+                    self._count_rejected(gateway, exc)
+                    beat = {k: row[k] for k in ("capacity", "running", "queued", "stored", "outbox", "want")}
+                await self._on_heartbeat(d, beat)
+            elif row["lan"]:
+                await self._ask_site_device_hello(device, link, now)
+
+    async def _ask_site_device_hello(self, device: str, link: HubLink, now: float) -> None:
+        """A device its gateway reports on the LAN has no session here (the hub restarted, or lost it
+        during an uplink outage): its beats no longer cross the uplink, so nothing else would make
+        it say hello. Asked again by the watchdog, at most once per _HELLO_REQUIRED_EVERY_S, until it does."""
+        if self._may_ask_hello(device):
+            with contextlib.suppress(LinkError):
+                await self._send(_Session(device, link, now), Kind.ERROR, {"code": "hello_required", "message": "no session; say hello"})
+
+    def _kept_by_site(self, device: str, now: float) -> float | None:
+        """When a device behind a site-frames gateway counts as last seen: its gateway's last_seen,
+        while its gateway's session lives and its last row had it on the LAN (else None)."""
+        if not self._on_lan.get(device):
+            return None
+        g = self._sessions.get(self._site_of.get(device) or "")
+        if g is None or not g.site_frames or now - g.last_seen > (g.bound or self.cfg.lost_after_s):
+            return None
+        return g.last_seen
 
     async def _reack(self, endpoint_id: str, sealed: Any, link: HubLink) -> None:
         """A results frame we handled already came again, verbatim: a site gateway re-sends the very
@@ -1153,6 +1206,8 @@ class Dispatcher:
                 now = time.time()
                 await self._flush_beats()
                 for ep, s in list(self._sessions.items()):
+                    if now - s.last_seen > (s.bound or self.cfg.lost_after_s) and (kept := self._kept_by_site(ep, now)) is not None:
+                        s.last_seen = max(s.last_seen, kept)  # its gateway vouches for it (liveness rows)
                     if now - s.last_seen > (s.bound or self.cfg.lost_after_s):
                         await self._lose(ep, s, now, "silent")
                         continue
@@ -1161,6 +1216,10 @@ class Dispatcher:
                     if s.retry_credit and s.credit == 0 and now >= s.retry_at:
                         s.credit, s.retry_credit = s.retry_credit, 0
                         self.kick(ep)
+                for dev, up in list(self._on_lan.items()):  # site devices on their LAN without a session: ask again
+                    g = self._sessions.get(self._site_of.get(dev) or "")
+                    if up and dev not in self._sessions and g is not None and g.site_frames:
+                        await self._ask_site_device_hello(dev, self._site_links.get(g.endpoint_id, g.link), now)
                 if await self.store.requeue(expired_before=now):
                     for ep in self._sessions:
                         self.kick(ep)

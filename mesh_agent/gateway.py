@@ -47,7 +47,7 @@ from mesh_agent.agent import SITE_BODY_MAGIC
 from mesh_agent.backoff import AckTimeout
 from mesh_agent.protocol import Kind, ProtocolError
 from mesh_agent.protocol.envelope import _inflate, _parse_header
-from mesh_agent.protocol.site import SiteBatch, inner_frames, site_body
+from mesh_agent.protocol.site import ROW_FIELDS, SiteBatch, inner_frames, site_body
 from mesh_agent.reload import reload_process
 from mesh_agent.site_store import SiteStore
 from mesh_agent.store import AgentStore, StoreError
@@ -67,6 +67,10 @@ RESEND_UP_S = 10.0
 MAX_IN_FLIGHT = 1000
 #: Held frames sent up in one site_up at most (before compression), when the uplink is back.
 _SITE_UP_CHUNK = 64 * 1024
+#: A full liveness summary goes up at least this often (more often only on change), and at most
+#: as rarely as the gateway's own longest beat interval.
+_FULL_SUMMARY_MIN_S = 60.0
+_COUNTERS = ROW_FIELDS[2:]  # capacity ... want: what a device's heartbeat tells
 _SITE_USER = "mesh-gateway"
 
 
@@ -309,6 +313,16 @@ class Gateway:
         self.site_frames = False
         self._out = SiteBatch()
         self._out_timer: asyncio.TimerHandle | None = None
+        #: Liveness rows (ROW_FIELDS) per device, from what the gateway sees on its LAN: they go up
+        #: instead of the devices' heartbeats, fetches and gones (docs/sites.md). Changed rows go in
+        #: the next site_up; all of them after each welcome and every _full_every_s().
+        self._rows: dict[str, list[int]] = {}
+        self._info: dict[str, dict[str, Any]] = {}  # device -> its other heartbeat fields, as last heard
+        self._info_dirty: dict[str, set[str]] = {}  # device -> which of them changed since they went up
+        self._dirty: set[str] = set()
+        self._full_due = True
+        self._last_full = 0.0
+        self._conns: dict[str, str] = {}  # device -> the conn of its last hello (a will naming another is stale)
         self.stats = {"site_up": 0, "site_down": 0, "up_frames": 0, "down_frames": 0, "up_bytes": 0, "down_bytes": 0, "dropped": 0, "redelivered": 0, "bodies_to_devices": 0,
                       "results_resent": 0}
 
@@ -370,6 +384,9 @@ class Gateway:
     async def _on_site(self, site: dict[str, Any]) -> None:
         """The hub's welcome lists the site's devices with their broker hashes."""
         self.site_frames = site.get("frames") == 1 and bool(self.cfg.site.frames)
+        if self.site_frames:  # a new session at the hub: it learns every device's state again
+            self._full_due = True
+            self._flush_out()
         raw = site.get("devices")
         if not isinstance(raw, list):
             return
@@ -492,6 +509,9 @@ class Gateway:
         if ep != device or kind in (Kind.WELCOME, Kind.TASKS, Kind.RESULT_ACK, Kind.ERROR):
             self.stats["dropped"] += 1  # the site broker's ACL already stops this; defence in depth
             return
+        if self.site_frames and await self._into_row(device, kind, frame, end, z):
+            await self._hand_held(device, again=False)
+            return
         if kind is Kind.ACK:  # the device has these tasks: our copy of their frames may go
             with contextlib.suppress(StoreError):
                 await self.store.relay_release("down", device, frame_task_ids(kind, frame, end, z))
@@ -516,10 +536,73 @@ class Gateway:
                 self.stats["dropped"] += 1  # the uplink is that far behind: a beat or hello is re-sent anyway
         await self._hand_held(device, again=kind is Kind.HELLO)
 
-    def _queue_up(self, device: str, frame: bytes, *, at_once: bool) -> None:
+    async def _into_row(self, device: str, kind: Kind, frame: bytes, end: int, z: bool) -> bool:
+        """Fold a device frame into its liveness row; True when the row replaces the frame on the
+        uplink (a heartbeat; a gone of its current connection; a fetch while the hub serves the
+        site's devices only through our hold, where it ignores their credit). A hello is noted
+        (on the LAN, a new epoch) and still goes up: the device waits for its welcome."""
+        if kind not in (Kind.HEARTBEAT, Kind.GONE, Kind.FETCH, Kind.HELLO):
+            return False
+        try:
+            body = frame[end + 32 :]
+            data = msgpack.unpackb(_inflate(body) if z else body, raw=False, strict_map_key=True)
+            if not isinstance(data, dict):
+                return False
+        except Exception:
+            return False  # unparsable: relayed as it is, the hub judges it
+        row = self._rows.setdefault(device, [0] * len(ROW_FIELDS))
+        before = list(row)
+        if kind is Kind.HELLO:
+            row[0], row[1] = 1, min(row[1] + 1, 2**31 - 1)
+            if isinstance(data.get("conn"), str):
+                self._conns[device] = data["conn"]
+            if isinstance(data.get("capacity"), int):
+                row[2] = _small(data["capacity"], row[2])
+        elif kind is Kind.GONE:
+            if data.get("conn") != self._conns.get(device):
+                return True  # the will of an older connection: the device is back already
+            row[0] = 0
+        elif kind is Kind.FETCH:
+            if int(self.cfg.site.hold) <= 0:
+                return False  # the hub leases to it directly on this credit: the fetch goes up
+            row[0], row[-1] = 1, _small(data.get("want"), row[-1])
+        else:
+            row[0] = 1
+            for i, name in enumerate(_COUNTERS, start=2):
+                row[i] = _small(data.get(name), row[i])
+            info = self._info.setdefault(device, {})
+            for k, v in data.items():
+                if k not in _COUNTERS and k not in ("e", "t") and isinstance(k, str) and info.get(k) != v:
+                    info[k] = v
+                    self._info_dirty.setdefault(device, set()).add(k)
+                    self._dirty.add(device)
+        if row != before or device in self._dirty:
+            self._dirty.add(device)
+            if kind is not Kind.HELLO:
+                self._queue_up(None, b"", at_once=False)
+        return kind is not Kind.HELLO
+
+    def _take_rows(self) -> tuple[dict[str, list[int]], dict[str, dict[str, Any]]]:
+        """The rows (and changed heartbeat fields) to send now: all of them when a full summary is due."""
+        if self._full_due:
+            self._full_due, self._dirty, self._info_dirty = False, set(), {}
+            self._last_full = time.monotonic()
+            rows = {d: list(r) for d, r in self._rows.items() if d in self.devices}
+            return rows, {d: dict(self._info[d]) for d in rows if self._info.get(d)}
+        dirty, self._dirty = self._dirty, set()
+        changed, self._info_dirty = self._info_dirty, {}
+        rows = {d: list(self._rows[d]) for d in dirty if d in self._rows and d in self.devices}
+        return rows, {d: {k: self._info[d][k] for k in keys} for d, keys in changed.items() if d in rows}
+
+    def _full_every_s(self) -> float:
+        beat = getattr(self.agent, "_beat_max", None) or getattr(self.agent, "_heartbeat_s", 0.0) or 0.0
+        return max(_FULL_SUMMARY_MIN_S, float(beat))
+
+    def _queue_up(self, device: str | None, frame: bytes, *, at_once: bool) -> None:
         """A device frame that is not kept goes in the next site_up: now for a hello (its device
         waits for the welcome) or a full batch, else within ``site.batch_s``."""
-        if self._out.add(device, frame) or at_once or self.cfg.site.batch_s <= 0:
+        full = self._out.add(device, frame) if device is not None else False
+        if full or at_once or self.cfg.site.batch_s <= 0:
             self._flush_out()
         elif self._out_timer is None:
             self._out_timer = asyncio.get_running_loop().call_later(self.cfg.site.batch_s, self._flush_out)
@@ -529,25 +612,33 @@ class Gateway:
             self._out_timer.cancel()
             self._out_timer = None
         frames = self._out.take()
-        if not frames:
+        rows, info = self._take_rows()
+        if not frames and not rows:
             return
-        if len(self._in_flight) >= MAX_IN_FLIGHT:
-            self.stats["dropped"] += len(frames)  # the uplink is that far behind: beats and hellos are re-sent anyway
+        if self._uplink is None or len(self._in_flight) >= MAX_IN_FLIGHT:
+            # The uplink is down or that far behind: beats and hellos are re-sent anyway, and the
+            # rows go in full once a welcome comes.
+            self.stats["dropped"] += len(frames)
+            self._full_due = True
             return
-        t = asyncio.ensure_future(self._send_site_up(frames, quiet=True))
+        t = asyncio.ensure_future(self._send_site_up(frames, rows=rows, info=info, quiet=True))
         self._in_flight.add(t)
         t.add_done_callback(self._in_flight.discard)
 
-    async def _send_site_up(self, frames: list[tuple[str, bytes]], *, quiet: bool = False) -> None:
+    async def _send_site_up(self, frames: list[tuple[str, bytes]], *, rows: dict[str, list[int]] | None = None,
+                            info: dict[str, dict[str, Any]] | None = None, quiet: bool = False) -> None:
         """One site_up signed with our key, compressed; raises LinkError unless ``quiet``."""
         try:
-            await self.agent._send(Kind.SITE_UP, site_body(frames), compress=True)
+            await self.agent._send(Kind.SITE_UP, site_body(frames, rows=rows, info=info), compress=True)
         except LinkError:
+            if rows:
+                self._full_due = True  # the hub may not have them: all of them next time
             if not quiet:
                 raise
             self.stats["dropped"] += len(frames)
             return
         self.stats["site_up"] += 1
+        self.stats["rows_up"] = self.stats.get("rows_up", 0) + len(rows or ())
         for _dev, f in frames:
             self._count_up(f)
 
@@ -599,6 +690,9 @@ class Gateway:
             up = self._uplink
             if up is None:
                 continue
+            if self.site_frames and time.monotonic() - self._last_full >= self._full_every_s():
+                self._full_due = True
+                self._flush_out()
             try:
                 await self.store.relay_expire(time.time())
                 if self._confirm or self._to_confirm:
@@ -658,6 +752,11 @@ class Gateway:
                 delays.append(now - sent[0])
         if delays:
             self.ack_timeout.sample(max(delays))
+
+
+def _small(v: Any, old: int) -> int:
+    """A row value from an unverified body: an int in [0, 2**31), else the old value."""
+    return v if type(v) is int and 0 <= v < 2**31 else old
 
 
 def _chunks(rows: list[tuple[int, str, str, bytes]]) -> list[list[tuple[str, bytes]]]:

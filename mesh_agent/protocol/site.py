@@ -14,8 +14,9 @@ Body, a msgpack map (compressed as a whole by the envelope when it shrinks)::
 
     {"d": [device id, ...],            # this batch's device table: each id once
      "f": [[index into d, frame], ...], # the inner frames, in the order they were produced
-     "n": seq,                          # optional: the sender's batch number (site_down: for "stored up to")
-     "s": {...}}                        # optional: the site's own section (liveness rows, confirmations)
+     "n": seq,                          # optional: the sender's batch number
+     "s": {"l": [[index, lan, epoch, capacity, running, queued, stored, outbox, want], ...]}}
+                                        # optional: the site's own section; "l": liveness rows (ROW_FIELDS)
 
 Pure: no I/O. :class:`SiteBatch` is the sender's accumulator; who flushes it, and when, is the
 caller's business (a window in seconds, a size in bytes, at once for a hello).
@@ -27,7 +28,8 @@ from typing import Any
 
 from mesh_agent.protocol.envelope import BadFrame, Kind
 
-__all__ = ["SITE_FLUSH_BYTES", "SITE_MAX_FRAMES", "SITE_MAX_BYTES", "SiteBatch", "site_body", "inner_frames", "check_site_body"]
+__all__ = ["SITE_FLUSH_BYTES", "SITE_MAX_FRAMES", "SITE_MAX_BYTES", "ROW_FIELDS", "SiteBatch", "site_body", "inner_frames",
+           "check_site_body", "summary_rows"]
 
 #: A batch is flushed once its inner frames add up to this many bytes (before compression).
 SITE_FLUSH_BYTES = 16 * 1024
@@ -36,22 +38,35 @@ SITE_FLUSH_BYTES = 16 * 1024
 SITE_MAX_FRAMES = 4096
 SITE_MAX_BYTES = 8 * 1024 * 1024
 _MAX_ID_LEN = 255
+#: One liveness row per device in a site_up's ``s.l`` (after the device's index into ``d``): on the
+#: site's LAN (1) or not (0), its connection epoch (hellos the gateway saw from it), then the
+#: counters of its last heartbeat. Small ints: a row of an idle device packs into about 12 bytes.
+ROW_FIELDS = ("lan", "epoch", "capacity", "running", "queued", "stored", "outbox", "want")
 
 
-def site_body(frames: list[tuple[str, bytes]], *, seq: int | None = None, site: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The body of a ``site_up``/``site_down`` envelope carrying ``frames`` ((device id, frame) pairs, in order)."""
+def site_body(frames: list[tuple[str, bytes]], *, seq: int | None = None,
+              rows: dict[str, list[int]] | None = None, info: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The body of a ``site_up``/``site_down`` envelope carrying ``frames`` ((device id, frame) pairs,
+    in order) and, for a site_up, liveness ``rows`` (device id -> the values of :data:`ROW_FIELDS`)
+    and ``info`` (device id -> the other heartbeat fields that changed: resources, device counters)."""
     devices: list[str] = []
     index: dict[str, int] = {}
-    items: list[list[Any]] = []
-    for device, frame in frames:
+
+    def at(device: str) -> int:
         i = index.get(device)
         if i is None:
             i = index[device] = len(devices)
             devices.append(device)
-        items.append([i, frame])
-    body: dict[str, Any] = {"d": devices, "f": items}
+        return i
+
+    body: dict[str, Any] = {"d": devices, "f": [[at(device), frame] for device, frame in frames]}
     if seq is not None:
         body["n"] = int(seq)
+    site: dict[str, Any] = {}
+    if rows:
+        site["l"] = [[at(device), *values] for device, values in rows.items()]
+    if info:
+        site["x"] = [[at(device), fields] for device, fields in info.items()]
     if site:
         body["s"] = site
     return body
@@ -79,12 +94,37 @@ def check_site_body(kind: Kind, body: dict[str, Any]) -> None:
         raise BadFrame(f"{kind.value} body: n must be an int >= 0")
     if "s" in body and type(body["s"]) is not dict:
         raise BadFrame(f"{kind.value} body: s must be a map")
+    rows = body.get("s", {}).get("l")
+    if rows is not None:
+        if type(rows) is not list or len(rows) > SITE_MAX_FRAMES:
+            raise BadFrame(f"{kind.value} body: s.l must be a list of at most {SITE_MAX_FRAMES} rows")
+        for n, row in enumerate(rows):
+            if type(row) is not list or len(row) != 1 + len(ROW_FIELDS) or not all(type(v) is int and 0 <= v < 2**31 for v in row) \
+                    or row[0] >= len(d):
+                raise BadFrame(f"{kind.value} body: s.l[{n}] must be [device index, {', '.join(ROW_FIELDS)}], ints >= 0")
+    info = body.get("s", {}).get("x")
+    if info is not None:
+        if type(info) is not list or len(info) > SITE_MAX_FRAMES:
+            raise BadFrame(f"{kind.value} body: s.x must be a list of at most {SITE_MAX_FRAMES} entries")
+        for n, item in enumerate(info):
+            if type(item) is not list or len(item) != 2 or type(item[0]) is not int or not 0 <= item[0] < len(d) or type(item[1]) is not dict:
+                raise BadFrame(f"{kind.value} body: s.x[{n}] must be [device index, map]")
 
 
 def inner_frames(body: dict[str, Any]) -> list[tuple[str, bytes]]:
     """(device id, frame) pairs of a checked site body, in order. Nothing in them is verified yet."""
     devices = body["d"]
     return [(devices[i], frame) for i, frame in body["f"]]
+
+
+def summary_rows(body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(device id, {field: value}) of each liveness row of a checked site body (none: []), with the
+    device's changed heartbeat fields (``s.x``; their shapes are the heartbeat's, checked by the
+    receiver) merged under the row's: the row decides liveness and queue counts."""
+    devices = body["d"]
+    site = body.get("s") or {}
+    extra: dict[str, dict[str, Any]] = {devices[i]: fields for i, fields in site.get("x") or ()}
+    return [(devices[row[0]], {**extra.get(devices[row[0]], {}), **dict(zip(ROW_FIELDS, row[1:]))}) for row in site.get("l") or ()]
 
 
 class SiteBatch:

@@ -137,3 +137,38 @@ def test_a_tampering_gateway_stores_nothing_and_loses_nothing(tmp_path: Path) ->
             wait_for(acked_in_site_down, "the result_ack for the device, inside a site_down", 20)
         finally:
             peer.close()
+
+
+def test_one_liveness_summary_keeps_idle_devices_online_and_reports_a_lost_one(tmp_path: Path) -> None:
+    """Idle devices behind a site-frames gateway beat every second on the LAN (lan profile); their
+    beats do not cross the uplink (the gateway's liveness rows stand in for them), yet they stay
+    online far past their own 4 s bound, for as long as their gateway's session lives. A device that
+    dies is reported off the LAN by the gateway (its will on the site broker), so the hub marks it
+    offline without waiting for a bound; restarted, it is online again."""
+    with LocalMesh(tmp_path, heartbeat_s=1.0, lost_after_s=4.0, lease_s=5.0) as mesh:
+        gw = mesh.add_gateway("gw", hold=8, workers=1)
+        mesh.wait_online(gw)
+        devs = [mesh.add_site_device(f"d{i}", gw) for i in range(3)]
+        mesh.wait_online(*devs, timeout=40)
+        dispatcher: Any = mesh.hub.hub.dispatcher  # type: ignore[union-attr]
+
+        def frames_in(ep: str) -> float:
+            return dispatcher.traffic.get(ep, [0, 0, 0])[2]
+
+        wait_for(lambda: all(dispatcher._on_lan.get(d.endpoint_id) for d in devs), "liveness rows for every device", 20)
+        before = {d.endpoint_id: frames_in(d.endpoint_id) for d in devs}
+        time.sleep(10.0)  # 10 beats of each device on the LAN, 2.5 of their bounds
+        assert all(dispatcher.online(d.endpoint_id) for d in devs), "kept online by the gateway's rows"
+        grown = {ep: frames_in(ep) - n for ep, n in before.items()}
+        assert all(g <= 2 for g in grown.values()), f"device frames reached the hub while idle: {grown}"
+
+        victim = devs[0]
+        victim.kill()
+        wait_for(lambda: not dispatcher.online(victim.endpoint_id), "the dead device offline", 30, logs=[gw])
+        assert all(dispatcher.online(d.endpoint_id) for d in devs[1:])
+        victim.start()
+        mesh.wait_online(victim, timeout=40)
+        c = mesh.client
+        fid = c.register_function(noop)
+        ids = [c.submit(d.endpoint_id, fid, i) for i, d in enumerate(devs)]
+        assert [c.get_result(i, timeout_s=60) for i in ids] == [0, 1, 2]

@@ -40,6 +40,7 @@ def test_each_refusal_has_one_reason_of_the_fixed_set() -> None:
         _refused(BadFrame("a tasks frame cannot come from an agent (reflected?)"), "wrong_direction"): "wrong_direction",
         _refused(ProtocolError("frame for ep-b arrived on ep-a's channel"), "wrong_channel"): "wrong_channel",
         _refused(ProtocolError("unknown endpoint ep-x"), "unknown_endpoint"): "unknown_endpoint",
+        _refused(BadFrame("inner frame for ep-y, which is not a device of this gateway"), "foreign_device"): "foreign_device",
     }
     for exc, reason in cases.items():
         assert reject_reason(exc) == reason, exc

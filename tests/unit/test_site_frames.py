@@ -15,7 +15,7 @@ import pytest
 from cloud_hub.site_frames import split_site_up
 from mesh_agent.protocol import BadFrame, BadSignature, Envelope, Kind, decode, encode, new_key
 from mesh_agent.protocol.bodies import validate_body
-from mesh_agent.protocol.site import SITE_FLUSH_BYTES, SITE_MAX_FRAMES, SiteBatch, inner_frames, site_body
+from mesh_agent.protocol.site import SITE_FLUSH_BYTES, SITE_MAX_FRAMES, SiteBatch, inner_frames, site_body, summary_rows
 
 KA, KB = new_key(), new_key()
 
@@ -32,10 +32,13 @@ def roundtrip(kind: Kind, body: dict) -> dict:
 
 def test_body_keeps_order_and_lists_each_device_once() -> None:
     a1, b1, a2 = beat("ep-a", KA), beat("ep-b", KB), beat("ep-a", KA, running=1)
-    body = site_body([("ep-a", a1), ("ep-b", b1), ("ep-a", a2)], seq=7, site={"x": 1})
-    assert body["d"] == ["ep-a", "ep-b"] and body["n"] == 7 and body["s"] == {"x": 1}
+    body = site_body([("ep-a", a1), ("ep-b", b1), ("ep-a", a2)], seq=7, rows={"ep-c": [1, 2, 1, 0, 0, 0, 0, 3], "ep-a": [0] * 8})
+    assert body["d"] == ["ep-a", "ep-b", "ep-c"] and body["n"] == 7
     got = roundtrip(Kind.SITE_UP, body)
     assert inner_frames(got) == [("ep-a", a1), ("ep-b", b1), ("ep-a", a2)]
+    rows = dict(summary_rows(got))
+    assert rows["ep-c"] == {"lan": 1, "epoch": 2, "capacity": 1, "running": 0, "queued": 0, "stored": 0, "outbox": 0, "want": 3}
+    assert rows["ep-a"]["lan"] == 0 and summary_rows(roundtrip(Kind.SITE_UP, site_body([]))) == []
     # each inner frame is still exactly its signer's: it verifies with the device's key, not the gateway's
     assert decode(inner_frames(got)[1][1], KB).body == {"want": 1}
 
@@ -60,6 +63,11 @@ def test_compression_pays_on_many_small_frames() -> None:
     ({"d": ["ep-a"] * (SITE_MAX_FRAMES + 1), "f": []}, "d must be"),
     ({"d": ["ep-a"], "f": [], "n": -1}, "n must be"),
     ({"d": ["ep-a"], "f": [], "s": []}, "s must be"),
+    ({"d": ["ep-a"], "f": [], "s": {"l": [[1, 1, 0, 1, 0, 0, 0, 0, 0]]}}, "s.l[0]"),
+    ({"d": ["ep-a"], "f": [], "s": {"l": [[0, 1, 0, 1, 0, 0, 0, 0]]}}, "s.l[0]"),
+    ({"d": ["ep-a"], "f": [], "s": {"l": [[0, 1, 0, 1, 0, 0, 0, 0, -1]]}}, "s.l[0]"),
+    ({"d": ["ep-a"], "f": [], "s": {"l": [[0, 1, 0, 1, 0, 0, 0, 0, 1.5]]}}, "s.l[0]"),
+    ({"d": ["ep-a"], "f": [], "s": {"l": {}}}, "s.l must be"),
 ])
 def test_malformed_bodies_are_one_clear_error(body: dict, field: str) -> None:
     for kind in (Kind.SITE_UP, Kind.SITE_DOWN):
