@@ -241,6 +241,8 @@ class Dispatcher:
         #: device -> whether its gateway's last liveness row had it on the site's LAN (site frames):
         #: such a device's session lives as long as its gateway's does (Dispatcher._watch)
         self._on_lan: dict[str, bool] = {}
+        #: gateway -> how long its confirmations take (cloud_hub/site_lease.py), kept across its sessions
+        self._site_clocks: dict[str, ConfirmClock] = {}
         #: endpoint -> when it was last told hello_required: at most once per _HELLO_REQUIRED_EVERY_S
         self._hello_asked: OrderedDict[str, float] = OrderedDict()
         self._sites = hasattr(store, "lease_site")  # site leasing ahead: SQLite only for now (docs/sites.md)
@@ -989,9 +991,11 @@ class Dispatcher:
         if isinstance(site, dict):  # a site gateway (docs/sites.md)
             hold = site.get("hold")
             s.site_hold = max(0, min(int(hold), 100_000)) if isinstance(hold, int) and not isinstance(hold, bool) else 0
-            if s.site_hold > 0:  # a re-hello keeps what was learned about the uplink
-                s.site_clock = old.site_clock if old is not None and old.site_clock is not None else \
-                    ConfirmClock(min(self.cfg.lease_s, self.cfg.site_hold_s), self.cfg.site_hold_s)
+            if s.site_hold > 0:  # per gateway, not per session: an uplink outage does not forget its confirmation delay
+                s.site_clock = self._site_clocks.get(env.endpoint)
+                if s.site_clock is None:
+                    s.site_clock = self._site_clocks[env.endpoint] = ConfirmClock(min(self.cfg.lease_s, self.cfg.site_hold_s),
+                                                                                  self.cfg.site_hold_s)
                 # Back after its session ended (it reconnects and confirms all it holds at once):
                 # give that confirmation the time of an unconfirmed lease before re-sending work
                 # that went back to the queue from its leases meanwhile.

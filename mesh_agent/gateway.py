@@ -575,11 +575,12 @@ class Gateway:
                 if k not in _COUNTERS and k not in ("e", "t") and isinstance(k, str) and info.get(k) != v:
                     info[k] = v
                     self._info_dirty.setdefault(device, set()).add(k)
-                    self._dirty.add(device)
-        if row != before or device in self._dirty:
+        if row != before:
             self._dirty.add(device)
             if kind is not Kind.HELLO:
                 self._queue_up(None, b"", at_once=False)
+        # Resource figures and device counters alone (cpu, disk, bytes sent) are worth no site_up
+        # of their own: they ride on the next one (a change above, a frame, the full summary).
         return kind is not Kind.HELLO
 
     def _take_rows(self) -> tuple[dict[str, list[int]], dict[str, dict[str, Any]]]:
@@ -589,7 +590,7 @@ class Gateway:
             self._last_full = time.monotonic()
             rows = {d: list(r) for d, r in self._rows.items() if d in self.devices}
             return rows, {d: dict(self._info[d]) for d in rows if self._info.get(d)}
-        dirty, self._dirty = self._dirty, set()
+        dirty, self._dirty = self._dirty | set(self._info_dirty), set()
         changed, self._info_dirty = self._info_dirty, {}
         rows = {d: list(self._rows[d]) for d in dirty if d in self._rows and d in self.devices}
         return rows, {d: {k: self._info[d][k] for k in keys} for d, keys in changed.items() if d in rows}
