@@ -109,6 +109,15 @@ def _results(mesh: Any, ids: list[str]) -> dict[str, Any]:
     return out
 
 
+def _kinds(mesh: Any) -> dict[str, int]:
+    """The hub's frame bytes by "in:<kind>"/"out:<kind>" so far (the hub runs in this process)."""
+    return dict(mesh.hub.hub.dispatcher.kind_bytes)
+
+
+def _delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: b[k] - a.get(k, 0) for k in sorted(b) if b[k] - a.get(k, 0)}
+
+
 def run_setup(gateway: bool, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from cloud_hub.localmesh import AgentConfig, LocalMesh
 
@@ -135,9 +144,9 @@ def run_setup(gateway: bool, args: argparse.Namespace, root: Path) -> dict[str, 
             c.log(f"{name}: {len(devs)} devices online; settling {args.settle_s:.0f}s")
             time.sleep(args.settle_s)
             # --- idle
-            a = up.snapshot()
+            a, ka = up.snapshot(), _kinds(mesh)
             time.sleep(args.idle_s)
-            b = up.snapshot()
+            b, kb = up.snapshot(), _kinds(mesh)
             d = {k: b[k] - a.get(k, 0) for k in b}
             mqtt_b = d["bytes_up"] + d["bytes_down"]
             reads = d["reads_up"] + d["reads_down"]
@@ -149,9 +158,13 @@ def run_setup(gateway: bool, args: argparse.Namespace, root: Path) -> dict[str, 
                 "uplink_bytes_per_day_incl_tcpip_tls": round((mqtt_b + 2 * reads * TCPIP_B + reads * TLS_RECORD_B) * scale),
                 "uplink_packets_per_day_est": round(2 * reads * scale),
                 "uplink_sessions": 1 if gateway else args.devices,
+                # The hub's frame bytes by direction and kind (both setups; a site_up/site_down
+                # counts as itself, compressed, and its inner frames again under their kinds)
+                "hub_frame_bytes_by_kind": _delta(ka, kb),
             }
             c.log(f"{name}: idle {out['idle']}")
             # --- outage
+            k_out = _kinds(mesh)
             client = mesh.client
             fid = client.register_function(work)
             ids = [client.submit(dv.endpoint_id, fid, args.task_s) for dv in devs for _ in range(args.tasks_per_device)]
@@ -175,6 +188,7 @@ def run_setup(gateway: bool, args: argparse.Namespace, root: Path) -> dict[str, 
                 "tasks_done_during_outage": during,
                 "results_after_drain": len(got), "drain_s": args.drain_s,
                 "failed": sum(1 for r in got.values() if not r["ok"]),
+                "hub_frame_bytes_by_kind": _delta(k_out, _kinds(mesh)),
             }
             c.log(f"{name}: outage {out['outage']}")
             if gateway:

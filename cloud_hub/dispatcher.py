@@ -49,7 +49,7 @@ from mesh_agent.protocol import (
     serialize,
 )
 from mesh_agent.protocol.bodies import validate_body
-from mesh_agent.protocol.site import site_body, summary_rows
+from mesh_agent.protocol.site import site_body, stored_upto, summary_rows
 from mesh_agent.transport import HubLink, LinkError
 
 __all__ = ["Dispatcher", "ResultBus"]
@@ -223,6 +223,10 @@ class Dispatcher:
         self._reacked: OrderedDict[str, float] = OrderedDict()
         #: Frame bytes per endpoint since this hub started: [in, out, frames in, frames out, since].
         self.traffic: dict[str, list[float]] = {}
+        #: Frame bytes by "in:<kind>" / "out:<kind>" since this hub started. A site_up's or site_down's
+        #: bytes are counted under that kind (what crossed the uplink, compressed) and each inner
+        #: frame again under its own kind (what it carried): sum one or the other, not both.
+        self.kind_bytes: Counter[str] = Counter()
         self._resumed: set[str] = set()  # endpoints whose kept counters this hub has read back
         self.observer = DispatchObserver()  # the hub plugs in its placement service
         # Replicas (several hubs on one PostgreSQL database and one broker): every replica hears
@@ -344,7 +348,9 @@ class Dispatcher:
             return None
         return {"credit": s.credit, "capacity": s.capacity, "last_seen": s.last_seen, "transport": s.link.name, **s.info}
 
-    def _count(self, endpoint_id: str, nbytes: int, out: bool) -> None:
+    def _count(self, endpoint_id: str, nbytes: int, out: bool, kind: Kind | None = None) -> None:
+        if kind is not None:  # frame bytes by direction and kind, hub-wide: what crosses the links, attributed
+            self.kind_bytes[f"{'out' if out else 'in'}:{kind.value}"] += nbytes
         t = self.traffic.get(endpoint_id)
         if t is None:
             t = self.traffic[endpoint_id] = [0, 0, 0, 0, time.time()]
@@ -401,7 +407,7 @@ class Dispatcher:
             if len(sent) > 16:
                 del sent[next(iter(sent))]
         await s.link.send(s.endpoint_id, frame)
-        self._count(s.endpoint_id, len(frame), out=True)
+        self._count(s.endpoint_id, len(frame), out=True, kind=kind)
 
     def _echo(self, s: _Session, echo: Any, agent_ts: float, received: float) -> None:
         """The agent echoed ``[seq, hold_us]``: our stamp ``seq`` reached it, and it held it
@@ -469,10 +475,10 @@ class Dispatcher:
 
     def _site_signer(self, gateway_id: str) -> Any:
         """Signs a site_down for ``gateway_id`` with its key, compressed (it said it reads z)."""
-        def sign(frames: list[tuple[str, bytes]], seq: int) -> bytes:
-            env = Envelope(Kind.SITE_DOWN, gateway_id, site_body(frames, seq=seq))
+        def sign(frames: list[tuple[str, bytes]], seq: int, epoch: str) -> bytes:
+            env = Envelope(Kind.SITE_DOWN, gateway_id, site_body(frames, seq=seq, epoch=epoch))
             frame = encode(env, self._keys[gateway_id], ttl=self.cfg.frame_ttl_s, compress=True)
-            self._count(gateway_id, len(frame), out=True)
+            self._count(gateway_id, len(frame), out=True, kind=Kind.SITE_DOWN)
             return frame
         return sign
 
@@ -528,12 +534,16 @@ class Dispatcher:
                         body = {"tasks": tasks, "functions": {f: b for f, b in bodies.items() if f in fids}, "allow": self._allow_field(dev)}
                     frame = encode(Envelope(Kind.TASKS, dev, body), self._keys[dev], ttl=self.cfg.site_hold_s)
                     try:
-                        await self._site_links.get(g.endpoint_id, g.link).send(dev, frame)
+                        site_link = self._site_links.get(g.endpoint_id)
+                        if site_link is not None:  # confirmed by the gateway's "stored up to" its batch
+                            await site_link.send(dev, frame, [t["id"] for t in tasks])
+                        else:
+                            await g.link.send(dev, frame)
                     except LinkError as exc:
                         n = await self.store.unlease(dev, [t["id"] for t in tasks])
                         log.warning("leasing ahead to site %s failed (%s); %d tasks re-queued", g.endpoint_id, exc, n, extra={"endpoint_id": g.endpoint_id})
                         return
-                    self._count(dev, len(frame), out=True)
+                    self._count(dev, len(frame), out=True, kind=Kind.TASKS)
                     if g.site_clock is not None:
                         g.site_clock.sent([t["id"] for t in tasks], time.monotonic())
                     self.stats["tasks_sent"] += len(tasks)
@@ -601,8 +611,8 @@ class Dispatcher:
                 s = self._sessions.get(ep)
                 if g is not None and self.served_by_site(ep) and ep in self._keys:
                     frame = encode(Envelope(Kind.TASKS, ep, body), self._keys[ep], ttl=self.cfg.site_hold_s)
-                    await g.link.send(ep, frame)
-                    self._count(ep, len(frame), out=True)
+                    await self._site_links.get(g.endpoint_id, g.link).send(ep, frame)
+                    self._count(ep, len(frame), out=True, kind=Kind.TASKS)
                 elif s is not None:
                     await self._send(s, Kind.TASKS, body)
                 else:
@@ -773,7 +783,7 @@ class Dispatcher:
             return
         if self.replicated and not await self._holds(endpoint_id):
             return  # another replica answers this endpoint
-        self._count(endpoint_id, len(frame), out=False)
+        self._count(endpoint_id, len(frame), out=False, kind=env.kind)
         if env.kind is Kind.HELLO:
             await self._on_hello(env, link, received)
             return
@@ -833,6 +843,9 @@ class Dispatcher:
         # The rows first: they are the gateway's state now, and an inner hello below may open a
         # session that an older "off the LAN" must not end.
         await self._site_rows(gateway, summary_rows(body), mine, link)
+        upto = stored_upto(body)
+        if upto is not None and isinstance(link, SiteDownLink):
+            await self._site_confirmed(s, link.confirmed_upto(*upto))
         for device, frame in split_site_up(body, mine):
             if isinstance(frame, BadFrame):
                 exc = _refused(frame, "foreign_device")
@@ -1043,7 +1056,11 @@ class Dispatcher:
             welcome["site"] = {"devices": await self._site_welcome(env.endpoint), "hold_s": self.cfg.site_hold_s}
             if s.site_frames:
                 welcome["site"]["frames"] = 1
-                self._site_links[env.endpoint] = SiteDownLink(env.endpoint, link, self._site_signer(env.endpoint))
+                kept = self._site_links.get(env.endpoint)
+                if kept is not None:  # a re-hello keeps the numbering its "stored up to" refers to
+                    kept.base, kept.name = link, link.name
+                else:
+                    self._site_links[env.endpoint] = SiteDownLink(env.endpoint, link, self._site_signer(env.endpoint))
             else:
                 self._site_links.pop(env.endpoint, None)
         gw = self._sessions.get(self._site_of.get(env.endpoint) or "")
@@ -1107,16 +1124,21 @@ class Dispatcher:
                 for i in applied:
                     sent.pop(i, None)
         await self.store.ack(s.endpoint_id, body.get("ids", []))
-        live = self._sessions.get(s.endpoint_id) is s
-        # A gateway confirms it holds tasks for its devices. Also without a session: right after
-        # reconnecting, its confirmation of everything it holds may reach us before its hello.
-        if body.get("ids") and self._sites and (s.site_hold > 0 or (not live and s.endpoint_id in self._site_of.values())):
-            await self.store.hold_site(s.endpoint_id, body["ids"], time.time() + self.cfg.site_hold_s, frame_ttl_s=self.cfg.site_hold_s)
-            if s.site_clock is not None:
-                s.site_clock.confirmed(body["ids"], time.monotonic())
+        await self._site_confirmed(s, body.get("ids") or [])
         gw = self._site_of.get(s.endpoint_id)
         if gw is not None:  # room at the site again
             self.kick_site(gw)
+
+    async def _site_confirmed(self, s: _Session, ids: list[str]) -> None:
+        """A gateway confirms it holds these tasks for its devices (its own ack of their ids, or its
+        "stored up to" of site_down batches): their lease lasts site_hold_s from now. Also without
+        a session: right after reconnecting, its confirmation may reach us before its hello."""
+        live = self._sessions.get(s.endpoint_id) is s
+        if ids and self._sites and (s.site_hold > 0 or (not live and s.endpoint_id in self._site_of.values())):
+            await self.store.hold_site(s.endpoint_id, ids, time.time() + self.cfg.site_hold_s, frame_ttl_s=self.cfg.site_hold_s)
+            clock = s.site_clock or self._site_clocks.get(s.endpoint_id)
+            if clock is not None:
+                clock.confirmed(ids, time.monotonic())
 
     async def _on_results(self, s: _Session, body: dict[str, Any]) -> None:
         results = body.get("results", [])

@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -68,7 +70,7 @@ def _kind(frame: bytes) -> Kind | None:
 class SiteDownLink:
     """A hub link to one gateway's devices through ``site_down`` batches (see the module doc)."""
 
-    def __init__(self, gateway_id: str, base: HubLink, sign: Callable[[list[tuple[str, bytes]], int], bytes],
+    def __init__(self, gateway_id: str, base: HubLink, sign: Callable[[list[tuple[str, bytes]], int, str], bytes],
                  window_s: float = DOWN_WINDOW_S) -> None:
         self.gateway_id = gateway_id
         self.base = base
@@ -79,6 +81,12 @@ class SiteDownLink:
         self._timer: asyncio.TimerHandle | None = None
         self._flushing: set[asyncio.Task[None]] = set()
         self.seq = 0
+        #: Names this link's numbering: a gateway's "stored up to n" counts only for the link it
+        #: names (a new session's link numbers from 1 again).
+        self.epoch = os.urandom(4).hex()
+        self._open_tasks: list[str] = []  # task ids of tasks frames in the batch being gathered
+        #: seq -> task ids its tasks frames carried, until the gateway says it stored up to seq (bounded)
+        self._unconfirmed: OrderedDict[int, list[str]] = OrderedDict()
         self.stats = {"batches": 0, "frames": 0, "bytes": 0, "failed": 0}
 
     async def start(self, on_frame: Any) -> None:  # HubLink's shape; the base link is already running
@@ -87,9 +95,12 @@ class SiteDownLink:
     async def stop(self) -> None:
         await self.flush()
 
-    async def send(self, endpoint_id: str, frame: bytes) -> None:
+    async def send(self, endpoint_id: str, frame: bytes, task_ids: list[str] | None = None) -> None:
         """Queue ``frame`` for ``endpoint_id`` (a device of this gateway); a welcome or an error, or a
-        full batch, goes at once and raises LinkError when it cannot."""
+        full batch, goes at once and raises LinkError when it cannot. ``task_ids``: the tasks a
+        tasks frame leases ahead, which the gateway's "stored up to" will confirm."""
+        if task_ids:
+            self._open_tasks.extend(task_ids)
         full = self._batch.add(endpoint_id, frame)
         if full or _kind(frame) in _AT_ONCE:
             await self.flush()
@@ -112,10 +123,15 @@ class SiteDownLink:
             self._timer.cancel()
             self._timer = None
         frames = self._batch.take()
+        tasks, self._open_tasks = self._open_tasks, []
         if not frames:
             return
         self.seq += 1
-        out = self._sign(frames, self.seq)
+        if tasks:
+            self._unconfirmed[self.seq] = tasks
+            while len(self._unconfirmed) > 10_000:
+                self._unconfirmed.popitem(last=False)
+        out = self._sign(frames, self.seq, self.epoch)
         try:
             await self.base.send(self.gateway_id, out)
         except LinkError as exc:
@@ -126,3 +142,14 @@ class SiteDownLink:
         self.stats["batches"] += 1
         self.stats["frames"] += len(frames)
         self.stats["bytes"] += len(out)
+
+    def confirmed_upto(self, epoch: str, seq: int) -> list[str]:
+        """The gateway stored every batch of this link up to ``seq``: the task ids those batches
+        leased ahead, each returned once (an older or another link's confirmation returns none)."""
+        if epoch != self.epoch:
+            return []
+        out: list[str] = []
+        while self._unconfirmed and next(iter(self._unconfirmed)) <= seq:
+            out.extend(self._unconfirmed.popitem(last=False)[1])
+        return out
+

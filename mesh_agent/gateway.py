@@ -323,6 +323,10 @@ class Gateway:
         self._full_due = True
         self._last_full = 0.0
         self._conns: dict[str, str] = {}  # device -> the conn of its last hello (a will naming another is stale)
+        #: (numbering, n): every site_down of that numbering up to n is stored here; told to the hub
+        #: in the next site_up ("s.c") instead of the ids of the tasks it leased ahead
+        self._stored: tuple[str, int] = ("", 0)
+        self._stored_dirty = False
         self.stats = {"site_up": 0, "site_down": 0, "up_frames": 0, "down_frames": 0, "up_bytes": 0, "down_bytes": 0, "dropped": 0, "redelivered": 0, "bodies_to_devices": 0,
                       "results_resent": 0}
 
@@ -419,22 +423,33 @@ class Gateway:
             log.warning("rejected site_down from hub: %s", exc)
             return
         self.stats["site_down"] += 1
+        epoch, n = env.body.get("e"), env.body.get("n")
+        # "Stored up to n" confirms every batch of this numbering up to n at once: only when this
+        # batch follows the last one we stored (a gap, or a batch we could not store, leaves the
+        # number where it was; those tasks are confirmed by id, as without site frames).
+        in_order = isinstance(epoch, str) and type(n) is int and n == (self._stored[1] + 1 if epoch == self._stored[0] else 1)
+        stored_all = True
         for device, inner in frames:
-            await self.from_hub(device, inner)
+            stored_all &= await self.from_hub(device, inner, by_seq=in_order) is not False
+        if in_order and stored_all:
+            self._stored = (epoch, n)  # type: ignore[assignment]
+            self._stored_dirty = True
+            self._queue_up(None, b"", at_once=False)
 
-    async def from_hub(self, device: str, frame: bytes) -> None:
+    async def from_hub(self, device: str, frame: bytes, *, by_seq: bool = False) -> bool | None:
         """A frame for one of our devices came down the uplink: keep tasks until the device acks
-        them, drop our copy of results the hub acknowledged, hand everything on."""
+        them, drop our copy of results the hub acknowledged, hand everything on. False: a tasks
+        frame we could not keep; None: not a frame for us."""
         if device not in self.devices:
-            return
+            return None
         try:
             kind, ep, mid, _ts, exp, end, z = _parse_header(frame)
         except Exception:
             self.stats["dropped"] += 1
-            return
+            return None
         if ep != device:
             self.stats["dropped"] += 1
-            return
+            return None
         self.stats["down_frames"] += 1
         self.stats["down_bytes"] += len(frame)
         if kind is Kind.TASKS:
@@ -449,15 +464,17 @@ class Gateway:
                 await self.store.relay_put("down", device, kind.value, mid, frame, exp, ids + cancel)
             except StoreError as exc:
                 log.error("could not keep a tasks frame for %s (the hub re-sends after its lease): %s", device, exc)
-                return
-            self._to_confirm.update(ids)
-            self._up_wake.set()
+                return False
+            if not by_seq:  # confirmed by id (a batch out of order, or no site frames)
+                self._to_confirm.update(ids)
+                self._up_wake.set()
         elif kind is Kind.RESULT_ACK:
             acked = frame_task_ids(kind, frame, end, z)
             self._ack_delays(acked, time.time())
             with contextlib.suppress(StoreError):
                 await self.store.relay_release("up", device, acked)
         await self._to_device(device, frame)
+        return True
 
     async def _site_bodies_for(self, device: str, frame: bytes) -> bool:
         """Before a tasks frame that names ``at_site`` bodies: hand the device each body from our
@@ -614,26 +631,31 @@ class Gateway:
             self._out_timer = None
         frames = self._out.take()
         rows, info = self._take_rows()
-        if not frames and not rows:
+        stored, self._stored_dirty = (self._stored if self._stored_dirty else None), False
+        if not frames and not rows and stored is None:
             return
         if self._uplink is None or len(self._in_flight) >= MAX_IN_FLIGHT:
             # The uplink is down or that far behind: beats and hellos are re-sent anyway, and the
             # rows go in full once a welcome comes.
             self.stats["dropped"] += len(frames)
             self._full_due = True
+            self._stored_dirty = self._stored_dirty or stored is not None
             return
-        t = asyncio.ensure_future(self._send_site_up(frames, rows=rows, info=info, quiet=True))
+        t = asyncio.ensure_future(self._send_site_up(frames, rows=rows, info=info, stored=stored, quiet=True))
         self._in_flight.add(t)
         t.add_done_callback(self._in_flight.discard)
 
     async def _send_site_up(self, frames: list[tuple[str, bytes]], *, rows: dict[str, list[int]] | None = None,
-                            info: dict[str, dict[str, Any]] | None = None, quiet: bool = False) -> None:
+                            info: dict[str, dict[str, Any]] | None = None, stored: tuple[str, int] | None = None,
+                            quiet: bool = False) -> None:
         """One site_up signed with our key, compressed; raises LinkError unless ``quiet``."""
         try:
-            await self.agent._send(Kind.SITE_UP, site_body(frames, rows=rows, info=info), compress=True)
+            await self.agent._send(Kind.SITE_UP, site_body(frames, rows=rows, info=info, stored=stored), compress=True)
         except LinkError:
             if rows:
                 self._full_due = True  # the hub may not have them: all of them next time
+            if stored is not None:
+                self._stored_dirty = True
             if not quiet:
                 raise
             self.stats["dropped"] += len(frames)

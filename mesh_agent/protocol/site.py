@@ -15,8 +15,11 @@ Body, a msgpack map (compressed as a whole by the envelope when it shrinks)::
     {"d": [device id, ...],            # this batch's device table: each id once
      "f": [[index into d, frame], ...], # the inner frames, in the order they were produced
      "n": seq,                          # optional: the sender's batch number
-     "s": {"l": [[index, lan, epoch, capacity, running, queued, stored, outbox, want], ...]}}
-                                        # optional: the site's own section; "l": liveness rows (ROW_FIELDS)
+     "e": numbering,                    # optional: names the site_down numbering "n" belongs to
+     "s": {"l": [[index, lan, epoch, capacity, running, queued, stored, outbox, want], ...],
+           "x": [[index, {heartbeat fields that changed}], ...],
+           "c": [numbering, n]}}        # optional: the site's own section; "l": liveness rows (ROW_FIELDS),
+                                        # "c": every site_down of that numbering up to n is stored
 
 Pure: no I/O. :class:`SiteBatch` is the sender's accumulator; who flushes it, and when, is the
 caller's business (a window in seconds, a size in bytes, at once for a hello).
@@ -29,7 +32,7 @@ from typing import Any
 from mesh_agent.protocol.envelope import BadFrame, Kind
 
 __all__ = ["SITE_FLUSH_BYTES", "SITE_MAX_FRAMES", "SITE_MAX_BYTES", "ROW_FIELDS", "SiteBatch", "site_body", "inner_frames",
-           "check_site_body", "summary_rows"]
+           "check_site_body", "summary_rows", "stored_upto"]
 
 #: A batch is flushed once its inner frames add up to this many bytes (before compression).
 SITE_FLUSH_BYTES = 16 * 1024
@@ -44,11 +47,14 @@ _MAX_ID_LEN = 255
 ROW_FIELDS = ("lan", "epoch", "capacity", "running", "queued", "stored", "outbox", "want")
 
 
-def site_body(frames: list[tuple[str, bytes]], *, seq: int | None = None,
-              rows: dict[str, list[int]] | None = None, info: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+def site_body(frames: list[tuple[str, bytes]], *, seq: int | None = None, epoch: str | None = None,
+              rows: dict[str, list[int]] | None = None, info: dict[str, dict[str, Any]] | None = None,
+              stored: tuple[str, int] | None = None) -> dict[str, Any]:
     """The body of a ``site_up``/``site_down`` envelope carrying ``frames`` ((device id, frame) pairs,
     in order) and, for a site_up, liveness ``rows`` (device id -> the values of :data:`ROW_FIELDS`)
-    and ``info`` (device id -> the other heartbeat fields that changed: resources, device counters)."""
+    and ``info`` (device id -> the other heartbeat fields that changed: resources, device counters).
+    ``seq``/``epoch``: a site_down's number in its numbering; ``stored``: a site_up's confirmation
+    that every site_down of that numbering up to that number is stored at the gateway."""
     devices: list[str] = []
     index: dict[str, int] = {}
 
@@ -62,7 +68,11 @@ def site_body(frames: list[tuple[str, bytes]], *, seq: int | None = None,
     body: dict[str, Any] = {"d": devices, "f": [[at(device), frame] for device, frame in frames]}
     if seq is not None:
         body["n"] = int(seq)
+    if epoch is not None:
+        body["e"] = epoch
     site: dict[str, Any] = {}
+    if stored is not None:
+        site["c"] = [stored[0], int(stored[1])]
     if rows:
         site["l"] = [[at(device), *values] for device, values in rows.items()]
     if info:
@@ -94,6 +104,12 @@ def check_site_body(kind: Kind, body: dict[str, Any]) -> None:
         raise BadFrame(f"{kind.value} body: n must be an int >= 0")
     if "s" in body and type(body["s"]) is not dict:
         raise BadFrame(f"{kind.value} body: s must be a map")
+    if "e" in body and (type(body["e"]) is not str or not 0 < len(body["e"]) <= 16):
+        raise BadFrame(f"{kind.value} body: e must be a short string")
+    c = body.get("s", {}).get("c")
+    if c is not None and (type(c) is not list or len(c) != 2 or type(c[0]) is not str or not 0 < len(c[0]) <= 16
+                          or type(c[1]) is not int or c[1] < 0):
+        raise BadFrame(f"{kind.value} body: s.c must be [numbering, stored up to]")
     rows = body.get("s", {}).get("l")
     if rows is not None:
         if type(rows) is not list or len(rows) > SITE_MAX_FRAMES:
@@ -125,6 +141,12 @@ def summary_rows(body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     site = body.get("s") or {}
     extra: dict[str, dict[str, Any]] = {devices[i]: fields for i, fields in site.get("x") or ()}
     return [(devices[row[0]], {**extra.get(devices[row[0]], {}), **dict(zip(ROW_FIELDS, row[1:]))}) for row in site.get("l") or ()]
+
+
+def stored_upto(body: dict[str, Any]) -> tuple[str, int] | None:
+    """A checked site_up's "stored up to": (numbering, n), or None."""
+    c = (body.get("s") or {}).get("c")
+    return (c[0], c[1]) if c else None
 
 
 class SiteBatch:
