@@ -82,9 +82,11 @@ MESSAGES: list[tuple[str, Kind, str, dict[str, Any]]] = [
     # A gateway's batch of its devices' frames: a device table, then [index, frame] in order.
     ("site_up", Kind.SITE_UP, "00000000000000000000000b", {
         "d": [DEV_A, DEV_B], "f": [[0, INNER_BEAT_A], [1, INNER_BEAT_B], [0, INNER_ACK_A]],
+        # the site's own section: a liveness row of DEV_B, its changed heartbeat fields, "stored up to 7"
+        "s": {"l": [[1, 1, 3, 1, 0, 0, 0, 0, 2]], "x": [[1, {"cpu": 12, "df": 1024}]], "c": ["0a0b0c0d", 7]},
     }),
     # The hub's batch for a gateway's devices, numbered ("n") per gateway session.
-    ("site_down", Kind.SITE_DOWN, "00000000000000000000000c", {"d": [DEV_B], "f": [[0, INNER_RACK_B]], "n": 1}),
+    ("site_down", Kind.SITE_DOWN, "00000000000000000000000c", {"d": [DEV_B], "f": [[0, INNER_RACK_B]], "n": 1, "e": "0a0b0c0d"}),
 ]
 
 
