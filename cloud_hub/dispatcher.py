@@ -846,13 +846,17 @@ class Dispatcher:
         upto = stored_upto(body)
         if upto is not None and isinstance(link, SiteDownLink):
             await self._site_confirmed(s, link.confirmed_upto(*upto))
+        refused: list[BadFrame] = []
         for device, frame in split_site_up(body, mine):
             if isinstance(frame, BadFrame):
                 exc = _refused(frame, "foreign_device")
                 self._count_rejected(gateway, exc)
-                log.warning("rejected inner frame of site %s: %s", gateway, exc, extra={"endpoint_id": gateway})
+                refused.append(exc)
                 continue
             await self.enqueue_frame(device, frame, link)
+        if refused:  # one line per batch, not per frame: a batch may carry 4,096 of them
+            log.warning("rejected %d inner frame(s) of site %s: %s%s", len(refused), gateway, refused[0],
+                        f" (and {len(refused) - 1} more)" if len(refused) > 1 else "", extra={"endpoint_id": gateway})
 
     async def _site_rows(self, gateway: str, rows: list[tuple[str, dict[str, int]]], mine: set[str], link: HubLink) -> None:
         """A gateway's liveness rows (docs/sites.md, "One liveness summary per site") stand in for

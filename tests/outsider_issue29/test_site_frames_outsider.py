@@ -135,10 +135,6 @@ def results_frame(dev: AgentProcess, task_id: str, value_json: bytes) -> bytes:
     return seal(Kind.RESULTS, dev.endpoint_id, body, creds(dev).key_bytes, ttl=WEEK)
 
 
-def logs_of(mesh: LocalMesh) -> list[Any]:
-    return [a for a in mesh.agents]
-
-
 class CutProxy:
     """A TCP proxy on 127.0.0.1 for a gateway's uplink; ``cut()`` drops every connection and refuses new
     ones (an uplink outage), ``restore()`` lets them through again."""
@@ -273,13 +269,13 @@ def test_foreign_inner_frame_is_refused_and_does_not_burn_its_message_id(mesh: L
     assert result_rows(mesh, [tid]) == rows
 
 
-def attacker_hello(mesh: LocalMesh, gw: AgentProcess, peer: MqttPeer, site_broker: str = "127.0.0.1:1") -> None:
+def attacker_hello(mesh: LocalMesh, gw: AgentProcess, peer: MqttPeer, site_broker: str = "127.0.0.1:1", hold: int = 0) -> None:
     """The thief, on the stolen gateway's login, says hello as the gateway and waits for its welcome."""
     key = creds(gw).key_bytes
     peer.subscribe(down_topic(gw.endpoint_id))
     nonce = os.urandom(8).hex()
     body = {"nonce": nonce, "capacity": 1, "prefetch": 0, "have": [], "engine": "local",
-            "site": {"hold": 0, "broker": site_broker, "frames": 1}}
+            "site": {"hold": hold, "broker": site_broker, "frames": 1}}
     peer.publish(up_topic(gw.endpoint_id), seal(Kind.HELLO, gw.endpoint_id, body, key))
 
     def welcomed() -> bool:
@@ -445,6 +441,7 @@ def test_malformed_site_up_bodies_leave_the_hub_serving(mesh: LocalMesh, marks: 
     key = creds(gw_a).key_bytes
     gw_a.kill()  # the thief owns the box; the real gateway is back at the end
     with stolen(mesh, gw_a) as peer:
+        attacker_hello(mesh, gw_a, peer)  # with a session, so that rows are read
         for what, body in _bad_bodies(d_a.endpoint_id, d_b.endpoint_id):
             if isinstance(body, dict):
                 frame = encode(Envelope(Kind.SITE_UP, gw_a.endpoint_id, body), key, compress=True)
@@ -452,6 +449,14 @@ def test_malformed_site_up_bodies_leave_the_hub_serving(mesh: LocalMesh, marks: 
                 frame = raw_signed(key, gw_a.endpoint_id, msgpack.packb(body, use_bin_type=True))
             peer.publish(up_topic(gw_a.endpoint_id), frame)
             assert health(mesh), f"hub stopped answering after: {what}"
+            if what == "s.x bad heartbeat field types":
+                time.sleep(0.5)
+                info = mesh.client.get_endpoint(d_a.endpoint_id)["info"]
+                bad = {k: info.get(k) for k in ("cpu", "mem_used", "df", "warm", "tx", "capacity", "traffic", "site", "tags", "gpus", "running")
+                       if k in info and (isinstance(info.get(k), (str, dict)) and k not in ("traffic",)
+                                         or k in ("tx", "capacity") and isinstance(info.get(k), int) and info[k] < 0)}
+                print("O29 dA1 info after bad s.x:", {k: str(v)[:60] for k, v in info.items()})
+                assert not bad, f"heartbeat fields of the wrong type stored for A's device: {bad}"
         # a deflate bomb: 200 MiB of zeros in a compressed body, signed
         peer.publish(up_topic(gw_a.endpoint_id), raw_signed(key, gw_a.endpoint_id, zlib.compress(b"\x00" * (200 << 20), 9), compressed=True))
         assert health(mesh), "hub stopped answering after a deflate bomb"
@@ -473,3 +478,254 @@ def test_malformed_site_up_bodies_leave_the_hub_serving(mesh: LocalMesh, marks: 
     for k in ("tags", "hardware", "gpu", "gpus", "site"):
         assert info_after.get(k) == info_before.get(k), (k, info_before.get(k), info_after.get(k))
     assert health(mesh)
+
+
+# ----------------------------------------------------------------- 5. a replayed site_down
+def decoded(frames: list[tuple[str, bytes]], topic: str, key: bytes) -> list[tuple[Any, Any]]:
+    out = []
+    for t, f in list(frames):
+        if t != topic:
+            continue
+        with contextlib.suppress(Exception):
+            s = open_frame(f, key)
+            out.append((s, s.open(validate=False)))
+    return out
+
+
+def test_replayed_site_down_runs_nothing_twice(mesh: LocalMesh, marks: Path) -> None:
+    """Whoever holds the hub's broker records every site_down to gateway A while a task runs on A's
+    device, and publishes them all again on A's down topic: once while everything runs, and once
+    more after the gateway and the device were SIGKILLed and restarted (their memories, replay guards
+    included, gone; the frames still fresh). The task must not run a second time; the hub keeps one
+    result."""
+    gw = mesh.add_gateway("gwA")
+    dev = mesh.add_site_device("dA1", gw)
+    mesh.wait_online(gw, dev, timeout=45)
+    spy = connect_intruder(mesh)
+    try:
+        spy.subscribe(down_topic(gw.endpoint_id))
+        fid = mesh.client.register_function(work)
+        tid = mesh.client.submit(dev.endpoint_id, fid, str(marks), "once", 0.2, "once")
+        assert mesh.client.get_result(tid, timeout_s=40) == "once"
+        gkey = creds(gw).key_bytes
+        dkey = creds(dev).key_bytes
+
+        def carried_tasks() -> list[bytes]:
+            got = []
+            for s, env in decoded(spy.frames, down_topic(gw.endpoint_id), gkey):
+                if s.kind == Kind.SITE_DOWN:
+                    for _, inner in env.body["f"]:
+                        with contextlib.suppress(Exception):
+                            if open_frame(inner, dkey).kind == Kind.TASKS and tid.encode() in inner:
+                                got.append(inner)
+            return got
+
+        wait_for(carried_tasks, "the site_down that carried the task recorded", 10)
+        recorded = [(t, f) for t, f in list(spy.frames) if t == down_topic(gw.endpoint_id)]
+        wait_for(lambda: runs(marks, "once") == 1, "the task ran", 10)
+        # the device has stored the result's ack (its queue row says acked) before we replay
+        con = f"file:{dev.cfg.data_dir}/queue.sqlite3?mode=ro"
+
+        def acked() -> bool:
+            c = sqlite3.connect(con, uri=True, timeout=5)
+            try:
+                return [r[0] for r in c.execute("SELECT state FROM tasks WHERE id = ?", (tid,))] in (["acked"], [])
+            finally:
+                c.close()
+
+        wait_for(acked, "the device saw the result_ack", 20, logs=[dev, gw])
+        for t, f in recorded:
+            spy.publish(t, f)
+        deadline = time.monotonic() + 4.0
+        while time.monotonic() < deadline:
+            assert runs(marks, "once") == 1, "a replayed site_down made the device run the task again (all processes up)"
+            time.sleep(0.2)
+        gw.kill()
+        dev.kill()
+        gw.start()
+        dev.start()
+        mesh.wait_online(gw, dev, timeout=40)
+        for t, f in recorded:
+            spy.publish(t, f)
+        deadline = time.monotonic() + 6.0
+        while time.monotonic() < deadline:
+            assert runs(marks, "once") == 1, ("a replayed site_down made the device run the task again after the gateway and the "
+                                              "device restarted")
+            time.sleep(0.2)
+        assert [r[0] for r in result_rows(mesh, [tid])] == [tid]
+    finally:
+        spy.close()
+
+
+# --------------------------------------------------- 6. exactly once through kills and uplink loss
+def test_six_devices_exactly_once_through_gateway_sigkill_uplink_loss_and_device_kills(mesh: LocalMesh, marks: Path) -> None:
+    """Six devices behind one gateway whose uplink goes through a proxy we can cut. 48 tasks, then: the
+    gateway SIGKILLed mid-run, two devices SIGKILLed, 12 more tasks submitted while the gateway is
+    dead, the gateway restarted, the uplink cut for 6 s, the devices restarted one during and one
+    after the outage. Every task: exactly one row in the hub's results table, with its own value."""
+    proxy = CutProxy(mesh.broker.port)
+    try:
+        gw = mesh.add_gateway("gw", uplink_port=proxy.port)
+        devs = [mesh.add_site_device(f"d{i}", gw) for i in range(6)]
+        mesh.wait_online(gw, *devs, timeout=60)
+        fid = mesh.client.register_function(work)
+        tids: dict[str, str] = {}
+
+        def submit(n: int, phase: str, secs: float) -> None:
+            for i in range(n):
+                for dev in devs:
+                    tag = f"{phase}-{dev.cfg.name}-{i}"
+                    tids[mesh.client.submit(dev.endpoint_id, fid, str(marks), tag, secs, tag)] = tag
+
+        submit(8, "a", 0.4)
+        wait_for(lambda: len(result_rows(mesh, list(tids))) >= 8, "some results before the gateway is killed", 60, logs=[gw])
+        gw.kill()
+        time.sleep(1.0)  # devices go on running with their gateway gone
+        devs[0].kill()
+        devs[1].kill()
+        submit(2, "b", 0.2)
+        gw.start()
+        mesh.wait_online(gw, timeout=40)
+        proxy.cut()
+        devs[0].start()
+        time.sleep(6.0)
+        proxy.restore()
+        devs[1].start()
+        wait_for(lambda: len(result_rows(mesh, list(tids))) == len(tids), f"all {len(tids)} results stored", 90,
+                 logs=[gw, devs[0], devs[1], devs[2]])
+        rows = result_rows(mesh, list(tids))
+        assert sorted(r[0] for r in rows) == sorted(tids)
+        for tid, ok, data in rows:
+            assert ok == 1 and data == f'json\n"{tids[tid]}"'.encode(), (tid, ok, data)
+        assert all(runs(marks, tag) >= 1 for tag in tids.values())
+    finally:
+        proxy.close()
+
+
+# ------------------------------------------------------------------------- 7. one copy per result
+def test_one_copy_per_result_over_the_uplink_after_an_outage(mesh: LocalMesh, marks: Path) -> None:
+    """Four tasks leased ahead to a site; the uplink is cut once the first starts; the device finishes
+    them all during a 25 s outage (longer than two turns of the old blind 10 s timer). The gateway's
+    relay table holds one up-frame per task id, and after the uplink returns each task's result
+    crosses the uplink in one frame (one inner message id), and is stored once."""
+    proxy = CutProxy(mesh.broker.port)
+    spy: MqttPeer | None = None
+    try:
+        gw = mesh.add_gateway("gw", uplink_port=proxy.port)
+        dev = mesh.add_site_device("d", gw)
+        mesh.wait_online(gw, dev, timeout=45)
+        spy = connect_intruder(mesh)  # after the enrollments: they rewrite the broker's login files
+        spy.subscribe(up_topic(gw.endpoint_id))
+        spy.subscribe(up_topic(dev.endpoint_id))
+        fid = mesh.client.register_function(work)
+        tids = [mesh.client.submit(dev.endpoint_id, fid, str(marks), f"t{i}", 1.0, f"t{i}") for i in range(4)]
+        wait_for(lambda: runs(marks, "t0") >= 1, "the first task started", 30, step=0.02, logs=[gw, dev])
+        proxy.cut()
+        cut_at = time.monotonic()
+        assert result_rows(mesh, tids) == []
+        wait_for(lambda: all(runs(marks, f"t{i}") >= 1 for i in range(4)), "all four ran during the outage", 40, logs=[gw, dev])
+        time.sleep(max(0.0, cut_at + 22.0 - time.monotonic()))  # an outage past two 10 s turns after the first result
+        gdb = f"file:{gw.cfg.data_dir}/queue.sqlite3?mode=ro"
+        c = sqlite3.connect(gdb, uri=True, timeout=5)
+        try:
+            held = list(c.execute("SELECT i.task_id, COUNT(*) FROM relay r JOIN relay_ids i ON i.seq = r.seq "
+                                  "WHERE r.dir = 'up' AND r.kind = 'results' GROUP BY i.task_id"))
+        finally:
+            c.close()
+        assert sorted(held) == sorted((t, 1) for t in tids), f"gateway's held up-frames per task id: {held}"
+        proxy.restore()
+        wait_for(lambda: len(result_rows(mesh, tids)) == 4, "all four results stored after the outage", 40, logs=[gw, dev])
+        time.sleep(3.0)  # let any second copy cross
+        gkey = creds(gw).key_bytes
+        dkey = creds(dev).key_bytes
+        copies: dict[str, set[str]] = {t: set() for t in tids}
+        for s, env in decoded(spy.frames, up_topic(gw.endpoint_id), gkey):
+            if s.kind != Kind.SITE_UP:
+                continue
+            for _, inner in env.body["f"]:
+                with contextlib.suppress(Exception):
+                    si = open_frame(inner, dkey)
+                    if si.kind == Kind.RESULTS:
+                        for r in si.open(validate=False).body["results"]:
+                            if r["id"] in copies:
+                                copies[r["id"]].add(si.id)
+        for s, env in decoded(spy.frames, up_topic(dev.endpoint_id), dkey):
+            if s.kind == Kind.RESULTS:
+                for r in env.body["results"]:
+                    if r["id"] in copies:
+                        copies[r["id"]].add(s.id)
+        assert all(len(v) == 1 for v in copies.values()), f"distinct results frames per task over the uplink: {copies}"
+        assert sorted(r[0] for r in result_rows(mesh, tids)) == sorted(tids)
+    finally:
+        if spy is not None:
+            spy.close()
+        proxy.close()
+
+
+# ------------------------------------------- 8. "stored up to" a batch number the hub never sent
+def test_stored_up_to_a_future_batch_does_not_preconfirm_later_leases(mesh: LocalMesh, marks: Path) -> None:
+    """The thief on stolen gateway A says hello, receives the site_down that leases task T0 ahead (its
+    numbering ``e`` and number ``n``), and answers "stored up to" (``s.c``) ``[e, 2**31 - 1]``: a
+    batch number the hub has not sent. That lie may strand T0 (it was in a batch the thief got:
+    "can delay", bounded by site_hold_s). But a task T1 submitted afterwards goes out in a later
+    batch that the thief never confirms and never stores: its lease must stay unconfirmed and
+    come back after lease_s, so once the real gateway is back T1 runs and its result is stored."""
+    gw = mesh.add_gateway("gwA")
+    dev = mesh.add_site_device("dA1", gw)
+    mesh.wait_online(gw, dev, timeout=45)
+    fid = mesh.client.register_function(work)
+    gkey = creds(gw).key_bytes
+    gw.kill()
+    with stolen(mesh, gw) as peer:
+        attacker_hello(mesh, gw, peer, hold=8)
+        # a row on the LAN for the device, so the hub leases ahead to "the gateway"
+        peer.publish(up_topic(gw.endpoint_id), site_up(gw, {"d": [dev.endpoint_id], "f": [], "s": {"l": [row(0, 1, capacity=1, want=4)]}}))
+        t0 = mesh.client.submit(dev.endpoint_id, fid, str(marks), "t0", 0.0, "t0")
+
+        def numbered() -> tuple[str, int] | None:
+            for s, env in decoded(peer.frames, down_topic(gw.endpoint_id), gkey):
+                if s.kind == Kind.SITE_DOWN and "e" in env.body and t0.encode() in msgpack.packb(env.body, use_bin_type=True):
+                    return env.body["e"], env.body.get("n", 0)
+            return None
+
+        e, n = wait_for(numbered, "the site_down that leases T0 ahead to the thief", 20)
+        peer.publish(up_topic(gw.endpoint_id), site_up(gw, {"d": [dev.endpoint_id], "f": [],
+                                                           "s": {"c": [e, 2**31 - 1], "l": [row(0, 1, capacity=1, want=4)]}}))
+        time.sleep(1.0)
+        t1 = mesh.client.submit(dev.endpoint_id, fid, str(marks), "t1", 0.0, "t1")
+
+        def sent_t1() -> bool:
+            return any(s.kind == Kind.SITE_DOWN and t1.encode() in msgpack.packb(env.body, use_bin_type=True)
+                       for s, env in decoded(peer.frames, down_topic(gw.endpoint_id), gkey))
+
+        wait_for(sent_t1, "T1 leased ahead to the thief in a later site_down", 20)
+    gw.start()
+    mesh.wait_online(gw, dev, timeout=40)
+    got = wait_for(lambda: result_rows(mesh, [t1]), "T1 (leased after the lie) stored once the real gateway is back", 45,
+                   logs=[gw, dev])
+    assert got == [(t1, 1, b'json\n"t1"')]
+
+
+# ------------------------------------------- 9. a foreign frame on a device topic instead of a site_up
+def test_stolen_gateway_login_cannot_relay_foreign_frames_on_device_topics(mesh: LocalMesh, marks: Path) -> None:
+    """The same sniffed results frame of B's device, published with gateway A's login not in a site_up
+    but straight on B's device's up topic (the ACL gives A's login no write there) and on A's own
+    device's up topic (the frame's header names B's device: the wrong channel). Nothing is stored;
+    the frame then still goes through B's gateway."""
+    gw_a, gw_b, d_a, d_b = two_sites(mesh)
+    d_b.kill()
+    fid = mesh.client.register_function(work)
+    tid = mesh.client.submit(d_b.endpoint_id, fid, str(marks), "tB", 0.1, "genuine")
+    wait_leased_to_site(mesh, tid)
+    sniffed = results_frame(d_b, tid, b'"sniffed"')
+    before = rejected(mesh)
+    with stolen(mesh, gw_a) as peer:
+        peer.publish(up_topic(d_b.endpoint_id), sniffed)
+        peer.publish(up_topic(d_a.endpoint_id), sniffed)
+        wait_for(lambda: sum(rejected(mesh).values()) > sum(before.values()), "the frame on A's device topic refused", 15)
+    time.sleep(1.0)
+    assert result_rows(mesh, [tid]) == [], "a frame relayed on a device topic by the wrong gateway was stored"
+    with stolen(mesh, gw_b) as peer:
+        peer.publish(up_topic(gw_b.endpoint_id), site_up(gw_b, {"d": [d_b.endpoint_id], "f": [[0, sniffed]]}))
+        rows = wait_for(lambda: result_rows(mesh, [tid]), "the frame stored through its own gateway", 15)
+    assert rows == [(tid, 1, b'json\n"sniffed"')]
