@@ -111,7 +111,7 @@ def _results(mesh: Any, ids: list[str]) -> dict[str, Any]:
 
 def _kinds(mesh: Any) -> dict[str, int]:
     """The hub's frame bytes by "in:<kind>"/"out:<kind>" so far (the hub runs in this process)."""
-    return dict(mesh.hub.hub.dispatcher.kind_bytes)
+    return dict(mesh.hub.hub.dispatcher.kind_bytes_by_name())
 
 
 def _delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:

@@ -223,10 +223,11 @@ class Dispatcher:
         self._reacked: OrderedDict[str, float] = OrderedDict()
         #: Frame bytes per endpoint since this hub started: [in, out, frames in, frames out, since].
         self.traffic: dict[str, list[float]] = {}
-        #: Frame bytes by "in:<kind>" / "out:<kind>" since this hub started. A site_up's or site_down's
-        #: bytes are counted under that kind (what crossed the uplink, compressed) and each inner
-        #: frame again under its own kind (what it carried): sum one or the other, not both.
-        self.kind_bytes: Counter[str] = Counter()
+        #: Frame bytes by (out?, kind) since this hub started (kind_bytes_by_name() for reports). A
+        #: site_up's or site_down's bytes are counted under that kind (what crossed the uplink,
+        #: compressed) and each inner frame again under its own kind (what it carried): sum one or the
+        #: other, not both.
+        self.kind_bytes: Counter[tuple[bool, Kind]] = Counter()
         self._resumed: set[str] = set()  # endpoints whose kept counters this hub has read back
         self.observer = DispatchObserver()  # the hub plugs in its placement service
         # Replicas (several hubs on one PostgreSQL database and one broker): every replica hears
@@ -350,12 +351,16 @@ class Dispatcher:
 
     def _count(self, endpoint_id: str, nbytes: int, out: bool, kind: Kind | None = None) -> None:
         if kind is not None:  # frame bytes by direction and kind, hub-wide: what crosses the links, attributed
-            self.kind_bytes[f"{'out' if out else 'in'}:{kind.value}"] += nbytes
+            self.kind_bytes[(out, kind)] += nbytes
         t = self.traffic.get(endpoint_id)
         if t is None:
             t = self.traffic[endpoint_id] = [0, 0, 0, 0, time.time()]
         t[1 if out else 0] += nbytes
         t[3 if out else 2] += 1
+
+    def kind_bytes_by_name(self) -> dict[str, int]:
+        """``kind_bytes`` as {"in:<kind>" / "out:<kind>": bytes}."""
+        return {f"{'out' if out else 'in'}:{kind.value}": n for (out, kind), n in self.kind_bytes.items()}
 
     def bytes_per_day(self, endpoint_id: str, now: float | None = None) -> dict[str, float] | None:
         """Frame bytes to and from an endpoint, scaled to a day from what was counted since
@@ -838,7 +843,7 @@ class Dispatcher:
         handled as if it had come on its own, in its device's lane, and answered through the
         gateway's site_down batcher; one that is not for a device of this gateway is refused."""
         gateway = s.endpoint_id
-        mine = {d for d, g in self._site_of.items() if g == gateway}
+        mine = set(self.site_devices(gateway))
         link = self._site_links.get(gateway, s.link)
         # The rows first: they are the gateway's state now, and an inner hello below may open a
         # session that an older "off the LAN" must not end.

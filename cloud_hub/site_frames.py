@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from mesh_agent.protocol import Kind
-from mesh_agent.protocol.envelope import BadFrame, _parse_header, peek_endpoint
+from mesh_agent.protocol.envelope import BadFrame, peek_endpoint, peek_kind
 from mesh_agent.protocol.site import SiteBatch, inner_frames
 from mesh_agent.transport import HubLink, LinkError
 
@@ -58,13 +58,6 @@ def split_site_up(body: dict[str, Any], devices: set[str]) -> Iterator[tuple[str
             yield device, BadFrame(f"inner frame listed for {device} names {named[:64]}")
             continue
         yield device, frame
-
-
-def _kind(frame: bytes) -> Kind | None:
-    try:
-        return _parse_header(frame)[0]
-    except Exception:
-        return None
 
 
 class SiteDownLink:
@@ -102,7 +95,7 @@ class SiteDownLink:
         if task_ids:
             self._open_tasks.extend(task_ids)
         full = self._batch.add(endpoint_id, frame)
-        if full or _kind(frame) in _AT_ONCE:
+        if full or peek_kind(frame) in _AT_ONCE:
             await self.flush()
         elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self.window_s, self._flush_later)

@@ -46,7 +46,7 @@ import msgpack
 from mesh_agent.agent import SITE_BODY_MAGIC
 from mesh_agent.backoff import AckTimeout
 from mesh_agent.protocol import Kind, ProtocolError
-from mesh_agent.protocol.envelope import _inflate, _parse_header
+from mesh_agent.protocol.envelope import _inflate, _parse_header, peek_kind
 from mesh_agent.protocol.site import ROW_FIELDS, SiteBatch, inner_frames, site_body
 from mesh_agent.reload import reload_process
 from mesh_agent.site_store import SiteStore
@@ -99,20 +99,6 @@ def frame_cancel_ids(frame: bytes, end: int, compressed: bool) -> list[str]:
         return [str(i) for i in data.get("cancel") or []]
     except Exception:
         return []
-
-
-def _is_tasks(frame: bytes) -> bool:
-    try:
-        return _parse_header(frame)[0] is Kind.TASKS
-    except Exception:
-        return False
-
-
-def _is_site_down(frame: bytes) -> bool:
-    try:
-        return _parse_header(frame)[0] is Kind.SITE_DOWN
-    except Exception:
-        return False
 
 
 def _mosquitto_hash(password: str) -> str:
@@ -254,7 +240,7 @@ class _Uplink(MqttAgentLink):
                 if not isinstance(msg.payload, (bytes, bytearray)):
                     continue
                 if str(msg.topic) == self._down:
-                    if _is_site_down(bytes(msg.payload)):
+                    if peek_kind(bytes(msg.payload)) is Kind.SITE_DOWN:
                         await self._relay.from_site_down(bytes(msg.payload))
                     else:
                         yield bytes(msg.payload)
@@ -499,7 +485,7 @@ class Gateway:
         return True
 
     async def _to_device(self, device: str, frame: bytes) -> bool:
-        if _is_tasks(frame) and not await self._site_bodies_for(device, frame):
+        if peek_kind(frame) is Kind.TASKS and not await self._site_bodies_for(device, frame):
             return False
         return await self._send_lan(device, frame)
 

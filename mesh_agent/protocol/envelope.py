@@ -54,6 +54,7 @@ __all__ = [
     "open_frame",
     "check_freshness",
     "peek_endpoint",
+    "peek_kind",
     "ReplayGuard",
     "new_key",
     "MAX_FRAME_BYTES",
@@ -263,6 +264,15 @@ def peek_endpoint(frame: bytes) -> str:
         return bytes(frame[4 : 4 + n]).decode("ascii")
     except UnicodeDecodeError:
         raise BadFrame("endpoint id is not ascii") from None
+
+
+def peek_kind(frame: bytes) -> Kind | None:
+    """The kind in a frame's clear header, or None when the header does not parse. Trust nothing
+    else: a relay uses it to route a frame, never to accept one."""
+    try:
+        return _parse_header(frame)[0]
+    except (BadFrame, ValueError, IndexError):
+        return None
 
 
 def _parse_header(frame: bytes) -> tuple[Kind, str, str, float, float, int, bool]:

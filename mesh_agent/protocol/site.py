@@ -110,21 +110,23 @@ def check_site_body(kind: Kind, body: dict[str, Any]) -> None:
     if c is not None and (type(c) is not list or len(c) != 2 or type(c[0]) is not str or not 0 < len(c[0]) <= 16
                           or type(c[1]) is not int or c[1] < 0):
         raise BadFrame(f"{kind.value} body: s.c must be [numbering, stored up to]")
-    rows = body.get("s", {}).get("l")
-    if rows is not None:
-        if type(rows) is not list or len(rows) > SITE_MAX_FRAMES:
-            raise BadFrame(f"{kind.value} body: s.l must be a list of at most {SITE_MAX_FRAMES} rows")
-        for n, row in enumerate(rows):
-            if type(row) is not list or len(row) != 1 + len(ROW_FIELDS) or not all(type(v) is int and 0 <= v < 2**31 for v in row) \
-                    or row[0] >= len(d):
-                raise BadFrame(f"{kind.value} body: s.l[{n}] must be [device index, {', '.join(ROW_FIELDS)}], ints >= 0")
-    info = body.get("s", {}).get("x")
-    if info is not None:
-        if type(info) is not list or len(info) > SITE_MAX_FRAMES:
-            raise BadFrame(f"{kind.value} body: s.x must be a list of at most {SITE_MAX_FRAMES} entries")
-        for n, item in enumerate(info):
-            if type(item) is not list or len(item) != 2 or type(item[0]) is not int or not 0 <= item[0] < len(d) or type(item[1]) is not dict:
-                raise BadFrame(f"{kind.value} body: s.x[{n}] must be [device index, map]")
+    _indexed(kind, body, "l", len(d), lambda v: type(v) is list and len(v) == 1 + len(ROW_FIELDS)
+                    and all(type(x) is int and 0 <= x < 2**31 for x in v),
+                    f"[device index, {', '.join(ROW_FIELDS)}], ints >= 0")
+    _indexed(kind, body, "x", len(d), lambda v: type(v) is list and len(v) == 2 and type(v[1]) is dict
+                    and type(v[0]) is int, "[device index, map]")
+
+
+def _indexed(kind: Kind, body: dict[str, Any], key: str, devices: int, ok: Any, what: str) -> None:
+    """Check ``s.<key>``: a bounded list whose entries pass ``ok`` and start with an index into ``d``."""
+    entries = body.get("s", {}).get(key)
+    if entries is None:
+        return
+    if type(entries) is not list or len(entries) > SITE_MAX_FRAMES:
+        raise BadFrame(f"{kind.value} body: s.{key} must be a list of at most {SITE_MAX_FRAMES} entries")
+    for n, entry in enumerate(entries):
+        if not ok(entry) or not 0 <= entry[0] < devices:
+            raise BadFrame(f"{kind.value} body: s.{key}[{n}] must be {what}")
 
 
 def inner_frames(body: dict[str, Any]) -> list[tuple[str, bytes]]:

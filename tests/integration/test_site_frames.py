@@ -80,15 +80,20 @@ def test_a_tampering_gateway_stores_nothing_and_loses_nothing(tmp_path: Path) ->
                                                                            "site": {"hold": 0, "broker": "127.0.0.1:1", "frames": 1}}),
                                     g.key_bytes))
 
-            def welcome() -> dict[str, Any] | None:
+            def received(kind: Kind) -> list[dict[str, Any]]:
+                """Bodies of the frames of ``kind`` that came down to the gateway's login, verified with its key."""
+                out = []
                 for _topic, frame in list(peer.frames):
                     try:
                         env = decode(frame, g.key_bytes, check_fresh=False)
                     except Exception:
                         continue
-                    if env.kind is Kind.WELCOME:
-                        return env.body
-                return None
+                    if env.kind is kind:
+                        out.append(env.body)
+                return out
+
+            def welcome() -> dict[str, Any] | None:
+                return next(iter(received(Kind.WELCOME)), None)
 
             wait_for(lambda: welcome() is not None, "the gateway's welcome", 20)
             assert welcome()["site"].get("frames") == 1, "the hub reads site frames"  # type: ignore[index]
@@ -122,17 +127,8 @@ def test_a_tampering_gateway_stores_nothing_and_loses_nothing(tmp_path: Path) ->
             assert results_for(mesh, mine) == 1 and results_for(mesh, theirs) == 0
 
             def acked_in_site_down() -> bool:
-                for _topic, frame in list(peer.frames):
-                    try:
-                        env = decode(frame, g.key_bytes, check_fresh=False)
-                    except Exception:
-                        continue
-                    if env.kind is Kind.SITE_DOWN:
-                        for ep, inner in inner_frames(env.body):
-                            body = decode(inner, d.key_bytes, check_fresh=False).body if ep == dev.endpoint_id else {}
-                            if mine in body.get("ids", []):
-                                return True
-                return False
+                return any(mine in decode(inner, d.key_bytes, check_fresh=False).body.get("ids", [])
+                           for body in received(Kind.SITE_DOWN) for ep, inner in inner_frames(body) if ep == dev.endpoint_id)
 
             wait_for(acked_in_site_down, "the result_ack for the device, inside a site_down", 20)
         finally:

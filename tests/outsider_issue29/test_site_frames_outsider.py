@@ -20,9 +20,7 @@ import hashlib
 import hmac
 import os
 import re
-import socket
 import sqlite3
-import threading
 import time
 import zlib
 from pathlib import Path
@@ -36,6 +34,7 @@ from cloud_hub.localmesh import AgentProcess, LocalMesh
 from mesh_agent.config import load_config
 from mesh_agent.protocol.envelope import Envelope, Kind, encode, open_frame
 from tests.integration.peers import MqttPeer, connect_intruder
+from tests.proxy import ProxyThread
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
@@ -133,77 +132,6 @@ def results_frame(dev: AgentProcess, task_id: str, value_json: bytes) -> bytes:
     now = time.time()
     body = {"results": [{"id": task_id, "ok": True, "data": b"json\n" + value_json, "started": now - 0.1, "finished": now, "pid": 1}]}
     return seal(Kind.RESULTS, dev.endpoint_id, body, creds(dev).key_bytes, ttl=WEEK)
-
-
-class CutProxy:
-    """A TCP proxy on 127.0.0.1 for a gateway's uplink; ``cut()`` drops every connection and refuses new
-    ones (an uplink outage), ``restore()`` lets them through again."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target = target_port
-        self.srv = socket.socket()
-        self.srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.srv.bind(("127.0.0.1", 0))
-        self.srv.listen(64)
-        self.port = self.srv.getsockname()[1]
-        self.up = True
-        self.conns: list[socket.socket] = []
-        self.lock = threading.Lock()
-        self.stopped = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self.stopped:
-            try:
-                c, _ = self.srv.accept()
-            except OSError:
-                return
-            if not self.up:
-                c.close()
-                continue
-            try:
-                s = socket.create_connection(("127.0.0.1", self.target), timeout=5)
-            except OSError:
-                c.close()
-                continue
-            s.settimeout(None)
-            with self.lock:
-                self.conns += [c, s]
-            threading.Thread(target=self._pipe, args=(c, s), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(s, c), daemon=True).start()
-
-    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
-        try:
-            while True:
-                data = a.recv(65536)
-                if not data:
-                    break
-                b.sendall(data)
-        except OSError:
-            pass
-        for x in (a, b):
-            with contextlib.suppress(OSError):
-                x.shutdown(socket.SHUT_RDWR)
-            with contextlib.suppress(OSError):
-                x.close()
-
-    def cut(self) -> None:
-        self.up = False
-        with self.lock:
-            conns, self.conns = self.conns, []
-        for x in conns:
-            with contextlib.suppress(OSError):
-                x.shutdown(socket.SHUT_RDWR)
-            with contextlib.suppress(OSError):
-                x.close()
-
-    def restore(self) -> None:
-        self.up = True
-
-    def close(self) -> None:
-        self.stopped = True
-        self.cut()
-        self.srv.close()
 
 
 @pytest.fixture
@@ -563,7 +491,7 @@ def test_six_devices_exactly_once_through_gateway_sigkill_uplink_loss_and_device
     gateway SIGKILLed mid-run, two devices SIGKILLed, 12 more tasks submitted while the gateway is
     dead, the gateway restarted, the uplink cut for 6 s, the devices restarted one during and one
     after the outage. Every task: exactly one row in the hub's results table, with its own value."""
-    proxy = CutProxy(mesh.broker.port)
+    proxy = ProxyThread(("127.0.0.1", mesh.broker.port))  # tests/proxy.py: cut() is an uplink outage
     try:
         gw = mesh.add_gateway("gw", uplink_port=proxy.port)
         devs = [mesh.add_site_device(f"d{i}", gw) for i in range(6)]
@@ -599,7 +527,7 @@ def test_six_devices_exactly_once_through_gateway_sigkill_uplink_loss_and_device
             assert ok == 1 and data == f'json\n"{tids[tid]}"'.encode(), (tid, ok, data)
         assert all(runs(marks, tag) >= 1 for tag in tids.values())
     finally:
-        proxy.close()
+        proxy.stop()
 
 
 # ------------------------------------------------------------------------- 7. one copy per result
@@ -608,7 +536,7 @@ def test_one_copy_per_result_over_the_uplink_after_an_outage(mesh: LocalMesh, ma
     them all during a 25 s outage (longer than two turns of the old blind 10 s timer). The gateway's
     relay table holds one up-frame per task id, and after the uplink returns each task's result
     crosses the uplink in one frame (one inner message id), and is stored once."""
-    proxy = CutProxy(mesh.broker.port)
+    proxy = ProxyThread(("127.0.0.1", mesh.broker.port))  # tests/proxy.py: cut() is an uplink outage
     spy: MqttPeer | None = None
     try:
         gw = mesh.add_gateway("gw", uplink_port=proxy.port)
@@ -659,7 +587,7 @@ def test_one_copy_per_result_over_the_uplink_after_an_outage(mesh: LocalMesh, ma
     finally:
         if spy is not None:
             spy.close()
-        proxy.close()
+        proxy.stop()
 
 
 # ------------------------------------------- 8. "stored up to" a batch number the hub never sent
