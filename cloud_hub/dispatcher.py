@@ -480,8 +480,8 @@ class Dispatcher:
 
     def _site_signer(self, gateway_id: str) -> Any:
         """Signs a site_down for ``gateway_id`` with its key, compressed (it said it reads z)."""
-        def sign(frames: list[tuple[str, bytes]], seq: int, epoch: str) -> bytes:
-            env = Envelope(Kind.SITE_DOWN, gateway_id, site_body(frames, seq=seq, epoch=epoch))
+        def sign(frames: list[tuple[str, bytes]], seq: int, epoch: str, floor: int) -> bytes:
+            env = Envelope(Kind.SITE_DOWN, gateway_id, site_body(frames, seq=seq, epoch=epoch, floor=floor))
             frame = encode(env, self._keys[gateway_id], ttl=self.cfg.frame_ttl_s, compress=True)
             self._count(gateway_id, len(frame), out=True, kind=Kind.SITE_DOWN)
             return frame
@@ -500,19 +500,33 @@ class Dispatcher:
         ``site_hold_s``, on the device's own down topic, which the gateway's login may read. The
         gateway stores it and hands it on when the device asks, with the uplink up or down; it
         cannot forge or alter it. The lease lasts ``site_hold_s``: a gateway that dies strands
-        nothing for longer than that."""
+        nothing for longer than that.
+
+        With site frames the work goes in numbered site_down batches and nothing expires on a
+        timer while the gateway's session lives (cloud_hub/site_lease.py, PendingBatches); how much
+        is in flight unconfirmed is paced in bytes by the uplink's measured throughput."""
         try:
             devices = self.site_devices(g.endpoint_id)
             while self._sessions.get(g.endpoint_id) is g and devices:
                 room = g.site_hold - await self.store.count_site_leased(g.endpoint_id)
                 if room <= 0:
                     break
-                # A few times the gateway's measured confirmation delay (at least lease_s) until it
-                # confirms it stored them (its own ack), then site_hold_s: a frame lost on the way (the
-                # gateway died before its commit) is sent again soon, and a slow uplink is not flooded
-                # with re-sends of batches whose confirmation is merely late.
-                unconfirmed_s = g.site_clock.lease_s() if g.site_clock is not None else self.cfg.lease_s
-                by_dev, bodies = await self.store.lease_site(g.endpoint_id, devices, min(room, _LEASE_BATCH), unconfirmed_s, _LEASE_BYTES,
+                link = self._site_links.get(g.endpoint_id) if g.site_frames else None
+                max_bytes = _LEASE_BYTES
+                if isinstance(link, SiteDownLink) and g.site_clock is not None:
+                    # Settled by number or on evidence, never by a timer, while the session lives;
+                    # at most what the uplink carries in a few seconds in flight unconfirmed.
+                    unconfirmed_s = self.cfg.site_hold_s
+                    max_bytes = min(max_bytes, g.site_clock.window_bytes() - link.inflight_bytes)
+                    if max_bytes <= 0:
+                        break  # the next confirmation kicks the pump again (_site_confirmed)
+                else:
+                    # A few times the gateway's measured confirmation delay (at least lease_s) until it
+                    # confirms it stored them (its own ack), then site_hold_s: a frame lost on the way (the
+                    # gateway died before its commit) is sent again soon, and a slow uplink is not flooded
+                    # with re-sends of batches whose confirmation is merely late.
+                    unconfirmed_s = g.site_clock.lease_s() if g.site_clock is not None else self.cfg.lease_s
+                by_dev, bodies = await self.store.lease_site(g.endpoint_id, devices, min(room, _LEASE_BATCH), unconfirmed_s, max_bytes,
                                                              skip_returned=time.time() < g.site_wait_until)
                 if not by_dev:
                     break
@@ -850,7 +864,8 @@ class Dispatcher:
         await self._site_rows(gateway, summary_rows(body), mine, link)
         upto = stored_upto(body)
         if upto is not None and isinstance(link, SiteDownLink):
-            await self._site_confirmed(s, link.confirmed_upto(*upto))
+            ids, samples = link.confirmed_upto(*upto)
+            await self._site_confirmed(s, ids, samples)
         refused: list[BadFrame] = []
         for device, frame in split_site_up(body, mine):
             if isinstance(frame, BadFrame):
@@ -1068,8 +1083,13 @@ class Dispatcher:
                 kept = self._site_links.get(env.endpoint)
                 if kept is not None:  # a re-hello keeps the numbering its "stored up to" refers to
                     kept.base, kept.name = link, link.name
+                    await self._site_hello_stored(s, kept, site.get("stored"))
                 else:
-                    self._site_links[env.endpoint] = SiteDownLink(env.endpoint, link, self._site_signer(env.endpoint))
+                    gw = env.endpoint
+
+                    async def lost(ids: list[str], gw: str = gw) -> None:
+                        await self._site_given_up(gw, ids, "their site_down could not be sent")
+                    self._site_links[gw] = SiteDownLink(gw, link, self._site_signer(gw), on_lost=lost)
             else:
                 self._site_links.pop(env.endpoint, None)
         gw = self._sessions.get(self._site_of.get(env.endpoint) or "")
@@ -1114,6 +1134,14 @@ class Dispatcher:
             self._owned.pop(ep, None)
             await self.store.release_endpoint(ep, self.replica_id)
         self._observe("endpoint_lost", ep, now, s.last_seen)
+        link = self._site_links.get(ep)
+        if s.site_hold > 0 and isinstance(link, SiteDownLink) and self._sites:
+            # Now the timer runs: what it has not confirmed waits the unconfirmed lease, as before
+            # site frames (its hello, or its confirmation after reconnecting, settles it earlier).
+            pending = link.pending.ids()
+            if pending:
+                clock = s.site_clock or self._site_clocks.get(ep)
+                await self.store.hold_site(ep, pending, now + (clock.lease_s() if clock is not None else self.cfg.lease_s))
         if s.site_hold > 0:  # its devices' own credit leases to them directly again (served_by_site)
             for d in self.site_devices(ep):
                 self.kick(d)
@@ -1138,16 +1166,61 @@ class Dispatcher:
         if gw is not None:  # room at the site again
             self.kick_site(gw)
 
-    async def _site_confirmed(self, s: _Session, ids: list[str]) -> None:
+    async def _site_confirmed(self, s: _Session, ids: list[str], samples: list[tuple[int, float]] | None = None) -> None:
         """A gateway confirms it holds these tasks for its devices (its own ack of their ids, or its
         "stored up to" of site_down batches): their lease lasts site_hold_s from now. Also without
-        a session: right after reconnecting, its confirmation may reach us before its hello."""
-        live = self._sessions.get(s.endpoint_id) is s
-        if ids and self._sites and (s.site_hold > 0 or (not live and s.endpoint_id in self._site_of.values())):
-            await self.store.hold_site(s.endpoint_id, ids, time.time() + self.cfg.site_hold_s, frame_ttl_s=self.cfg.site_hold_s)
-            clock = s.site_clock or self._site_clocks.get(s.endpoint_id)
-            if clock is not None:
-                clock.confirmed(ids, time.monotonic())
+        a session: right after reconnecting, its confirmation may reach us before its hello.
+
+        With site frames, an id confirmation also settles its batch, and a batch the gateway
+        stepped over (it stored a later one) is given up: its tasks go back to the queue and out
+        again (PendingBatches.holes). Either way the pump may send more now."""
+        gw = s.endpoint_id
+        live = self._sessions.get(gw) is s
+        if not (ids and self._sites and (s.site_hold > 0 or (not live and gw in self._site_of.values()))):
+            return
+        await self.store.hold_site(gw, ids, time.time() + self.cfg.site_hold_s, frame_ttl_s=self.cfg.site_hold_s)
+        clock = s.site_clock or self._site_clocks.get(gw)
+        now = time.monotonic()
+        if clock is not None:
+            clock.confirmed(ids, now)
+        link = self._site_links.get(gw)
+        if isinstance(link, SiteDownLink):
+            for inflight, seconds in [*(samples or ()), *link.pending.confirmed(ids, now)]:
+                if clock is not None:
+                    clock.throughput(inflight, seconds)
+            lost = link.pending.holes(now, clock.lease_s() if clock is not None else self.cfg.lease_s)
+            if lost:
+                await self._site_given_up(gw, lost, "the gateway stored later site_down batches but not theirs")
+        self.kick_site(gw)
+
+    async def _site_hello_stored(self, s: _Session, link: SiteDownLink, stored: Any) -> None:
+        """A gateway's hello says it stored every site_down of our numbering up to n: those are
+        confirmed, and whatever went out after n did not arrive (or is still on its way, and the
+        gateway de-duplicates by task id): re-queued at once, so it goes out again now instead of
+        after a timer. Without a usable "stored" (another numbering, or a gateway that restarted)
+        its confirmation by id after reconnecting settles what it holds, and what it does not confirm
+        goes back on the unconfirmed lease's timer, as before site frames."""
+        if not (isinstance(stored, list) and len(stored) == 2 and stored[0] == link.epoch and type(stored[1]) is int
+                and 0 <= stored[1] <= link.seq):
+            pending = link.pending.forget()
+            if pending and self._sites:
+                clock = s.site_clock or self._site_clocks.get(s.endpoint_id)
+                await self.store.hold_site(s.endpoint_id, pending, time.time() + (clock.lease_s() if clock is not None else self.cfg.lease_s))
+            return
+        ids, samples = link.confirmed_upto(link.epoch, stored[1])
+        await self._site_confirmed(s, ids, samples)
+        lost = link.pending.past(stored[1])
+        if lost:
+            await self._site_given_up(s.endpoint_id, lost, f"the gateway's hello says it stored up to site_down {stored[1]}")
+        s.site_wait_until = 0.0  # what it holds is known: nothing to wait for before leasing again
+
+    async def _site_given_up(self, gateway_id: str, ids: list[str], why: str) -> None:
+        """Tasks leased ahead in site_down batches that will not be confirmed: back to the queue now."""
+        n = await self.store.unlease_site(gateway_id, ids)
+        if n:
+            self.stats["site_given_up"] = self.stats.get("site_given_up", 0) + n
+            log.info("%d tasks leased ahead to site %s re-queued: %s", n, gateway_id, why, extra={"endpoint_id": gateway_id})
+        self.kick_site(gateway_id)
 
     async def _on_results(self, s: _Session, body: dict[str, Any]) -> None:
         results = body.get("results", [])

@@ -13,8 +13,13 @@ the gateway's own topic. Welcomes and errors go at once (a device waits for its 
 Delivery is what it was frame by frame: a frame is handed to the broker (QoS 1) when its batch
 goes. A batch that cannot be sent (the uplink is down) is logged and dropped, as a per-device
 publish to an offline link would have failed: every frame the hub sends is re-sent by the
-protocol when it matters (leases run out, results are acked again on the next copy, a device
-without a welcome says hello again).
+protocol when it matters (results are acked again on the next copy, a device without a welcome
+says hello again, and the tasks a dropped batch leased ahead are handed to ``on_lost`` to go back
+to the queue at once).
+
+Each batch is numbered; the tasks each one leased ahead wait in :class:`PendingBatches`
+(cloud_hub/site_lease.py) until the gateway confirms them, and every batch carries the floor
+below which all are settled.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+from cloud_hub.site_lease import PendingBatches
 from mesh_agent.protocol import Kind
 from mesh_agent.protocol.envelope import BadFrame, peek_endpoint, peek_kind
 from mesh_agent.protocol.site import SiteBatch, inner_frames
@@ -63,8 +69,8 @@ def split_site_up(body: dict[str, Any], devices: set[str]) -> Iterator[tuple[str
 class SiteDownLink:
     """A hub link to one gateway's devices through ``site_down`` batches (see the module doc)."""
 
-    def __init__(self, gateway_id: str, base: HubLink, sign: Callable[[list[tuple[str, bytes]], int, str], bytes],
-                 window_s: float = DOWN_WINDOW_S) -> None:
+    def __init__(self, gateway_id: str, base: HubLink, sign: Callable[[list[tuple[str, bytes]], int, str, int], bytes],
+                 window_s: float = DOWN_WINDOW_S, on_lost: Callable[[list[str]], Awaitable[None]] | None = None) -> None:
         self.gateway_id = gateway_id
         self.base = base
         self.name = base.name  # the dispatcher reads the transport's name (MQTT liveness)
@@ -78,8 +84,11 @@ class SiteDownLink:
         #: names (a new session's link numbers from 1 again).
         self.epoch = os.urandom(4).hex()
         self._open_tasks: list[str] = []  # task ids of tasks frames in the batch being gathered
-        #: seq -> task ids its tasks frames carried, until the gateway says it stored up to seq (bounded)
-        self._unconfirmed: OrderedDict[int, list[str]] = OrderedDict()
+        self._open_task_bytes = 0
+        #: the batches whose leased-ahead tasks the gateway has not confirmed (bounded)
+        self.pending = PendingBatches()
+        #: called with the task ids of a batch that could not be sent: they go back to the queue
+        self.on_lost = on_lost
         self.stats = {"batches": 0, "frames": 0, "bytes": 0, "failed": 0}
 
     async def start(self, on_frame: Any) -> None:  # HubLink's shape; the base link is already running
@@ -94,6 +103,7 @@ class SiteDownLink:
         tasks frame leases ahead, which the gateway's "stored up to" will confirm."""
         if task_ids:
             self._open_tasks.extend(task_ids)
+            self._open_task_bytes += len(frame)
         full = self._batch.add(endpoint_id, frame)
         if full or peek_kind(frame) in _AT_ONCE:
             await self.flush()
@@ -116,33 +126,42 @@ class SiteDownLink:
             self._timer.cancel()
             self._timer = None
         frames = self._batch.take()
-        tasks, self._open_tasks = self._open_tasks, []
+        tasks, self._open_tasks, self._open_task_bytes = self._open_tasks, [], 0
         if not frames:
             return
         self.seq += 1
-        if tasks:
-            self._unconfirmed[self.seq] = tasks
-            while len(self._unconfirmed) > 10_000:
-                self._unconfirmed.popitem(last=False)
-        out = self._sign(frames, self.seq, self.epoch)
+        seq = self.seq
+        out = self._sign(frames, seq, self.epoch, min(self.pending.floor(seq), seq))
+        self.pending.sent(seq, tasks, len(out), time.monotonic())
         try:
             await self.base.send(self.gateway_id, out)
         except LinkError as exc:
             self.stats["failed"] += 1
             log.info("site_down for %s not sent (%d frames): %s", self.gateway_id, len(frames), exc,
                      extra={"endpoint_id": self.gateway_id})
+            lost = self.pending.give_up(seq)
+            if lost and self.on_lost is not None:
+                await self.on_lost(lost)
             raise
         self.stats["batches"] += 1
         self.stats["frames"] += len(frames)
         self.stats["bytes"] += len(out)
 
-    def confirmed_upto(self, epoch: str, seq: int) -> list[str]:
+    def unconfirmed_ids(self) -> list[str]:
+        """Task ids leased ahead through this link that the gateway has not confirmed: in a batch
+        sent or in the one being gathered."""
+        return [*self.pending.ids(), *self._open_tasks]
+
+    @property
+    def inflight_bytes(self) -> int:
+        """Bytes of leased-ahead work sent or about to go, and not confirmed yet (the pacing window's use)."""
+        return self.pending.inflight_bytes + self._open_task_bytes
+
+    def confirmed_upto(self, epoch: str, seq: int) -> tuple[list[str], list[tuple[int, float]]]:
         """The gateway stored every batch of this link up to ``seq``: the task ids those batches
-        leased ahead, each returned once (an older or another link's confirmation returns none)."""
-        if epoch != self.epoch:
-            return []
-        out: list[str] = []
-        while self._unconfirmed and next(iter(self._unconfirmed)) <= seq:
-            out.extend(self._unconfirmed.popitem(last=False)[1])
-        return out
+        leased ahead, each returned once (an older or another link's confirmation returns none),
+        and throughput samples (see PendingBatches.upto)."""
+        if epoch != self.epoch or seq > self.seq:  # another numbering, or a batch not sent yet: a lie
+            return [], []
+        return self.pending.upto(seq, time.monotonic())
 

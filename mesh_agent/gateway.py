@@ -47,7 +47,7 @@ from mesh_agent.agent import SITE_BODY_MAGIC
 from mesh_agent.backoff import AckTimeout
 from mesh_agent.protocol import Kind, ProtocolError
 from mesh_agent.protocol.envelope import _inflate, _parse_header, peek_kind
-from mesh_agent.protocol.site import ROW_FIELDS, SiteBatch, inner_frames, site_body
+from mesh_agent.protocol.site import ROW_FIELDS, SiteBatch, inner_frames, settled_below, site_body
 from mesh_agent.reload import reload_process
 from mesh_agent.site_store import SiteStore
 from mesh_agent.store import AgentStore, StoreError
@@ -412,14 +412,24 @@ class Gateway:
         epoch, n = env.body.get("e"), env.body.get("n")
         # "Stored up to n" confirms every batch of this numbering up to n at once: only when this
         # batch follows the last one we stored (a gap, or a batch we could not store, leaves the
-        # number where it was; those tasks are confirmed by id, as without site frames).
-        in_order = isinstance(epoch, str) and type(n) is int and n == (self._stored[1] + 1 if epoch == self._stored[0] else 1)
+        # number where it was; those tasks are confirmed by id, as without site frames). The hub's
+        # floor ("b": every batch below it is settled there) lets the number step over a batch the
+        # hub gave up on and sent again, and picks up a numbering after we restarted.
+        upto = self._stored[1] if epoch == self._stored[0] else 0
+        floor = settled_below(env.body)
+        if floor is not None and floor - 1 > upto:
+            upto = floor - 1
+        in_order = isinstance(epoch, str) and isinstance(n, int) and n == upto + 1
         stored_all = True
         for device, inner in frames:
             stored_all &= await self.from_hub(device, inner, by_seq=in_order) is not False
-        if in_order and stored_all:
-            self._stored = (epoch, n)  # type: ignore[assignment]
+        if in_order and stored_all and isinstance(n, int):
+            upto = n
+        if isinstance(epoch, str) and (epoch, upto) != self._stored and upto > 0:
+            self._stored = (epoch, upto)
             self._stored_dirty = True
+            # the hub's answer to our next hello: re-send only what lies past this (docs/sites.md)
+            self.agent.hello_extra["site"]["stored"] = [epoch, upto]
             self._queue_up(None, b"", at_once=False)
 
     async def from_hub(self, device: str, frame: bytes, *, by_seq: bool = False) -> bool | None:

@@ -220,6 +220,10 @@ class Store(Protocol):
         ...
 
     # sites.py
+    async def unlease_site(self, gateway_id: str, ids: Sequence[str]) -> int:
+        """Tasks of a site_down the hub gave up on: back in the queue at once, no longer the gateway's to re-claim."""
+        ...
+
     async def count_site_leased(self, gateway_id: str) -> int:
         """Tasks leased ahead to this gateway that no device has acknowledged yet."""
         ...

@@ -129,6 +129,17 @@ class SiteStore(StoreEngine):
 
         return await self.tx(q, durable=False)
 
+    async def unlease_site(self, gateway_id: str, ids: Sequence[str]) -> int:
+        """Tasks leased ahead to this gateway in a site_down the hub gave up on (it could not be sent,
+        or the gateway stored later batches but not it): back in the queue at once, and no longer
+        the gateway's to re-claim, so the next lease sends them again."""
+
+        def q(db: sqlite3.Connection) -> int:
+            return sum(db.execute("UPDATE tasks SET state='queued', leased_until=NULL, site=NULL WHERE id=? AND site=? AND state='leased'",
+                                  (i, gateway_id)).rowcount for i in ids)
+
+        return await self.tx(q, durable=False)
+
     async def count_site_leased(self, gateway_id: str) -> int:
         """Tasks leased ahead to this gateway that no device has acknowledged yet."""
         return int(await self._run(lambda: self._conn().execute(

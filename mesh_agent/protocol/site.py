@@ -16,6 +16,8 @@ Body, a msgpack map (compressed as a whole by the envelope when it shrinks)::
      "f": [[index into d, frame], ...], # the inner frames, in the order they were produced
      "n": seq,                          # optional: the sender's batch number
      "e": numbering,                    # optional: names the site_down numbering "n" belongs to
+     "b": floor,                        # optional (site_down): every batch of this numbering below b
+                                        # is settled at the hub (confirmed, or its tasks re-queued)
      "s": {"l": [[index, lan, epoch, capacity, running, queued, stored, outbox, want], ...],
            "x": [[index, {heartbeat fields that changed}], ...],
            "c": [numbering, n]}}        # optional: the site's own section; "l": liveness rows (ROW_FIELDS),
@@ -32,7 +34,7 @@ from typing import Any
 from mesh_agent.protocol.envelope import BadFrame, Kind
 
 __all__ = ["SITE_FLUSH_BYTES", "SITE_MAX_FRAMES", "SITE_MAX_BYTES", "ROW_FIELDS", "SiteBatch", "site_body", "inner_frames",
-           "check_site_body", "summary_rows", "stored_upto"]
+           "check_site_body", "summary_rows", "stored_upto", "settled_below"]
 
 #: A batch is flushed once its inner frames add up to this many bytes (before compression).
 SITE_FLUSH_BYTES = 16 * 1024
@@ -47,13 +49,15 @@ _MAX_ID_LEN = 255
 ROW_FIELDS = ("lan", "epoch", "capacity", "running", "queued", "stored", "outbox", "want")
 
 
-def site_body(frames: list[tuple[str, bytes]], *, seq: int | None = None, epoch: str | None = None,
+def site_body(frames: list[tuple[str, bytes]], *, seq: int | None = None, epoch: str | None = None, floor: int | None = None,
               rows: dict[str, list[int]] | None = None, info: dict[str, dict[str, Any]] | None = None,
               stored: tuple[str, int] | None = None) -> dict[str, Any]:
     """The body of a ``site_up``/``site_down`` envelope carrying ``frames`` ((device id, frame) pairs,
     in order) and, for a site_up, liveness ``rows`` (device id -> the values of :data:`ROW_FIELDS`)
     and ``info`` (device id -> the other heartbeat fields that changed: resources, device counters).
-    ``seq``/``epoch``: a site_down's number in its numbering; ``stored``: a site_up's confirmation
+    ``seq``/``epoch``: a site_down's number in its numbering; ``floor``: every site_down of that
+    numbering below it is settled (the gateway's "stored up to" may skip a batch the hub gave up
+    on, so one lost batch does not stop cumulative confirmation for good); ``stored``: a site_up's confirmation
     that every site_down of that numbering up to that number is stored at the gateway."""
     devices: list[str] = []
     index: dict[str, int] = {}
@@ -70,6 +74,8 @@ def site_body(frames: list[tuple[str, bytes]], *, seq: int | None = None, epoch:
         body["n"] = int(seq)
     if epoch is not None:
         body["e"] = epoch
+    if floor is not None:
+        body["b"] = int(floor)
     site: dict[str, Any] = {}
     if stored is not None:
         site["c"] = [stored[0], int(stored[1])]
@@ -100,8 +106,9 @@ def check_site_body(kind: Kind, body: dict[str, Any]) -> None:
         total += len(item[1])
     if total > SITE_MAX_BYTES:
         raise BadFrame(f"{kind.value} body: inner frames of {total} bytes exceed {SITE_MAX_BYTES}")
-    if "n" in body and (type(body["n"]) is not int or body["n"] < 0):
-        raise BadFrame(f"{kind.value} body: n must be an int >= 0")
+    for key in ("n", "b"):
+        if key in body and (type(body[key]) is not int or body[key] < 0):
+            raise BadFrame(f"{kind.value} body: {key} must be an int >= 0")
     if "s" in body and type(body["s"]) is not dict:
         raise BadFrame(f"{kind.value} body: s must be a map")
     if "e" in body and (type(body["e"]) is not str or not 0 < len(body["e"]) <= 16):
@@ -149,6 +156,12 @@ def stored_upto(body: dict[str, Any]) -> tuple[str, int] | None:
     """A checked site_up's "stored up to": (numbering, n), or None."""
     c = (body.get("s") or {}).get("c")
     return (c[0], c[1]) if c else None
+
+
+def settled_below(body: dict[str, Any]) -> int | None:
+    """A checked site_down's floor ``b``: every batch of its numbering below it is settled, or None."""
+    b = body.get("b")
+    return b if type(b) is int else None
 
 
 class SiteBatch:

@@ -54,13 +54,18 @@ def results_of(mesh: LocalMesh, ids: list[str]) -> dict[str, Any]:
 
 
 def held_at_site(mesh: LocalMesh) -> int:
-    """Tasks whose lease ahead the gateway confirmed (stored in its queue): leased for site_hold_s."""
+    """Tasks whose lease ahead the gateway confirmed (stored in its queue): leased for site_hold_s,
+    and (site frames) no longer waiting in a site_down link for the gateway's "stored up to"; a
+    connected site-frames gateway's work is leased for site_hold_s from the start (docs/sites.md)."""
     import sqlite3
 
+    disp = mesh.hub.hub.dispatcher  # type: ignore[union-attr]
+    waiting = {t for link in list(disp._site_links.values()) for t in link.unconfirmed_ids()}
     db = sqlite3.connect(f"file:{mesh.workdir / 'hub.sqlite3'}?mode=ro", uri=True)
     try:
-        return db.execute("SELECT COUNT(*) FROM tasks WHERE site IS NOT NULL AND state='leased' AND leased_until > ?",
-                          (time.time() + 60,)).fetchone()[0]
+        rows = db.execute("SELECT id FROM tasks WHERE site IS NOT NULL AND state='leased' AND leased_until > ?",
+                          (time.time() + 60,)).fetchall()
+        return sum(1 for (tid,) in rows if tid not in waiting)
     finally:
         db.close()
 

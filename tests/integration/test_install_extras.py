@@ -135,7 +135,9 @@ def venvs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         log = tmp / f"pip-{extra}.log"
         with open(log, "wb") as f:
             procs[extra] = (subprocess.Popen([str(venv / "bin" / "python"), "-m", "pip", "install", "--no-cache-dir", "--disable-pip-version-check",
-                                              "-c", str(CONSTRAINTS), f"{wheel}[{extra}]"],
+                                              # no byte-compiling of every installed module up front (CPU the
+                                              # suite needs): what the agent and SDK import compiles on first use
+                                              "--no-compile", "-c", str(CONSTRAINTS), f"{wheel}[{extra}]"],
                                              stdout=f, stderr=subprocess.STDOUT, env=_clean_env(venv), cwd=tmp), log)
     deadline = time.monotonic() + INSTALL_TIMEOUT_S
     failed = []

@@ -15,7 +15,7 @@ import pytest
 from cloud_hub.site_frames import split_site_up
 from mesh_agent.protocol import BadFrame, BadSignature, Envelope, Kind, decode, encode, new_key
 from mesh_agent.protocol.bodies import validate_body
-from mesh_agent.protocol.site import SITE_FLUSH_BYTES, SITE_MAX_FRAMES, SiteBatch, inner_frames, site_body, summary_rows
+from mesh_agent.protocol.site import SITE_FLUSH_BYTES, SITE_MAX_FRAMES, SiteBatch, inner_frames, settled_below, site_body, summary_rows
 
 KA, KB = new_key(), new_key()
 
@@ -62,6 +62,8 @@ def test_compression_pays_on_many_small_frames() -> None:
     ({"d": ["ep-\u00e9"], "f": []}, "d must hold"),
     ({"d": ["ep-a"] * (SITE_MAX_FRAMES + 1), "f": []}, "d must be"),
     ({"d": ["ep-a"], "f": [], "n": -1}, "n must be"),
+    ({"d": ["ep-a"], "f": [], "b": -1}, "b must be"),
+    ({"d": ["ep-a"], "f": [], "b": "3"}, "b must be"),
     ({"d": ["ep-a"], "f": [], "s": []}, "s must be"),
     ({"d": ["ep-a"], "f": [], "s": {"l": [[1, 1, 0, 1, 0, 0, 0, 0, 0]]}}, "s.l[0]"),
     ({"d": ["ep-a"], "f": [], "s": {"l": [[0, 1, 0, 1, 0, 0, 0, 0]]}}, "s.l[0]"),
@@ -100,3 +102,81 @@ def test_batch_says_when_it_is_full() -> None:
     assert b.add("ep-a", b"y" * SITE_FLUSH_BYTES)
     assert len(b) == 2 and b.nbytes == 100 + SITE_FLUSH_BYTES
     assert [d for d, _ in b.take()] == ["ep-a", "ep-a"] and len(b) == 0 and b.nbytes == 0
+
+
+def test_a_site_down_carries_its_floor() -> None:
+    body = roundtrip(Kind.SITE_DOWN, site_body([], seq=9, epoch="abcd", floor=4))
+    assert body["n"] == 9 and body["b"] == 4 and settled_below(body) == 4
+    assert settled_below(roundtrip(Kind.SITE_DOWN, site_body([], seq=1))) is None
+
+
+def test_a_batch_that_cannot_be_sent_hands_its_tasks_back_at_once() -> None:
+    """The hub's site_down link: a dropped batch's leased-ahead tasks go to on_lost (back to the
+    queue), and the next batch's floor steps over it, so the gateway's "stored up to" goes on."""
+    import asyncio
+
+    from cloud_hub.site_frames import SiteDownLink
+    from mesh_agent.transport import LinkError
+
+    class Uplink:
+        name = "mqtt"
+
+        def __init__(self) -> None:
+            self.up, self.sent = False, []
+
+        async def send(self, endpoint_id: str, frame: bytes) -> None:
+            if not self.up:
+                raise LinkError("uplink down")
+            self.sent.append(frame)
+
+    signed: list[tuple[int, int]] = []
+
+    def sign(frames: list, seq: int, epoch: str, floor: int) -> bytes:
+        signed.append((seq, floor))
+        return b"x" * 10 * len(frames)
+
+    async def run() -> list[str]:
+        lost: list[str] = []
+
+        async def on_lost(ids: list[str]) -> None:
+            lost.extend(ids)
+
+        base = Uplink()
+        link = SiteDownLink("ep-gw", base, sign, on_lost=on_lost)  # type: ignore[arg-type]
+        await link.send("ep-a", b"t1", ["task-1"])
+        with pytest.raises(LinkError):
+            await link.flush()
+        base.up = True
+        await link.send("ep-a", b"t2", ["task-2"])
+        assert link.inflight_bytes == 2
+        await link.flush()
+        assert link.inflight_bytes == 10 and link.pending.ids() == ["task-2"]
+        return lost
+
+    assert asyncio.run(run()) == ["task-1"]
+    assert signed == [(1, 1), (2, 2)]  # batch 1 was given up: batch 2 says every batch below 2 is settled
+
+
+def test_a_stored_up_to_beyond_what_was_sent_confirms_nothing() -> None:
+    """A gateway (or a thief with its key) claiming a batch number the hub has not sent yet is lying:
+    nothing is confirmed by it, so no later lease is pre-confirmed either."""
+    import asyncio
+
+    from cloud_hub.site_frames import SiteDownLink
+
+    class Uplink:
+        name = "mqtt"
+
+        async def send(self, endpoint_id: str, frame: bytes) -> None:
+            return None
+
+    async def run() -> None:
+        link = SiteDownLink("ep-gw", Uplink(), lambda frames, seq, epoch, floor: b"x")  # type: ignore[arg-type]
+        await link.send("ep-a", b"t0", ["task-0"])
+        await link.flush()
+        assert link.confirmed_upto(link.epoch, 2**31 - 1) == ([], [])
+        assert link.confirmed_upto("other", 1) == ([], [])
+        ids, _ = link.confirmed_upto(link.epoch, 1)
+        assert ids == ["task-0"]
+
+    asyncio.run(run())
