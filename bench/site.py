@@ -10,10 +10,13 @@ LAN), which the proxy does not see. Every agent, devices and gateway, runs the `
 
 Measured, per setup:
 
-* **idle uplink bytes per day**: MQTT bytes through the proxy in both directions over
-  ``--idle-s`` of an idle, online site, scaled to a day; plus an estimate of what TCP/IP and TLS
-  add (bench/footprint.py's method: packets ~ 2 x proxy reads, 52 B TCP/IP each, 29 B TLS per
-  record). The TLS handshakes (one per session and reconnect) are not in it.
+* **idle uplink bytes per day**: bytes on the wire through the proxy in both directions over
+  ``--idle-s`` of an idle, online site, scaled to a day. The links speak TLS (``LocalMesh(tls=True)``,
+  as any link off loopback must; ``--no-tls`` for plain MQTT), so the proxied bytes hold every TLS
+  record and handshake (a reconnect's handshake too). TCP/IP is counted from the packets: the
+  kernel's TCP_INFO segment counts of the proxy's device-side sockets (pure ACKs included), 52 B
+  each, plus the extra segments a 1,448-byte MSS needs where loopback sent up to 64 KiB in one
+  (sim/emulate/proxy.py, ``wire_bytes``). The same is reported per phase (idle, outage).
 * **tasks completed during an uplink outage** of ``--outage-s``: ``--tasks-per-device`` tasks of
   ``--task-s`` seconds each are queued at the hub for every device; a few seconds later the uplink
   is cut (reset) for the outage; then restored. Counted from the results' ``finished`` times (the
@@ -56,8 +59,6 @@ import sys
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != c.BENCH_DIR]
 
 DAY_S = 86400.0
-TCPIP_B = 52
-TLS_RECORD_B = 29
 
 
 def work(seconds: float) -> float:
@@ -83,8 +84,11 @@ class Uplink:
         return self.proxy.port
 
     def snapshot(self) -> dict[str, int]:
+        """The proxy's counters, TCP segments of open connections included, and wire bytes."""
         async def snap() -> dict[str, int]:
-            return dict(self.proxy.stats)
+            st = self.proxy.segments()
+            wire = self.proxy.wire_bytes()
+            return {**st, "wire_up": wire["up"], "wire_down": wire["down"]}
 
         return asyncio.run_coroutine_threadsafe(snap(), self.loop).result(5)
 
@@ -124,8 +128,8 @@ def run_setup(gateway: bool, args: argparse.Namespace, root: Path) -> dict[str, 
     name = "gateway" if gateway else "no_gateway"
     workdir = root / name
     out: dict[str, Any] = {"setup": name, "devices": args.devices}
-    with LocalMesh(workdir, heartbeat_s=5.0, lost_after_s=20.0, lease_s=30.0) as mesh:
-        up = Uplink(("127.0.0.1", mesh.broker.port))
+    with LocalMesh(workdir, heartbeat_s=5.0, lost_after_s=20.0, lease_s=30.0, tls=args.tls) as mesh:
+        up = Uplink(("127.0.0.1", mesh.broker.tls_port or mesh.broker.port))  # the TLS listener when tls
         try:
             metered = {"profile": "metered"}
             if gateway:
@@ -148,15 +152,18 @@ def run_setup(gateway: bool, args: argparse.Namespace, root: Path) -> dict[str, 
             time.sleep(args.idle_s)
             b, kb = up.snapshot(), _kinds(mesh)
             d = {k: b[k] - a.get(k, 0) for k in b}
-            mqtt_b = d["bytes_up"] + d["bytes_down"]
-            reads = d["reads_up"] + d["reads_down"]
+            link_b = d["bytes_up"] + d["bytes_down"]
+            wire_b = d["wire_up"] + d["wire_down"]
             scale = DAY_S / args.idle_s
             out["idle"] = {
                 "window_s": args.idle_s,
-                "uplink_mqtt_bytes": mqtt_b,
-                "uplink_mqtt_bytes_per_day": round(mqtt_b * scale),
-                "uplink_bytes_per_day_incl_tcpip_tls": round((mqtt_b + 2 * reads * TCPIP_B + reads * TLS_RECORD_B) * scale),
-                "uplink_packets_per_day_est": round(2 * reads * scale),
+                "tls": args.tls,
+                "uplink_link_bytes": link_b,  # MQTT, inside TLS records when tls
+                "uplink_link_bytes_per_day": round(link_b * scale),
+                "uplink_wire_bytes": wire_b,
+                "uplink_wire_bytes_per_day": round(wire_b * scale),
+                "uplink_tcp_segments": d["segs_up"] + d["segs_down"],
+                "uplink_connections_opened": d["connections"],  # each one a TLS handshake when tls
                 "uplink_sessions": 1 if gateway else args.devices,
                 # The hub's frame bytes by direction and kind (both setups; a site_up/site_down
                 # counts as itself, compressed, and its inner frames again under their kinds)
@@ -164,7 +171,7 @@ def run_setup(gateway: bool, args: argparse.Namespace, root: Path) -> dict[str, 
             }
             c.log(f"{name}: idle {out['idle']}")
             # --- outage
-            k_out = _kinds(mesh)
+            k_out, w_out = _kinds(mesh), up.snapshot()
             client = mesh.client
             fid = client.register_function(work)
             ids = [client.submit(dv.endpoint_id, fid, args.task_s) for dv in devs for _ in range(args.tasks_per_device)]
@@ -190,6 +197,9 @@ def run_setup(gateway: bool, args: argparse.Namespace, root: Path) -> dict[str, 
                 "failed": sum(1 for r in got.values() if not r["ok"]),
                 "hub_frame_bytes_by_kind": _delta(k_out, _kinds(mesh)),
             }
+            w_end = up.snapshot()
+            out["outage"]["uplink_wire_bytes"] = (w_end["wire_up"] + w_end["wire_down"]) - (w_out["wire_up"] + w_out["wire_down"])
+            out["outage"]["uplink_connections_opened"] = w_end["connections"] - w_out["connections"]
             c.log(f"{name}: outage {out['outage']}")
             if gateway:
                 out["site_leased"] = mesh.hub.hub.dispatcher.stats.get("site_leased", 0)  # type: ignore[union-attr]
@@ -214,8 +224,8 @@ def run_fl(site: bool, compression: str | None, args: argparse.Namespace, root: 
     name = ("fl_site" if site else "fl_flat") + (f"_{compression}" if compression else "")
     out: dict[str, Any] = {"setup": name, "devices": args.devices, "rounds": args.fl_rounds, "compression": compression}
     trainer = {"threads": 1, "lr": 0.05, "batch_size": 32}
-    with LocalMesh(root / name, heartbeat_s=5.0, lost_after_s=30.0, lease_s=30.0) as mesh:
-        up = Uplink(("127.0.0.1", mesh.broker.port))
+    with LocalMesh(root / name, heartbeat_s=5.0, lost_after_s=30.0, lease_s=30.0, tls=args.tls) as mesh:
+        up = Uplink(("127.0.0.1", mesh.broker.tls_port or mesh.broker.port))  # the TLS listener when tls
         try:
             metered = {"profile": "metered"}
             if site:
@@ -242,12 +252,13 @@ def run_fl(site: bool, compression: str | None, args: argparse.Namespace, root: 
                 hist = fed.fit(MLP(), "digits", rounds=args.fl_rounds, strategy=strategy, local_epochs=2, deadline_s=600,
                                min_clients=args.devices, trainer=trainer, eval_data=load_test_data(), seed=0, name=name,
                                compression=compression, on_round=lambda rec, w: snaps.append(up.snapshot()))
-                per = [{k: b[k] - a.get(k, 0) for k in ("bytes_up", "bytes_down")} for a, b in zip(snaps, snaps[1:])]
-                tot = [p["bytes_up"] + p["bytes_down"] for p in per]
+                # on the wire: TLS records and TCP/IP from the packets (Uplink.snapshot)
+                per = [{k: b[k] - a.get(k, 0) for k in ("wire_up", "wire_down")} for a, b in zip(snaps, snaps[1:])]
+                tot = [p["wire_up"] + p["wire_down"] for p in per]
                 res: dict[str, Any] = {
                     "uplink_bytes_per_round": tot,
-                    "uplink_bytes_to_hub_per_round": [p["bytes_up"] for p in per],
-                    "uplink_bytes_from_hub_per_round": [p["bytes_down"] for p in per],
+                    "uplink_bytes_to_hub_per_round": [p["wire_up"] for p in per],
+                    "uplink_bytes_from_hub_per_round": [p["wire_down"] for p in per],
                     "uplink_bytes_per_round_median_after_first": statistics.median(tot[1:] or tot),
                     "accuracy_per_round": [None if r.accuracy is None else round(r.accuracy, 4) for r in hist],
                     "final_accuracy": None if hist[-1].accuracy is None else round(hist[-1].accuracy, 4),
@@ -287,6 +298,7 @@ def main() -> None:
     p.add_argument("--prefetch", type=int, default=4)
     p.add_argument("--hold", type=int, default=200, help="tasks the hub may lease ahead to the gateway")
     p.add_argument("--quick", action="store_true", help="3 devices, short windows: a smoke run")
+    p.add_argument("--no-tls", dest="tls", action="store_false", help="plain MQTT on the uplink (default: TLS, as off loopback)")
     p.add_argument("--setups", default="no_gateway,gateway,fl",
                    help="comma-separated: no_gateway,gateway,fl (fl: flat and hierarchical FL; default all, in one run)")
     p.add_argument("--fl-rounds", type=int, default=5)
@@ -349,10 +361,10 @@ def main() -> None:
         c.smoke_check(problems)
         return
     out["summary"] |= {
-        "idle_uplink_bytes_per_day": {"no_gateway": base["idle"]["uplink_bytes_per_day_incl_tcpip_tls"],
-                                      "gateway": site["idle"]["uplink_bytes_per_day_incl_tcpip_tls"],
-                                      "ratio": c.ratio(base["idle"]["uplink_bytes_per_day_incl_tcpip_tls"],
-                                                       site["idle"]["uplink_bytes_per_day_incl_tcpip_tls"])},
+        "idle_uplink_bytes_per_day": {"no_gateway": base["idle"]["uplink_wire_bytes_per_day"],
+                                      "gateway": site["idle"]["uplink_wire_bytes_per_day"],
+                                      "ratio": c.ratio(base["idle"]["uplink_wire_bytes_per_day"],
+                                                       site["idle"]["uplink_wire_bytes_per_day"])},
         "tasks_done_during_outage": {"no_gateway": base["outage"]["tasks_done_during_outage"],
                                      "gateway": site["outage"]["tasks_done_during_outage"]},
     }

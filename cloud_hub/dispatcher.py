@@ -866,6 +866,11 @@ class Dispatcher:
         if upto is not None and isinstance(link, SiteDownLink):
             ids, samples = link.confirmed_upto(*upto)
             await self._site_confirmed(s, ids, samples)
+            if upto[0] == link.epoch and upto[1] <= link.seq:
+                clock = s.site_clock or self._site_clocks.get(gateway)
+                lost = link.pending.not_stored(upto[1], time.monotonic(), clock.lease_s() if clock is not None else self.cfg.lease_s)
+                if lost:
+                    await self._site_given_up(gateway, lost, f"the gateway's summary says it stored up to site_down {upto[1]}")
         refused: list[BadFrame] = []
         for device, frame in split_site_up(body, mine):
             if isinstance(frame, BadFrame):

@@ -362,6 +362,14 @@ class _Collector:
             b_out.add_metric([tr], tot_out[tr])
         yield b_in
         yield b_out
+        # By frame kind: what heartbeats, tasks, results, site frames ... cost (docs/sites.md counts a
+        # site's uplink this way). A site_up/site_down counts as itself, and its inner frames again
+        # under their own kinds when the hub handles them.
+        by_kind = CounterMetricFamily("mesh_frame_bytes_by_kind", "Frame bytes by direction (in: from endpoints, out: to them) and "
+                                      "frame kind; inner frames of site frames are counted under their kinds as well", labels=["direction", "kind"])
+        for (out, kind), n in sorted(getattr(disp, "kind_bytes", {}).items(), key=lambda kv: (kv[0][0], kv[0][1].value)):
+            by_kind.add_metric(["out" if out else "in", kind.value], n)
+        yield by_kind
         if full:
             yield e_in
             yield e_out

@@ -167,6 +167,16 @@ class PendingBatches:
             out.extend(self._drop(n))
         return out
 
+    def not_stored(self, stored_upto: int, now: float, grace_s: float) -> list[str]:
+        """The gateway's summary says it stored up to ``stored_upto`` and not further (it says so in
+        every full summary, at least once a minute): a batch after that, sent more than
+        ``grace_s`` ago and not confirmed by id either, did not arrive. Given up; its task ids, to
+        re-queue. This is what frees work whose batch was lost when no later batch shows the hole."""
+        out: list[str] = []
+        for n in [n for n, b in self._batches.items() if n > stored_upto and now - b.sent_at > grace_s]:
+            out.extend(self._drop(n))
+        return out
+
     def past(self, seq: int) -> list[str]:
         """Give up every batch after ``seq`` (the gateway's hello says it stored up to seq and no
         further): their unconfirmed task ids, to re-queue."""

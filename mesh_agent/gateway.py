@@ -469,6 +469,13 @@ class Gateway:
             self._ack_delays(acked, time.time())
             with contextlib.suppress(StoreError):
                 await self.store.relay_release("up", device, acked)
+        elif kind is Kind.WELCOME and self.site_frames and self._info.get(device):
+            # A new session for the device at the hub starts from its hello: every heartbeat field
+            # we know goes up once more, not only those that change from now on (a counter that
+            # stays 0 would otherwise be missing there until the next full summary).
+            self._info_dirty[device] = set(self._info[device])
+            self._dirty.add(device)
+            self._queue_up(None, b"", at_once=False)
         await self._to_device(device, frame)
         return True
 
@@ -626,8 +633,12 @@ class Gateway:
             self._out_timer.cancel()
             self._out_timer = None
         frames = self._out.take()
+        full = self._full_due
         rows, info = self._take_rows()
-        stored, self._stored_dirty = (self._stored if self._stored_dirty else None), False
+        # "stored up to" when it moved, and in every full summary: the hub re-sends a batch past it
+        # that it sent long enough before (cloud_hub/site_lease.py, PendingBatches.not_stored)
+        stored = self._stored if self._stored_dirty or (full and self._stored[0]) else None
+        self._stored_dirty = False
         if not frames and not rows and stored is None:
             return
         if self._uplink is None or len(self._in_flight) >= MAX_IN_FLIGHT:

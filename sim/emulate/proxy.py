@@ -13,6 +13,12 @@ Link states:
   told anything: only keepalives (MQTT PINGREQ, ZMTP heartbeats) and timeouts find out. This is
   the nasty case of a rural link that is "up" at the radio and passes no packets.
 
+Packets are counted by the kernel: at the end of each connection (and on :meth:`FaultProxy.segments`)
+the device-side socket's ``TCP_INFO`` gives the TCP segments it received and sent, pure ACKs
+included, so a report can add real TCP/IP header bytes to the bytes the link carried (with TLS on,
+those bytes already hold every TLS record and handshake). Loopback segments are up to 64 KiB, a
+radio's about 1,448 bytes of payload: ``split_*`` counts the extra segments such an MSS needs.
+
 A link can be cut by several causes at once (its own Markov process, its region's mast, a
 scheduled night): it is down while any cause is; ``reset`` wins over ``blackhole``. Every state
 change is logged with its wall-clock time, which is what the report's timeline draws.
@@ -30,11 +36,30 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["FaultProxy", "LinkShape", "CutMode"]
+__all__ = ["FaultProxy", "LinkShape", "CutMode", "tcp_segments", "WIRE_MSS", "TCPIP_HEADER_B"]
 
 log = logging.getLogger("sim.proxy")
 
 CutMode = Literal["reset", "blackhole"]
+#: TCP payload per segment on a 1,500-byte MTU link with TCP timestamps (a radio, not loopback)
+WIRE_MSS = 1448
+#: IPv4 (20) + TCP with the timestamp option (32): what each segment adds on the wire
+TCPIP_HEADER_B = 52
+
+
+def tcp_segments(sock: socket.socket | None) -> tuple[int, int]:
+    """(segments in, segments out) of a TCP socket, from the kernel's TCP_INFO (Linux >= 4.2;
+    (0, 0) where it cannot be read)."""
+    if sock is None or not hasattr(socket, "TCP_INFO"):
+        return 0, 0
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except OSError:
+        return 0, 0
+    if len(info) < 144:
+        return 0, 0
+    segs_out, segs_in = struct.unpack_from("<II", info, 136)  # tcpi_segs_out, tcpi_segs_in
+    return int(segs_in), int(segs_out)
 _CHUNK = 64 * 1024
 _QUEUE_CHUNKS = 32  # per direction and connection: beyond this the reader stops (backpressure)
 
@@ -65,6 +90,16 @@ class _Conn:
     upstream: asyncio.StreamWriter | None = None
     task: asyncio.Task[None] | None = None
     last_due: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    counted: tuple[int, int] = (0, 0)  # TCP segments (in, out) of the client socket already in the stats
+
+    def count_segments(self, stats: dict[str, int]) -> None:
+        """Add the client socket's segments since the last count: in = up the link, out = down."""
+        sock = self.client.get_extra_info("socket")
+        segs_in, segs_out = tcp_segments(sock)
+        if segs_in or segs_out:
+            stats["segs_up"] += max(0, segs_in - self.counted[0])
+            stats["segs_down"] += max(0, segs_out - self.counted[1])
+            self.counted = (max(segs_in, self.counted[0]), max(segs_out, self.counted[1]))
 
     def abort(self) -> None:
         _rst(self.client)
@@ -93,7 +128,8 @@ class FaultProxy:
         self.transitions: list[tuple[float, str]] = []  # (wall time, new state)
         # reads_*: chunks read per direction; with TCP_NODELAY senders and small messages, about one
         # TCP segment each (bench/footprint.py estimates packets from them)
-        self.stats = {"connections": 0, "refused": 0, "resets": 0, "bytes_up": 0, "bytes_down": 0, "reads_up": 0, "reads_down": 0}
+        self.stats = {"connections": 0, "refused": 0, "resets": 0, "bytes_up": 0, "bytes_down": 0, "reads_up": 0, "reads_down": 0,
+                      "segs_up": 0, "segs_down": 0, "split_up": 0, "split_down": 0}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, port: int = 0) -> "FaultProxy":
@@ -114,6 +150,19 @@ class FaultProxy:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2)
             self._server = None
+
+    def segments(self) -> dict[str, int]:
+        """The stats with every open connection's TCP segments counted up to now."""
+        for c in list(self._conns):
+            c.count_segments(self.stats)
+        return dict(self.stats)
+
+    def wire_bytes(self) -> dict[str, int]:
+        """Bytes on a 1,500-MTU wire per direction: what the link carried (TLS included when the
+        link speaks it) plus 52 bytes of TCP/IP per segment the kernel counted, plus the segments
+        a radio's MSS would add to loopback's large ones."""
+        st = self.segments()
+        return {d: st[f"bytes_{d}"] + TCPIP_HEADER_B * (st[f"segs_{d}"] + st[f"split_{d}"]) for d in ("up", "down")}
 
     # ------------------------------------------------------------------ faults
     def cut(self, cause: str, mode: CutMode) -> None:
@@ -150,6 +199,7 @@ class FaultProxy:
         if new == "reset":
             for c in list(self._conns):
                 self.stats["resets"] += 1
+                c.count_segments(self.stats)
                 c.abort()
             self._conns.clear()
 
@@ -181,6 +231,7 @@ class FaultProxy:
         except Exception as exc:  # a pump failed: reset both sides, as a broken path would
             log.debug("%s: connection ended: %r", self.name, exc)
         finally:
+            conn.count_segments(self.stats)
             self._conns.discard(conn)
             conn.abort() if self.state == "reset" else _close(conn)
 
@@ -199,6 +250,7 @@ class FaultProxy:
                     break
                 self.stats["bytes_up" if direction == 0 else "bytes_down"] += len(data)
                 self.stats["reads_up" if direction == 0 else "reads_down"] += 1
+                self.stats["split_up" if direction == 0 else "split_down"] += (len(data) - 1) // WIRE_MSS
                 due = loop.time() + max(0.0, sh.latency_s + (self._rng.uniform(-sh.jitter_s, sh.jitter_s) if sh.jitter_s else 0.0))
                 due = max(due, conn.last_due[direction])  # TCP is in order: jitter never reorders
                 if sh.bandwidth_bps:

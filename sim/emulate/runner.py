@@ -39,7 +39,7 @@ from .faults import FaultEvent, FaultSchedule, build_schedule
 from .functions import CATALOG
 from .proxy import FaultProxy, LinkShape
 from .scenario import EmulationScenario
-from .sites import lan_upstream, move_device, site_figures
+from .sites import frame_bytes_by_kind, lan_upstream, move_device, site_figures
 from .workload import TaskPlan, payload_of, plan_workload
 
 __all__ = ["Emulation"]
@@ -57,6 +57,7 @@ class Emulation:
                  without_gateways: bool = False) -> None:
         self.sc = sc
         self.without_gateways = without_gateways  # the baseline of a site scenario (sim/emulate/sites.py)
+        self.frame_kinds: dict[str, int] = {}  # the hub's frame bytes by direction and kind, at the end of the run
         self.moves: list[tuple[float, str, str, str]] = []  # (when, device, from gateway group, to)
         self.workdir = Path(workdir)
         self.echo = echo
@@ -130,6 +131,7 @@ class Emulation:
             if fl_run is not None and not fl_run.done():
                 self.errors.append("the FL run had not finished at the drain deadline")
             await asyncio.sleep(max(1.0, 2 * sc.hub.heartbeat_s))  # late duplicates would show up now
+            self.frame_kinds = await asyncio.to_thread(frame_bytes_by_kind, self.mesh.url)
             progress.cancel()
         finally:
             self._stop_reader.set()

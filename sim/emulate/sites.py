@@ -100,6 +100,25 @@ def tasks_during_outages(finished: Sequence[tuple[str, float]], initial: Mapping
     return out
 
 
+def frame_bytes_by_kind(hub_url: str) -> dict[str, int]:
+    """The hub's ``mesh_frame_bytes_by_kind_total`` as {"in:<kind>"/"out:<kind>": bytes} ({} when
+    the hub does not answer: the report then lacks the split, not the run)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{hub_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, int] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "mesh_frame_bytes_by_kind":
+            for sample in fam.samples:
+                if sample.name.endswith("_total"):
+                    out[f"{sample.labels['direction']}:{sample.labels['kind']}"] = int(sample.value)
+    return dict(sorted(out.items()))
+
+
 def site_figures(run: Any) -> dict[str, Any] | None:
     """The run's site figures (None when it has no gateway groups). Reads the hub's database, so
     call it after the run stopped."""
@@ -121,16 +140,21 @@ def site_figures(run: Any) -> dict[str, Any] | None:
     t0, T = run.t0, run.sc.duration_s
     out: dict[str, Any] = {"gateways": not run.without_gateways, "sites": {}}
     for site in sites:
-        st = run.proxies[gateway_slot(site)].stats
+        proxy = run.proxies[gateway_slot(site)]
+        st = proxy.stats
+        wire = proxy.wire_bytes()  # TCP/IP from the kernel's segment counts (sim/emulate/proxy.py)
         in_window = sum(max(0.0, min(b, t0 + T) - max(a, t0)) for a, b in down[site])
         out["sites"][site] = {
             "uplink_bytes": int(st["bytes_up"] + st["bytes_down"]), "uplink_bytes_up": int(st["bytes_up"]),
             "uplink_bytes_down": int(st["bytes_down"]), "uplink_connections": int(st["connections"]),
+            "uplink_wire_bytes": int(wire["up"] + wire["down"]), "uplink_tcp_segments": int(st["segs_up"] + st["segs_down"]),
             "uplink_down_share": round(in_window / T, 4) if T > 0 else 0.0,
             "tasks_done_by_devices": counts[site]["done"], "tasks_done_during_uplink_outage": counts[site]["during_outage"],
         }
     tot = out["sites"].values()
+    out["hub_frame_bytes_by_kind"] = getattr(run, "frame_kinds", {})
     out["total"] = {"uplink_bytes": sum(s["uplink_bytes"] for s in tot),
+                    "uplink_wire_bytes": sum(s["uplink_wire_bytes"] for s in tot),
                     "tasks_done_during_uplink_outage": sum(s["tasks_done_during_uplink_outage"] for s in tot),
                     "tasks_done_by_devices": sum(s["tasks_done_by_devices"] for s in tot)}
     out["moves"] = [{"t": round(w - t0, 3), "agent": a, "from": f, "to": n} for w, a, f, n in run.moves]
@@ -143,6 +167,11 @@ def compare(with_gw: Mapping[str, Any], without: Mapping[str, Any]) -> dict[str,
     return {
         "uplink_bytes": {"gateways": a["uplink_bytes"], "without_gateways": b["uplink_bytes"],
                          "ratio_without_to_with": round(b["uplink_bytes"] / a["uplink_bytes"], 3) if a["uplink_bytes"] else None},
+        "uplink_wire_bytes": {"gateways": a.get("uplink_wire_bytes"), "without_gateways": b.get("uplink_wire_bytes"),
+                              "ratio_without_to_with": round(b["uplink_wire_bytes"] / a["uplink_wire_bytes"], 3)
+                              if a.get("uplink_wire_bytes") and b.get("uplink_wire_bytes") else None},
+        "hub_frame_bytes_by_kind": {"gateways": with_gw.get("hub_frame_bytes_by_kind", {}),
+                                    "without_gateways": without.get("hub_frame_bytes_by_kind", {})},
         "tasks_done_during_uplink_outage": {"gateways": a["tasks_done_during_uplink_outage"],
                                             "without_gateways": b["tasks_done_during_uplink_outage"]},
         "per_site": {s: {"gateways": with_gw["sites"][s], "without_gateways": without["sites"].get(s)} for s in with_gw["sites"]},

@@ -127,3 +127,25 @@ async def test_upstream_down_looks_like_a_reset_to_the_client() -> None:
             await _roundtrip(p.port, b"x")
     finally:
         await p.stop()
+
+
+async def test_the_kernel_counts_the_links_tcp_segments(echo_port: int) -> None:
+    """Packets come from the client socket's TCP_INFO (pure ACKs and the handshake included), so a
+    report adds real TCP/IP headers; a radio's MSS splits loopback's 64 KiB segments further."""
+    p = await FaultProxy("a", ("127.0.0.1", echo_port)).start()
+    try:
+        data = b"x" * 10_000
+        assert await _roundtrip(p.port, data) == data
+        live = p.segments()
+        assert live["segs_up"] >= 2 and live["segs_down"] >= 2  # the handshake's and the data's, at least
+        for _ in range(100):  # bounded: the proxy counts a closed connection's rest when it ends
+            if not p._conns:
+                break
+            await asyncio.sleep(0.02)
+        st = p.segments()
+        assert st["segs_up"] >= live["segs_up"] and st["segs_down"] >= live["segs_down"]
+        assert st["split_up"] >= 10_000 // 1448 - 1  # a 1,500-MTU link needs at least 7 segments for 10,000 B
+        wire = p.wire_bytes()
+        assert wire["up"] == st["bytes_up"] + 52 * (st["segs_up"] + st["split_up"]) and wire["up"] > len(data)
+    finally:
+        await p.stop()

@@ -126,3 +126,14 @@ def test_forget_hands_back_every_pending_task_and_resets_the_window() -> None:
     p.sent(3, ["a", "b"], 100, now=0.0)
     p.sent(4, ["c"], 50, now=0.0)
     assert sorted(p.forget()) == ["a", "b", "c"] and len(p) == 0 and p.inflight_bytes == 0 and p.floor(5) == 5
+
+
+def test_a_summary_that_stops_short_frees_a_lost_last_batch() -> None:
+    """No later batch shows the hole when the lost batch was the last one: the gateway's summary
+    ("stored up to n", in every full summary) does, once the batch is older than the grace."""
+    p = PendingBatches()
+    p.sent(1, ["a"], 10, now=0.0)
+    p.sent(2, ["b"], 10, now=0.0)
+    p.upto(1, now=1.0)
+    assert p.not_stored(1, now=2.0, grace_s=5.0) == []  # may still be on its way
+    assert p.not_stored(1, now=6.0, grace_s=5.0) == ["b"] and len(p) == 0
