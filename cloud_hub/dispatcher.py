@@ -1219,6 +1219,18 @@ class Dispatcher:
             await self._site_given_up(s.endpoint_id, lost, f"the gateway's hello says it stored up to site_down {stored[1]}")
         s.site_wait_until = 0.0  # what it holds is known: nothing to wait for before leasing again
 
+    async def _site_holes(self, gateway: str, s: _Session) -> None:
+        """A batch the gateway stepped over (it confirmed a later one) may have been too young to
+        give up when that confirmation came: the watchdog looks again as batches age, so it goes
+        out again within a pass of its grace, not at the gateway's next full summary."""
+        link = self._site_links.get(gateway)
+        if not isinstance(link, SiteDownLink) or not len(link.pending):
+            return
+        clock = s.site_clock or self._site_clocks.get(gateway)
+        lost = link.pending.holes(time.monotonic(), clock.lease_s() if clock is not None else self.cfg.lease_s)
+        if lost:
+            await self._site_given_up(gateway, lost, "the gateway stored later site_down batches but not theirs")
+
     async def _site_given_up(self, gateway_id: str, ids: list[str], why: str) -> None:
         """Tasks leased ahead in site_down batches that will not be confirmed: back to the queue now."""
         n = await self.store.unlease_site(gateway_id, ids)
@@ -1338,6 +1350,7 @@ class Dispatcher:
                         self.kick(ep)
                 for ep, s in list(self._sessions.items()):
                     if s.site_hold > 0:  # work submitted for a site's devices while none of them is online
+                        await self._site_holes(ep, s)
                         self.kick_site(ep)
                 await self._expire_leases(now)
                 if now - last_cancel_scan > _CANCEL_SCAN_S:  # re-send unconfirmed cancels; other replicas' too

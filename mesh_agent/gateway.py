@@ -633,11 +633,14 @@ class Gateway:
             self._out_timer.cancel()
             self._out_timer = None
         frames = self._out.take()
-        full = self._full_due
         rows, info = self._take_rows()
-        # "stored up to" when it moved, and in every full summary: the hub re-sends a batch past it
-        # that it sent long enough before (cloud_hub/site_lease.py, PendingBatches.not_stored)
-        stored = self._stored if self._stored_dirty or (full and self._stored[0]) else None
+        # "stored up to" in every site_up once there is one (about 15 bytes): the hub re-sends a
+        # batch past it that it sent long enough before (cloud_hub/site_lease.py,
+        # PendingBatches.not_stored), so a lost last batch waits for the next site_up of any kind,
+        # not for the next full summary. Only a change of it is worth a site_up of its own.
+        stored = self._stored if self._stored_dirty or self._stored[0] else None
+        if not frames and not rows and not self._stored_dirty:
+            stored = None
         self._stored_dirty = False
         if not frames and not rows and stored is None:
             return
