@@ -238,9 +238,14 @@ class HubStream:
                 tls = ssl.create_default_context()
                 if t is False:
                     tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE
+        url, sock = self.url, None
         try:
-            ws = connect(self.url, ssl=tls, additional_headers={"Authorization": f"Bearer {self.client._token}"}, compression=None,
-                         open_timeout=10, max_size=None, close_timeout=2, proxy=None)
+            if tls is not None:
+                url, sock = _tls_socket(self.url, tls, _OPEN_TIMEOUT_S)
+            ws = connect(url, sock=sock, additional_headers={"Authorization": f"Bearer {self.client._token}"}, compression=None,
+                         open_timeout=_OPEN_TIMEOUT_S, max_size=None, close_timeout=2, proxy=None)
+            if sock is not None:
+                sock.settimeout(None)  # open: the stream may stay quiet for hours
         except InvalidStatus as exc:
             raise StreamUnavailable(f"the handshake got HTTP {exc.response.status_code}") from None
         except InvalidMessage as exc:
@@ -250,6 +255,8 @@ class HubStream:
         except InvalidHandshake as exc:
             raise StreamUnavailable(f"the handshake failed: {exc}") from None
         except (OSError, TimeoutError, ConnectionClosed) as exc:  # ConnectionClosed: a hub restarting resets the handshake
+            if sock is not None:
+                sock.close()
             raise HubUnreachable(f"cannot open the stream to {self.url} ({exc})") from None
         try:
             ws.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # Nagle + delayed ACK cost 40 ms a frame
@@ -297,3 +304,30 @@ def _closed_reason(exc: BaseException, url: str) -> str:
             return f"the hub at {url} refused the token on the stream: {rcvd.reason}"
         return f"the hub at {url} closed the stream ({rcvd.code} {rcvd.reason})".rstrip()
     return f"lost the stream to the hub at {url} ({type(exc).__name__}: {exc})"
+
+
+_OPEN_TIMEOUT_S = 10.0
+
+
+def _tls_socket(url: str, tls: ssl.SSLContext, timeout_s: float) -> tuple[str, ssl.SSLSocket]:
+    """A TLS connection to a ``wss://`` hub made here, and the ``ws://`` URL to speak over it.
+
+    Why not websockets' own TLS: its client reads the handshake answer in a thread that, once the
+    selector says the socket is readable, blocks in the TLS layer's read without a timeout (a TLS
+    record that holds no application data, such as a session ticket, makes the socket readable and
+    the read wait for more). When the hub then did not answer in time, closing the connection did
+    not free that thread, and opening the stream hung for minutes after its own timeout (seen under
+    load in tests/integration/test_tls.py). Here every read until the stream is open is bounded by
+    ``timeout_s``; the caller clears the timeout once it is open."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    host, port = u.hostname or "127.0.0.1", u.port or 443
+    raw = socket.create_connection((host, port), timeout=timeout_s)
+    try:
+        sock = tls.wrap_socket(raw, server_hostname=host)
+    except BaseException:
+        raw.close()
+        raise
+    sock.settimeout(timeout_s)
+    return "ws://" + url[len("wss://"):], sock
