@@ -158,7 +158,10 @@ def test_an_endpoint_reads_and_writes_only_its_own_topics(cluster_mesh: LocalMes
     hub_peer = MqttPeer(cluster.nodes[2].mqtt_port, hub_user, hub_pw, client_id="hub-observer")
     peers = [thief_peer, victim_peer, hub_peer]
     try:
-        assert all(p.wait() for p in peers)
+        # A NATS node sets up JetStream state for each new MQTT session: seconds under load (the
+        # whole suite beside it), so the connects get 30 s, not the helper's default 10 s.
+        up = [p.wait(30.0) for p in peers]
+        assert all(up), [(name, ok, p.refused) for name, p, ok in zip(("thief", "victim", "hub"), peers, up)]
         hub_peer.subscribe("mesh/ep/+/up")
         victim_peer.subscribe(down_topic("mesh", victim.endpoint_id))
         thief_peer.subscribe(down_topic("mesh", thief.endpoint_id))  # its own: allowed (the positive control)
