@@ -87,7 +87,7 @@ class Uplink:
         """The proxy's counters, TCP segments of open connections included, and wire bytes."""
         async def snap() -> dict[str, int]:
             st = self.proxy.segments()
-            wire = self.proxy.wire_bytes()
+            wire = self.proxy.wire_bytes(st)
             return {**st, "wire_up": wire["up"], "wire_down": wire["down"]}
 
         return asyncio.run_coroutine_threadsafe(snap(), self.loop).result(5)

@@ -563,7 +563,7 @@ class Dispatcher:
                         log.warning("leasing ahead to site %s failed (%s); %d tasks re-queued", g.endpoint_id, exc, n, extra={"endpoint_id": g.endpoint_id})
                         return
                     self._count(dev, len(frame), out=True, kind=Kind.TASKS)
-                    if g.site_clock is not None:
+                    if g.site_clock is not None and site_link is None:  # numbered batches time themselves
                         g.site_clock.sent([t["id"] for t in tasks], time.monotonic())
                     self.stats["tasks_sent"] += len(tasks)
                     self.stats["site_leased"] = self.stats.get("site_leased", 0) + len(tasks)
@@ -867,8 +867,7 @@ class Dispatcher:
             ids, samples = link.confirmed_upto(*upto)
             await self._site_confirmed(s, ids, samples)
             if upto[0] == link.epoch and upto[1] <= link.seq:
-                clock = s.site_clock or self._site_clocks.get(gateway)
-                lost = link.pending.not_stored(upto[1], time.monotonic(), clock.lease_s() if clock is not None else self.cfg.lease_s)
+                lost = link.pending.not_stored(upto[1], time.monotonic(), self._site_grace(gateway))
                 if lost:
                     await self._site_given_up(gateway, lost, f"the gateway's summary says it stored up to site_down {upto[1]}")
         refused: list[BadFrame] = []
@@ -1143,10 +1142,7 @@ class Dispatcher:
         if s.site_hold > 0 and isinstance(link, SiteDownLink) and self._sites:
             # Now the timer runs: what it has not confirmed waits the unconfirmed lease, as before
             # site frames (its hello, or its confirmation after reconnecting, settles it earlier).
-            pending = link.pending.ids()
-            if pending:
-                clock = s.site_clock or self._site_clocks.get(ep)
-                await self.store.hold_site(ep, pending, now + (clock.lease_s() if clock is not None else self.cfg.lease_s))
+            await self._site_unconfirmed(ep, link.pending.ids())
         if s.site_hold > 0:  # its devices' own credit leases to them directly again (served_by_site)
             for d in self.site_devices(ep):
                 self.kick(d)
@@ -1184,18 +1180,16 @@ class Dispatcher:
         if not (ids and self._sites and (s.site_hold > 0 or (not live and gw in self._site_of.values()))):
             return
         await self.store.hold_site(gw, ids, time.time() + self.cfg.site_hold_s, frame_ttl_s=self.cfg.site_hold_s)
-        clock = s.site_clock or self._site_clocks.get(gw)
+        clock = self._site_clocks.get(gw)
         now = time.monotonic()
-        if clock is not None:
-            clock.confirmed(ids, now)
         link = self._site_links.get(gw)
         if isinstance(link, SiteDownLink):
-            for inflight, seconds in [*(samples or ()), *link.pending.confirmed(ids, now)]:
-                if clock is not None:
-                    clock.throughput(inflight, seconds)
-            lost = link.pending.holes(now, clock.lease_s() if clock is not None else self.cfg.lease_s)
-            if lost:
-                await self._site_given_up(gw, lost, "the gateway stored later site_down batches but not theirs")
+            if clock is not None:
+                for inflight, seconds in [*(samples or ()), *link.pending.confirmed(ids, now)]:
+                    clock.batch_confirmed(inflight, seconds)
+            await self._site_holes(gw)
+        elif clock is not None:
+            clock.confirmed(ids, now)
         self.kick_site(gw)
 
     async def _site_hello_stored(self, s: _Session, link: SiteDownLink, stored: Any) -> None:
@@ -1207,10 +1201,7 @@ class Dispatcher:
         goes back on the unconfirmed lease's timer, as before site frames."""
         if not (isinstance(stored, list) and len(stored) == 2 and stored[0] == link.epoch and type(stored[1]) is int
                 and 0 <= stored[1] <= link.seq):
-            pending = link.pending.forget()
-            if pending and self._sites:
-                clock = s.site_clock or self._site_clocks.get(s.endpoint_id)
-                await self.store.hold_site(s.endpoint_id, pending, time.time() + (clock.lease_s() if clock is not None else self.cfg.lease_s))
+            await self._site_unconfirmed(s.endpoint_id, link.pending.forget())
             return
         ids, samples = link.confirmed_upto(link.epoch, stored[1])
         await self._site_confirmed(s, ids, samples)
@@ -1219,15 +1210,27 @@ class Dispatcher:
             await self._site_given_up(s.endpoint_id, lost, f"the gateway's hello says it stored up to site_down {stored[1]}")
         s.site_wait_until = 0.0  # what it holds is known: nothing to wait for before leasing again
 
-    async def _site_holes(self, gateway: str, s: _Session) -> None:
-        """A batch the gateway stepped over (it confirmed a later one) may have been too young to
-        give up when that confirmation came: the watchdog looks again as batches age, so it goes
-        out again within a pass of its grace, not at the gateway's next full summary."""
+    def _site_grace(self, gateway: str) -> float:
+        """How long a site's unconfirmed work may wait before the hub acts: the gateway's measured
+        unconfirmed lease (a few confirmation delays, at least lease_s; cloud_hub/site_lease.py)."""
+        clock = self._site_clocks.get(gateway)
+        return clock.lease_s() if clock is not None else self.cfg.lease_s
+
+    async def _site_unconfirmed(self, gateway: str, ids: list[str]) -> None:
+        """Nothing will settle these by number any more (the gateway's session ended, or it came
+        back without its count): they wait the unconfirmed lease, as before site frames."""
+        if ids and self._sites:
+            await self.store.hold_site(gateway, ids, time.time() + self._site_grace(gateway))
+
+    async def _site_holes(self, gateway: str) -> None:
+        """Give up batches the gateway stepped over (it confirmed a later one) once older than the
+        grace. Checked on every confirmation and by the watchdog as batches age: a batch too young
+        when the later one was confirmed goes out again within a pass of its grace, not at the
+        gateway's next full summary."""
         link = self._site_links.get(gateway)
         if not isinstance(link, SiteDownLink) or not len(link.pending):
             return
-        clock = s.site_clock or self._site_clocks.get(gateway)
-        lost = link.pending.holes(time.monotonic(), clock.lease_s() if clock is not None else self.cfg.lease_s)
+        lost = link.pending.holes(time.monotonic(), self._site_grace(gateway))
         if lost:
             await self._site_given_up(gateway, lost, "the gateway stored later site_down batches but not theirs")
 
@@ -1350,7 +1353,7 @@ class Dispatcher:
                         self.kick(ep)
                 for ep, s in list(self._sessions.items()):
                     if s.site_hold > 0:  # work submitted for a site's devices while none of them is online
-                        await self._site_holes(ep, s)
+                        await self._site_holes(ep)
                         self.kick_site(ep)
                 await self._expire_leases(now)
                 if now - last_cancel_scan > _CANCEL_SCAN_S:  # re-send unconfirmed cancels; other replicas' too

@@ -80,8 +80,9 @@ class SiteDownLink:
         self._timer: asyncio.TimerHandle | None = None
         self._flushing: set[asyncio.Task[None]] = set()
         self.seq = 0
-        #: Names this link's numbering: a gateway's "stored up to n" counts only for the link it
-        #: names (a new session's link numbers from 1 again).
+        #: Names this link's numbering: a gateway's "stored up to n" counts only for the numbering
+        #: it names. The link, and so its numbering, lives as long as this hub process: it is kept
+        #: across the gateway's sessions, and a restarted hub numbers afresh.
         self.epoch = os.urandom(4).hex()
         self._open_tasks: list[str] = []  # task ids of tasks frames in the batch being gathered
         self._open_task_bytes = 0
@@ -131,7 +132,7 @@ class SiteDownLink:
             return
         self.seq += 1
         seq = self.seq
-        out = self._sign(frames, seq, self.epoch, min(self.pending.floor(seq), seq))
+        out = self._sign(frames, seq, self.epoch, self.pending.floor(seq))
         self.pending.sent(seq, tasks, len(out), time.monotonic())
         try:
             await self.base.send(self.gateway_id, out)

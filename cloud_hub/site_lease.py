@@ -14,7 +14,7 @@ carried which tasks, the gateway's "stored up to n" and its id confirmations set
 batch is given up (its tasks re-queued) only on evidence: its send failed, the gateway stored a
 later batch but not this one, or the gateway's hello says it stored nothing past n. The clock then
 still serves two things: the unconfirmed lease once a gateway's session ends, and the uplink's
-measured throughput, which paces how many bytes of work may be in flight (:meth:`ConfirmClock.window_bytes`).
+measured throughput, which paces how many bytes of work may be in flight (:meth:`ConfirmClock.window_bytes`, fed by :meth:`ConfirmClock.batch_confirmed`).
 Pure logic, no I/O."""
 
 from __future__ import annotations
@@ -53,26 +53,30 @@ class ConfirmClock:
             self._sent.pop(next(iter(self._sent)))
 
     def confirmed(self, ids: Iterable[str], now: float) -> None:
-        """The gateway confirmed these: one sample per confirming frame (its slowest task)."""
+        """The gateway confirmed these by id: one sample per confirming frame (its slowest task)."""
         delays = [now - t for t in (self._sent.pop(tid, None) if isinstance(tid, str) else None for tid in ids) if t is not None]
-        if not delays:
+        if delays:
+            self.estimate_s = self._ewma(self.estimate_s, max(0.0, max(delays)))
+
+    def batch_confirmed(self, inflight_bytes: int, seconds: float) -> None:
+        """A numbered site_down, sent with ``inflight_bytes`` unconfirmed (itself included), was
+        confirmed after ``seconds`` (PendingBatches' samples): a delay sample, and the link carried
+        at least that many bytes in that time. With site frames this replaces :meth:`sent` and
+        :meth:`confirmed`: the batches already know when they went."""
+        if seconds < 0:
             return
-        sample = max(0.0, max(delays))
-        self.estimate_s = sample if self.estimate_s is None else (1 - self.alpha) * self.estimate_s + self.alpha * sample
+        self.estimate_s = self._ewma(self.estimate_s, seconds)
+        if inflight_bytes > 0 and seconds > 0:
+            self.rate_bps = self._ewma(self.rate_bps, inflight_bytes / max(seconds, 0.05))
+
+    def _ewma(self, old: float | None, sample: float) -> float:
+        return sample if old is None else (1 - self.alpha) * old + self.alpha * sample
 
     def lease_s(self) -> float:
         """The unconfirmed lease for the next batch."""
         if self.estimate_s is None:
             return self.floor_s
         return min(self.cap_s, max(self.floor_s, self.factor * self.estimate_s))
-
-    def throughput(self, inflight_bytes: int, seconds: float) -> None:
-        """A batch sent with ``inflight_bytes`` unconfirmed (itself included) was confirmed after
-        ``seconds``: the link carried at least that many bytes in that time."""
-        if inflight_bytes <= 0 or seconds <= 0:
-            return
-        sample = inflight_bytes / max(seconds, 0.05)
-        self.rate_bps = sample if self.rate_bps is None else (1 - self.alpha) * self.rate_bps + self.alpha * sample
 
     def window_bytes(self, target_s: float = 4.0) -> int:
         """How many bytes of leased-ahead work may be in flight unconfirmed: what the uplink carries

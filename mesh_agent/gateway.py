@@ -634,22 +634,20 @@ class Gateway:
             self._out_timer = None
         frames = self._out.take()
         rows, info = self._take_rows()
-        # "stored up to" in every site_up once there is one (about 15 bytes): the hub re-sends a
-        # batch past it that it sent long enough before (cloud_hub/site_lease.py,
+        moved, self._stored_dirty = self._stored_dirty, False
+        if not frames and not rows and not moved:
+            return  # only a change of "stored up to" is worth a site_up of its own
+        # "stored up to" rides on every site_up once there is one (about 15 bytes): the hub re-sends
+        # a batch past it that it sent long enough before (cloud_hub/site_lease.py,
         # PendingBatches.not_stored), so a lost last batch waits for the next site_up of any kind,
-        # not for the next full summary. Only a change of it is worth a site_up of its own.
-        stored = self._stored if self._stored_dirty or self._stored[0] else None
-        if not frames and not rows and not self._stored_dirty:
-            stored = None
-        self._stored_dirty = False
-        if not frames and not rows and stored is None:
-            return
+        # not for the next full summary.
+        stored = self._stored if self._stored[0] else None
         if self._uplink is None or len(self._in_flight) >= MAX_IN_FLIGHT:
             # The uplink is down or that far behind: beats and hellos are re-sent anyway, and the
             # rows go in full once a welcome comes.
             self.stats["dropped"] += len(frames)
             self._full_due = True
-            self._stored_dirty = self._stored_dirty or stored is not None
+            self._stored_dirty = moved
             return
         t = asyncio.ensure_future(self._send_site_up(frames, rows=rows, info=info, stored=stored, quiet=True))
         self._in_flight.add(t)

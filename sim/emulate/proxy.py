@@ -157,11 +157,11 @@ class FaultProxy:
             c.count_segments(self.stats)
         return dict(self.stats)
 
-    def wire_bytes(self) -> dict[str, int]:
+    def wire_bytes(self, st: dict[str, int] | None = None) -> dict[str, int]:
         """Bytes on a 1,500-MTU wire per direction: what the link carried (TLS included when the
         link speaks it) plus 52 bytes of TCP/IP per segment the kernel counted, plus the segments
-        a radio's MSS would add to loopback's large ones."""
-        st = self.segments()
+        a radio's MSS would add to loopback's large ones. ``st``: a :meth:`segments` taken already."""
+        st = self.segments() if st is None else st
         return {d: st[f"bytes_{d}"] + TCPIP_HEADER_B * (st[f"segs_{d}"] + st[f"split_{d}"]) for d in ("up", "down")}
 
     # ------------------------------------------------------------------ faults

@@ -164,6 +164,17 @@ def wait_leased_to_site(mesh: LocalMesh, tid: str, timeout: float = 20.0) -> dic
     return wait_for(st, f"task {tid} leased", timeout)
 
 
+def b_task_sniffed(mesh: LocalMesh, marks: Path, value: bytes) -> tuple[Any, Any, Any, Any, str, bytes]:
+    """Two sites; B's device is killed, so its task waits at gateway B; and a genuine results
+    frame of B's device for it, as sniffed on B's LAN: (gw_a, gw_b, d_a, d_b, task id, frame)."""
+    gw_a, gw_b, d_a, d_b = two_sites(mesh)
+    d_b.kill()  # its task waits at gateway B
+    fid = mesh.client.register_function(work)
+    tid = mesh.client.submit(d_b.endpoint_id, fid, str(marks), "tB", 0.1, "genuine")
+    wait_leased_to_site(mesh, tid)
+    return gw_a, gw_b, d_a, d_b, tid, results_frame(d_b, tid, value)
+
+
 # ------------------------------------------------------------------------ 1. foreign inner frames
 def test_foreign_inner_frame_is_refused_and_does_not_burn_its_message_id(mesh: LocalMesh, marks: Path) -> None:
     """Gateway A (stolen) relays a genuine results frame of site B's device (sniffed on B's plaintext
@@ -171,12 +182,7 @@ def test_foreign_inner_frame_is_refused_and_does_not_burn_its_message_id(mesh: L
     must refuse both as foreign_device and store nothing; and the refusal must not record the frame's
     message id, or the genuine copy arriving through B is refused as a replay (and its ids acked:
     a lost result)."""
-    gw_a, gw_b, d_a, d_b = two_sites(mesh)
-    d_b.kill()  # its task waits at gateway B
-    fid = mesh.client.register_function(work)
-    tid = mesh.client.submit(d_b.endpoint_id, fid, str(marks), "tB", 0.1, "genuine")
-    wait_leased_to_site(mesh, tid)
-    sniffed = results_frame(d_b, tid, b'"sniffed-on-lan-B"')
+    gw_a, gw_b, d_a, d_b, tid, sniffed = b_task_sniffed(mesh, marks, b'"sniffed-on-lan-B"')
     before = rejected(mesh)
     with stolen(mesh, gw_a) as peer:
         peer.publish(up_topic(gw_a.endpoint_id), site_up(gw_a, {"d": [d_b.endpoint_id], "f": [[0, sniffed]]}))
@@ -640,12 +646,7 @@ def test_stolen_gateway_login_cannot_relay_foreign_frames_on_device_topics(mesh:
     but straight on B's device's up topic (the ACL gives A's login no write there) and on A's own
     device's up topic (the frame's header names B's device: the wrong channel). Nothing is stored;
     the frame then still goes through B's gateway."""
-    gw_a, gw_b, d_a, d_b = two_sites(mesh)
-    d_b.kill()
-    fid = mesh.client.register_function(work)
-    tid = mesh.client.submit(d_b.endpoint_id, fid, str(marks), "tB", 0.1, "genuine")
-    wait_leased_to_site(mesh, tid)
-    sniffed = results_frame(d_b, tid, b'"sniffed"')
+    gw_a, gw_b, d_a, d_b, tid, sniffed = b_task_sniffed(mesh, marks, b'"sniffed"')
     before = rejected(mesh)
     with stolen(mesh, gw_a) as peer:
         peer.publish(up_topic(d_b.endpoint_id), sniffed)

@@ -9,6 +9,7 @@ executions are counted; results are read back from the hub's REST API.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hmac
 import json
 import os
@@ -20,7 +21,7 @@ import time
 import zlib
 from hashlib import sha256
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import msgpack
 import pytest
@@ -125,34 +126,43 @@ def _check_exactly_once(mesh: LocalMesh, tasks: dict[str, tuple[str, str]], log:
     assert not extra, f"runs of unknown tags: {extra[:5]}"
 
 
+@contextlib.contextmanager
+def _shaped_site(tmp_path: Path, gw_name: str, dev_prefix: str, lost_after_s: float,
+                 shape: LinkShape) -> Iterator[tuple[LocalMesh, ProxyThread, Any, list[Any]]]:
+    """A hub (lease_s 2 s, site_hold_s 300 s), a gateway whose uplink goes through a fault proxy,
+    3 devices behind it, all online; then the uplink takes ``shape``."""
+    with LocalMesh(tmp_path / "mesh", heartbeat_s=1.0, lost_after_s=lost_after_s, lease_s=2.0,
+                   hub_overrides={"site_hold_s": 300.0}) as mesh:
+        proxy = ProxyThread(("127.0.0.1", mesh.broker.port))
+        try:
+            gw = mesh.add_gateway(gw_name, hold=64, uplink_port=proxy.port, workers=1)
+            devs = [mesh.add_site_device(f"{dev_prefix}-{i}", gw) for i in range(3)]
+            mesh.wait_online(gw, *devs, timeout=60)
+            proxy.proxy.shape = shape
+            yield mesh, proxy, gw, devs
+        finally:
+            proxy.stop()
+
+
 # ------------------------------------------------------------------ test 1
 def test_slow_confirmations_lease_each_task_ahead_once(tmp_path: Path) -> None:
     """Every confirmation is far slower than lease_s (2 s): 1.5 s +- 0.3 s each way, 48 kbit/s.
     No task may be leased ahead twice, nothing given up; each runs and is stored once."""
     log = tmp_path / "runs.log"
-    with LocalMesh(tmp_path / "mesh", heartbeat_s=1.0, lost_after_s=20.0, lease_s=2.0,
-                   hub_overrides={"site_hold_s": 300.0}) as mesh:
-        proxy = ProxyThread(("127.0.0.1", mesh.broker.port))
-        try:
-            gw = mesh.add_gateway("gw1", hold=64, uplink_port=proxy.port, workers=1)
-            devs = [mesh.add_site_device(f"d1-{i}", gw) for i in range(3)]
-            mesh.wait_online(gw, *devs, timeout=60)
-            proxy.proxy.shape = LinkShape(latency_s=1.5, jitter_s=0.3, bandwidth_bps=48_000)
-            time.sleep(2.0)  # let the shaped link carry what was in flight
-            before = _stats(mesh)
-            fid = mesh.client.register_function(_work)
-            tasks = _submit(mesh, fid, devs, [f"s{i:03d}" for i in range(42)], 0.05, log)
-            _wait_all(mesh, tasks, 90, "slow uplink", [gw, *devs])
-            after = _stats(mesh)
-            print("stats before", before, "\nstats after", after, "\nproxy", proxy.stats)
-            _check_exactly_once(mesh, tasks, log)
-            leased = after.get("site_leased", 0) - before.get("site_leased", 0)
-            assert leased == len(tasks), (f"{len(tasks)} tasks were leased ahead {leased} times over a slow but "
-                                          f"unbroken uplink (promise: no re-lease merely because confirmations are slow); {after}")
-            assert after.get("site_given_up", 0) == before.get("site_given_up", 0), after
-            assert after["results_stored"] - before["results_stored"] == len(tasks), after
-        finally:
-            proxy.stop()
+    with _shaped_site(tmp_path, "gw1", "d1", 20.0, LinkShape(latency_s=1.5, jitter_s=0.3, bandwidth_bps=48_000)) as (mesh, proxy, gw, devs):
+        time.sleep(2.0)  # let the shaped link carry what was in flight
+        before = _stats(mesh)
+        fid = mesh.client.register_function(_work)
+        tasks = _submit(mesh, fid, devs, [f"s{i:03d}" for i in range(42)], 0.05, log)
+        _wait_all(mesh, tasks, 90, "slow uplink", [gw, *devs])
+        after = _stats(mesh)
+        print("stats before", before, "\nstats after", after, "\nproxy", proxy.stats)
+        _check_exactly_once(mesh, tasks, log)
+        leased = after.get("site_leased", 0) - before.get("site_leased", 0)
+        assert leased == len(tasks), (f"{len(tasks)} tasks were leased ahead {leased} times over a slow but "
+                                      f"unbroken uplink (promise: no re-lease merely because confirmations are slow); {after}")
+        assert after.get("site_given_up", 0) == before.get("site_given_up", 0), after
+        assert after["results_stored"] - before["results_stored"] == len(tasks), after
 
 
 # ------------------------------------------------------------------ test 2
@@ -162,56 +172,47 @@ def test_short_reset_long_blackhole_and_device_kill(tmp_path: Path) -> None:
     SIGKILLed mid-run while the uplink is dark. Every task: one result; one run, except a task
     the killed device was running (at-least-once, docs/protocol.md section 7)."""
     log = tmp_path / "runs.log"
-    with LocalMesh(tmp_path / "mesh", heartbeat_s=1.0, lost_after_s=6.0, lease_s=2.0,
-                   hub_overrides={"site_hold_s": 300.0}) as mesh:
-        proxy = ProxyThread(("127.0.0.1", mesh.broker.port))
-        try:
-            gw = mesh.add_gateway("gw2", hold=64, uplink_port=proxy.port, workers=1)
-            devs = [mesh.add_site_device(f"d2-{i}", gw) for i in range(3)]
-            mesh.wait_online(gw, *devs, timeout=60)
-            proxy.proxy.shape = LinkShape(latency_s=0.3, jitter_s=0.1, bandwidth_bps=256_000)
-            fid = mesh.client.register_function(_work)
-            tasks = _submit(mesh, fid, devs, [f"a{i:03d}" for i in range(33)], 0.8, log)
-            wait_for(lambda: sum(_starts(log).values()) >= 4, "first runs", 40, step=0.2, logs=[gw, *devs])
-            proxy.cut("reset", cause="short")
-            time.sleep(3.0)
-            proxy.restore(cause="short")
-            wait_for(lambda: sum(_starts(log).values()) >= 10, "runs after the short outage", 40, step=0.2, logs=[gw, *devs])
-            proxy.cut("blackhole", cause="long")
-            t_cut = time.monotonic()
-            wave2 = _submit(mesh, fid, devs, [f"b{i:03d}" for i in range(15)], 0.3, log)
-            victim = devs[1]
+    with _shaped_site(tmp_path, "gw2", "d2", 6.0, LinkShape(latency_s=0.3, jitter_s=0.1, bandwidth_bps=256_000)) as (mesh, proxy, gw, devs):
+        fid = mesh.client.register_function(_work)
+        tasks = _submit(mesh, fid, devs, [f"a{i:03d}" for i in range(33)], 0.8, log)
+        wait_for(lambda: sum(_starts(log).values()) >= 4, "first runs", 40, step=0.2, logs=[gw, *devs])
+        proxy.cut("reset", cause="short")
+        time.sleep(3.0)
+        proxy.restore(cause="short")
+        wait_for(lambda: sum(_starts(log).values()) >= 10, "runs after the short outage", 40, step=0.2, logs=[gw, *devs])
+        proxy.cut("blackhole", cause="long")
+        t_cut = time.monotonic()
+        wave2 = _submit(mesh, fid, devs, [f"b{i:03d}" for i in range(15)], 0.3, log)
+        victim = devs[1]
 
-            def running_on_victim() -> bool:
-                open_: dict[str, int] = {}
-                for kind, tag, dev, _pid, _t in _runs(log):
-                    if dev == victim.cfg.name:
-                        open_[tag] = open_.get(tag, 0) + (1 if kind == "S" else -1)
-                return any(v > 0 for v in open_.values())
+        def running_on_victim() -> bool:
+            open_: dict[str, int] = {}
+            for kind, tag, dev, _pid, _t in _runs(log):
+                if dev == victim.cfg.name:
+                    open_[tag] = open_.get(tag, 0) + (1 if kind == "S" else -1)
+            return any(v > 0 for v in open_.values())
 
-            wait_for(running_on_victim, "the victim device mid-run during the blackhole", 10, step=0.05, logs=[victim])
-            victim.kill()
-            t_kill = time.time()
-            time.sleep(1.0)
-            victim.start()
-            time.sleep(max(0.0, 20.0 - (time.monotonic() - t_cut)))
-            proxy.restore(cause="long")
-            tasks.update(wave2)
-            _wait_all(mesh, tasks, 75, "after the outages", [gw, *devs])
-            time.sleep(2.0)  # late duplicates, if any, would show up now
-            # A task the victim was running at the kill, or had just finished, may run again.
-            may = set()
-            for kind, tag, dev, _pid, t in _runs(log):
-                if dev == victim.cfg.name and t <= t_kill + 0.05:
-                    may.add(tag)
-            ends = {tag for kind, tag, dev, _p, t in _runs(log) if kind == "E" and dev == victim.cfg.name and t < t_kill - 1.0}
-            may -= ends
-            print("stats", _stats(mesh), "\nproxy", proxy.stats, "\nmay rerun", sorted(may))
-            _check_exactly_once(mesh, tasks, log, may_rerun=may)
-            st = _stats(mesh)
-            assert st["results_stored"] == len(tasks), st
-        finally:
-            proxy.stop()
+        wait_for(running_on_victim, "the victim device mid-run during the blackhole", 10, step=0.05, logs=[victim])
+        victim.kill()
+        t_kill = time.time()
+        time.sleep(1.0)
+        victim.start()
+        time.sleep(max(0.0, 20.0 - (time.monotonic() - t_cut)))
+        proxy.restore(cause="long")
+        tasks.update(wave2)
+        _wait_all(mesh, tasks, 75, "after the outages", [gw, *devs])
+        time.sleep(2.0)  # late duplicates, if any, would show up now
+        # A task the victim was running at the kill, or had just finished, may run again.
+        may = set()
+        for kind, tag, dev, _pid, t in _runs(log):
+            if dev == victim.cfg.name and t <= t_kill + 0.05:
+                may.add(tag)
+        ends = {tag for kind, tag, dev, _p, t in _runs(log) if kind == "E" and dev == victim.cfg.name and t < t_kill - 1.0}
+        may -= ends
+        print("stats", _stats(mesh), "\nproxy", proxy.stats, "\nmay rerun", sorted(may))
+        _check_exactly_once(mesh, tasks, log, may_rerun=may)
+        st = _stats(mesh)
+        assert st["results_stored"] == len(tasks), st
 
 
 # ------------------------------------------------------------------ test 3
@@ -221,35 +222,26 @@ def test_gateway_sigkilled_with_batches_in_flight(tmp_path: Path) -> None:
     The gateway comes back each time; nothing may be stranded while it is connected, nothing
     run or stored twice."""
     log = tmp_path / "runs.log"
-    with LocalMesh(tmp_path / "mesh", heartbeat_s=1.0, lost_after_s=10.0, lease_s=2.0,
-                   hub_overrides={"site_hold_s": 300.0}) as mesh:
-        proxy = ProxyThread(("127.0.0.1", mesh.broker.port))
-        try:
-            gw = mesh.add_gateway("gw3", hold=64, uplink_port=proxy.port, workers=1)
-            devs = [mesh.add_site_device(f"d3-{i}", gw) for i in range(3)]
-            mesh.wait_online(gw, *devs, timeout=60)
-            proxy.proxy.shape = LinkShape(latency_s=1.0, jitter_s=0.2, bandwidth_bps=32_000)
-            fid = mesh.client.register_function(_work)
-            tasks = _submit(mesh, fid, devs, [f"k{i:03d}" for i in range(45)], 0.1, log, pad=os.urandom(900))
-            down0 = proxy.stats["bytes_down"]
-            wait_for(lambda: proxy.stats["bytes_down"] - down0 > 6_000, "batches crossing the uplink", 30, step=0.1, logs=[gw])
-            gw.kill()
-            n_at_kill1 = len(_results(mesh, [t for t, _ in tasks.values()]))
-            time.sleep(1.5)
-            gw.start()
-            wait_for(lambda: sum(_starts(log).values()) >= 5, "runs after the first gateway restart", 60, step=0.2,
-                     logs=[gw, *devs])
-            gw.kill()
-            time.sleep(2.5)
-            gw.start()
-            _wait_all(mesh, tasks, 90, "after two gateway kills", [gw, *devs])
-            time.sleep(2.0)
-            st = _stats(mesh)
-            print("stats", st, "\nproxy", proxy.stats, "\nresults at first kill", n_at_kill1)
-            _check_exactly_once(mesh, tasks, log)
-            assert st["results_stored"] == len(tasks), st
-        finally:
-            proxy.stop()
+    with _shaped_site(tmp_path, "gw3", "d3", 10.0, LinkShape(latency_s=1.0, jitter_s=0.2, bandwidth_bps=32_000)) as (mesh, proxy, gw, devs):
+        fid = mesh.client.register_function(_work)
+        tasks = _submit(mesh, fid, devs, [f"k{i:03d}" for i in range(45)], 0.1, log, pad=os.urandom(900))
+        down0 = proxy.stats["bytes_down"]
+        wait_for(lambda: proxy.stats["bytes_down"] - down0 > 6_000, "batches crossing the uplink", 30, step=0.1, logs=[gw])
+        gw.kill()
+        n_at_kill1 = len(_results(mesh, [t for t, _ in tasks.values()]))
+        time.sleep(1.5)
+        gw.start()
+        wait_for(lambda: sum(_starts(log).values()) >= 5, "runs after the first gateway restart", 60, step=0.2,
+                 logs=[gw, *devs])
+        gw.kill()
+        time.sleep(2.5)
+        gw.start()
+        _wait_all(mesh, tasks, 90, "after two gateway kills", [gw, *devs])
+        time.sleep(2.0)
+        st = _stats(mesh)
+        print("stats", st, "\nproxy", proxy.stats, "\nresults at first kill", n_at_kill1)
+        _check_exactly_once(mesh, tasks, log)
+        assert st["results_stored"] == len(tasks), st
 
 
 # ------------------------------------------------------------------ test 4

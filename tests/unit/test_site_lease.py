@@ -111,13 +111,16 @@ def test_pending_batches_are_bounded() -> None:
 def test_the_window_follows_measured_throughput_in_bytes() -> None:
     c = ConfirmClock(8.0, 3600.0)
     assert c.window_bytes() == 4 * MIN_WINDOW_BYTES  # nothing measured yet
-    c.throughput(64_000, 2.0)  # 32 KB/s: a 256 kbit/s uplink
+    c.batch_confirmed(64_000, 2.0)  # 32 KB/s: a 256 kbit/s uplink
     assert c.window_bytes(target_s=4.0) == 128_000
+    assert c.estimate_s == 2.0 and c.lease_s() == 8.0  # the same sample teaches the confirmation delay
     for _ in range(30):
-        c.throughput(100, 10.0)  # a crawling link: never below one small batch
+        c.batch_confirmed(100, 10.0)  # a crawling link: never below one small batch
     assert c.window_bytes() == MIN_WINDOW_BYTES
-    c.throughput(0, 1.0)
-    c.throughput(10, 0.0)  # nothing learned from empty or instant samples
+    assert c.lease_s() > 39.0  # ten-second confirmations: an unconfirmed lease of about 40 s
+    c.batch_confirmed(0, 1.0)
+    c.batch_confirmed(10, 0.0)  # nothing learned about throughput from empty or instant samples
+    c.batch_confirmed(10**9, -1.0)  # nor anything from a clock that went backwards
     assert c.window_bytes() == MIN_WINDOW_BYTES
 
 
