@@ -110,6 +110,8 @@ _CANCEL_RESEND_S = 10.0
 #: How often the watchdog re-reads which endpoints have cancels to send (other replicas' cancels too).
 _CANCEL_SCAN_S = 10.0
 _LEASE_BYTES = 8 * 2**20
+#: Acks held for one endpoint before they are written without waiting for the watchdog's pass.
+_ACKS_HELD_MAX = 5000
 _EVENTS_KEEP_S = 90 * 86400  # availability history kept for the console and the scheduler
 
 
@@ -332,6 +334,7 @@ class Dispatcher:
         self._cancelling: set[str] = set()
         self._cancel_again: set[str] = set()
         self._recent_cancels: OrderedDict[str, None] = OrderedDict()
+        self._acks: dict[str, set[str]] = {}  # endpoint -> acked task ids not written yet (_flush_acks)
 
     def _observe(self, hook: str, *args: Any) -> None:
         try:
@@ -377,6 +380,8 @@ class Dispatcher:
             await link.stop()
         with contextlib.suppress(Exception):  # the last beats' info and traffic counters, kept across the restart
             await self._flush_beats()
+        with contextlib.suppress(Exception):
+            await self._flush_acks()
         if self.replicated:  # hand our endpoints over now rather than after lost_after_s
             for ep in list(self._owned):
                 with contextlib.suppress(Exception):
@@ -1151,6 +1156,7 @@ class Dispatcher:
         for d in self.site_devices(env.endpoint) if s.site_hold > 0 else ():
             self._cancel_sent.pop(d, None)
         held = set(b.get("have", []))
+        await self._flush_acks(env.endpoint)  # acks of the old session first, as they came
         # One transaction (one fsync, shared with whatever else is committing): re-queue, reconcile,
         # online with its info, and the availability transition for a new session.
         _, lost = await self.store.open_session(env.endpoint, held, now, {**s.info, "capacity": s.capacity, **self.traffic_counters(env.endpoint)},
@@ -1221,6 +1227,7 @@ class Dispatcher:
         if self._sessions.get(ep) is not s:
             return
         del self._sessions[ep]
+        await self._flush_acks(ep)
         n = await self.store.close_session(ep, s.last_seen, {**s.info, "capacity": s.capacity, **self.traffic_counters(ep)})
         if self.replicated:
             self._owned.pop(ep, None)
@@ -1249,11 +1256,36 @@ class Dispatcher:
             if sent is not None:
                 for i in applied:
                     sent.pop(i, None)
-        await self.store.ack(s.endpoint_id, body.get("ids", []))
+        ids = body.get("ids", [])
+        if ids and self._may_defer_ack(s):
+            pending = self._acks.setdefault(s.endpoint_id, set())
+            pending.update(ids)
+            if len(pending) > _ACKS_HELD_MAX:
+                await self._flush_acks(s.endpoint_id)
+        else:
+            await self.store.ack(s.endpoint_id, ids)
         await self._site_confirmed(s, body.get("ids") or [])
         gw = self._site_of.get(s.endpoint_id)
         if gw is not None:  # room at the site again
             self.kick_site(gw)
+
+    def _may_defer_ack(self, s: _Session) -> bool:
+        """Whether this session's acks may wait for the watchdog's pass (issue 30): a task whose
+        result comes first (a short task, most of them) then needs no ack write at all. Not with
+        replicas, and not around sites (their confirmations pace the gateway's lease)."""
+        return (not self.replicated and self._sessions.get(s.endpoint_id) is s and s.site_hold == 0
+                and s.endpoint_id not in self._site_of)
+
+    async def _flush_acks(self, endpoint_id: str | None = None) -> None:
+        """Write the acks held for one endpoint (or all): before anything that reads which tasks
+        an agent acked (its session ending or starting, expired leases re-queued), so each sees
+        what it saw when acks were written at once. Acks are not durable either way: a hub that
+        restarts re-queues every lease and learns what each agent holds from its hello."""
+        eps = [endpoint_id] if endpoint_id is not None else list(self._acks)
+        for ep in eps:
+            ids = self._acks.pop(ep, None)
+            if ids:
+                await self.store.ack(ep, sorted(ids))
 
     async def _site_confirmed(self, s: _Session, ids: list[str], samples: list[tuple[int, float]] | None = None) -> None:
         """A gateway confirms it holds these tasks for its devices (its own ack of their ids, or its
@@ -1343,6 +1375,9 @@ class Dispatcher:
             with costs.stage("hub.push"):
                 recent = self._recent_cancels
                 self.bus.early(s.endpoint_id, [r for r in results if r["id"] not in recent] if recent else results)
+        pending = self._acks.get(s.endpoint_id)
+        if pending:  # their results make them done: no ack to write
+            pending.difference_update(r["id"] for r in results)
         if s.placed_out:
             held = len(s.placed_out)
             for r in results:
@@ -1442,6 +1477,7 @@ class Dispatcher:
                     g = self._sessions.get(self._site_of.get(dev) or "")
                     if up and dev not in self._sessions and g is not None and g.site_frames:
                         await self._ask_site_device_hello(dev, self._site_links.get(g.endpoint_id, g.link), now)
+                await self._flush_acks()  # before the expired leases are found
                 if await self.store.requeue(expired_before=now):
                     for ep in self._sessions:
                         self.kick(ep)
