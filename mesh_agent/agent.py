@@ -67,6 +67,8 @@ _FRAME_BUDGET = 8 * 2**20
 _MAX_RESULT_BYTES = MAX_FRAME_BYTES // 2
 #: After a failed queue write (full disk) the agent takes no new tasks for this long, then tries again.
 _STORE_RETRY_S = 5.0
+#: How long an ack waits for its tasks' results to make it unnecessary (_defer_ack).
+_ACK_DELAY_S = 0.05
 #: A function body handed over by a site gateway: this prefix, the function id (64 hex), the body.
 SITE_BODY_MAGIC = b"CMFN"
 _SITE_BODIES_MAX = 16 * 2**20
@@ -196,6 +198,8 @@ class Agent:
         self._retry: list[EngineResult] = []  # results whose write failed (disk full), written again later
         self._pending_event = asyncio.Event()
         self._sent_at: dict[str, float] = {}  # results sent, not yet acked
+        self._ack_pending: dict[str, None] = {}  # tasks stored, their ack not sent yet (_defer_ack)
+        self._ack_task: asyncio.Task[None] | None = None
         self._in_engine: set[str] = set()
         self._cancelled: dict[str, None] = {}  # task ids cancelled by their submitter (bounded, oldest first out)
         self._received_since_fetch = 0
@@ -762,10 +766,32 @@ class Agent:
         with costs.stage("agent.tasks"):
             skip = set(held_back)
             ids = [t["id"] for t in tasks if t["id"] not in skip]
-        await self._send(Kind.ACK, {"ids": ids})
+        if self._relayed:
+            await self._send(Kind.ACK, {"ids": ids})
+        else:
+            self._defer_ack(ids)
         if cancel:
             return await self._on_cancel(cancel)
         return True
+
+    def _defer_ack(self, ids: list[str]) -> None:
+        """Acknowledge these tasks ``_ACK_DELAY_S`` from now, all but those whose results went out
+        meanwhile: the hub takes a result as the task's ack, so a short task costs one frame up,
+        not two (issue 30). A long task's ack is that much later, far inside its lease. Not behind
+        a gateway (its acks pace the gateway's hold: docs/sites.md)."""
+        self._ack_pending.update(dict.fromkeys(ids))
+        if self._ack_task is None or self._ack_task.done():
+            self._ack_task = asyncio.get_running_loop().create_task(self._ack_later())
+
+    async def _ack_later(self) -> None:
+        await asyncio.sleep(_ACK_DELAY_S)
+        ids, self._ack_pending = list(self._ack_pending), {}
+        if not ids:
+            return
+        try:
+            await self._send(Kind.ACK, {"ids": ids})
+        except LinkError:  # not acknowledged: the hub sends them again after their lease, and we drop the repeats
+            log.debug("ack of %d tasks not sent (link down)", len(ids))
 
     async def _on_cancel(self, ids: list[str]) -> bool:
         """The submitter cancelled these tasks (``tasks.cancel``, docs/protocol.md "Cancellation"):
@@ -917,6 +943,7 @@ class Agent:
             )
             for r in chunk:
                 self._sent_at[r.id] = now
+                self._ack_pending.pop(r.id, None)  # the result acknowledges its task
             self.stats["results_sent"] += len(chunk)
 
     async def _resend_stale_results(self, all_of_them: bool = False) -> None:
