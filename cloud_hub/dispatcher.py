@@ -32,7 +32,6 @@ from cloud_hub.site_lease import ConfirmClock
 from cloud_hub.store import SqliteStore
 from cloud_hub.store.availability import close_stale_sessions, prune_events
 from cloud_hub.store.sqlite import check_results
-from mesh_agent import costs
 from mesh_agent.protocol import (
     UP_KINDS,
     BadFrame,
@@ -110,73 +109,16 @@ _CANCEL_RESEND_S = 10.0
 #: How often the watchdog re-reads which endpoints have cancels to send (other replicas' cancels too).
 _CANCEL_SCAN_S = 10.0
 _LEASE_BYTES = 8 * 2**20
-#: Acks held for one endpoint before they are written without waiting for the watchdog's pass.
-_ACKS_HELD_MAX = 5000
 _EVENTS_KEEP_S = 90 * 86400  # availability history kept for the console and the scheduler
-
-
-class Inbox:
-    """A result stream's copy of the results stored for its user since it last looked, in the
-    stream's own row format, so it can send them without reading them back (issue 30). It is
-    only a shortcut: ``take`` returns None whenever the store must be read instead (a result
-    stored without rows, such as a memo hit or an expiry; a gap in the numbers; too many held)."""
-
-    __slots__ = ("rows", "stale")
-    MAX_ROWS = 2000
-
-    def __init__(self) -> None:
-        self.rows: list[dict[str, Any]] = []
-        self.stale = True  # the stream reads the store first
-
-    def take(self, cursor: int) -> list[dict[str, Any]] | None:
-        """The rows right after ``cursor`` (numbers with no gap), [] for none, or None: read the store."""
-        rows, self.rows = self.rows, []
-        if self.stale:
-            self.stale = False
-            return None
-        rows = [r for r in rows if r["seq"] > cursor]
-        for i, r in enumerate(rows):
-            if r["seq"] != cursor + 1 + i:
-                return None
-        return rows
-
-    def add(self, rows: list[dict[str, Any]]) -> None:
-        if self.stale:
-            return
-        if len(self.rows) + len(rows) > self.MAX_ROWS:  # a slow client: the store has them
-            self.rows, self.stale = [], True
-            return
-        self.rows.extend(rows)
 
 
 class ResultBus:
     """Wakes waiters when results for a user arrive. Grab ``event(user)`` *before* querying the
-    store, then wait on it: a result stored in between has already set that event (no lost wake-up).
-    A result stream also holds an :class:`Inbox`, which ``stored`` fills with the rows themselves."""
+    store, then wait on it: a result stored in between has already set that event (no lost wake-up)."""
 
     def __init__(self) -> None:
         self._events: dict[str, asyncio.Event] = {}
         self._early: list[Any] = []  # SDK streams that take results before they are stored (cloud_hub/api/stream.py)
-        self._inboxes: dict[str, list[Inbox]] = {}
-
-    def inbox(self, user_id: str) -> Inbox:
-        box = Inbox()
-        self._inboxes.setdefault(user_id, []).append(box)
-        return box
-
-    def drop_inbox(self, user_id: str, box: Inbox) -> None:
-        boxes = self._inboxes.get(user_id, [])
-        if box in boxes:
-            boxes.remove(box)
-        if not boxes:
-            self._inboxes.pop(user_id, None)
-
-    def stored(self, rows_by_user: dict[str, list[dict[str, Any]]]) -> None:
-        """Results just stored, with their rows (``Fresh.rows``): into every inbox of their user, then wake."""
-        for u, rows in rows_by_user.items():
-            for box in self._inboxes.get(u, ()):
-                box.add(rows)
-        self._wake(set(rows_by_user))
 
     def listen_early(self, cb: Any) -> None:
         """``cb(endpoint_id, results)`` with each verified ``results`` body, before the hub stores
@@ -202,13 +144,6 @@ class ResultBus:
         return ev
 
     def notify(self, user_ids: set[str]) -> None:
-        """Results were stored for these users (rows not at hand): waiters read the store."""
-        for u in user_ids:
-            for box in self._inboxes.get(u, ()):
-                box.stale = True
-        self._wake(user_ids)
-
-    def _wake(self, user_ids: set[str]) -> None:
         for u in user_ids:
             ev = self._events.pop(u, None)
             if ev is not None:
@@ -250,12 +185,6 @@ class _Session:
     # when sent): what counts against the endpoint's lookahead (docs/scheduler.md, "Late binding").
     placed_out: dict[str, float] = field(default_factory=dict)
     metered: bool = False  # the agent runs the metered profile (adaptive beats): every frame costs it money
-    # The last lease found the endpoint's queue empty (``drained``), or no task in it that must
-    # start at once (``now_drained``): until a kick says new work may be there, a kick for room
-    # (a fetch, a result) does not ask the database again (issue 30). Never with replicas: another
-    # replica queues work for our endpoints without kicking us.
-    drained: bool = False
-    now_drained: bool = False
     site_frames: bool = False  # a site gateway that reads and sends site_up/site_down (cloud_hub/site_frames.py)
 
 
@@ -334,12 +263,10 @@ class Dispatcher:
         self._cancelling: set[str] = set()
         self._cancel_again: set[str] = set()
         self._recent_cancels: OrderedDict[str, None] = OrderedDict()
-        self._acks: dict[str, set[str]] = {}  # endpoint -> acked task ids not written yet (_flush_acks)
 
     def _observe(self, hook: str, *args: Any) -> None:
         try:
-            with costs.stage("hub.observe"):  # the scheduler's bookkeeping (cloud_hub/placement.py)
-                getattr(self.observer, hook)(*args)
+            getattr(self.observer, hook)(*args)
         except Exception:
             log.exception("observer hook %s failed", hook)
 
@@ -380,8 +307,6 @@ class Dispatcher:
             await link.stop()
         with contextlib.suppress(Exception):  # the last beats' info and traffic counters, kept across the restart
             await self._flush_beats()
-        with contextlib.suppress(Exception):
-            await self._flush_acks()
         if self.replicated:  # hand our endpoints over now rather than after lost_after_s
             for ep in list(self._owned):
                 with contextlib.suppress(Exception):
@@ -479,9 +404,8 @@ class Dispatcher:
         if kind in _ECHOED:  # a few bytes: the agent echoes it in its next frame (link timing)
             seq = s.echo_seq = s.echo_seq % 0xFFFF + 1
             body = {**body, "t": seq}
-        with costs.stage("hub.sign"):
-            env = Envelope(kind, s.endpoint_id, body) if msg_id is None else Envelope(kind, s.endpoint_id, body, id=msg_id)
-            frame = encode(env, self._keys[s.endpoint_id], ttl=self.cfg.frame_ttl_s, compress=s.compress)
+        env = Envelope(kind, s.endpoint_id, body) if msg_id is None else Envelope(kind, s.endpoint_id, body, id=msg_id)
+        frame = encode(env, self._keys[s.endpoint_id], ttl=self.cfg.frame_ttl_s, compress=s.compress)
         if seq:
             sent = s.echo_sent
             sent[seq] = time.time()  # as late as we can: only the transport's own queueing follows
@@ -724,17 +648,8 @@ class Dispatcher:
         finally:
             self._cancelling.discard(ep)
 
-    def kick(self, endpoint_id: str, *, new_work: bool = True, start_now: bool = True) -> None:
-        """New work for an endpoint, or room for it: send it now if its agent has credit (coalesced
-        per endpoint). ``new_work=False``: only room changed (credit, a result), no task was queued,
-        so a queue the last lease found empty is not read again; ``start_now=False``: none of the new
-        tasks must start at once. Both default to what is always safe."""
-        s = self._sessions.get(endpoint_id)
-        if s is not None:
-            if new_work:
-                s.drained = False
-            if start_now:
-                s.now_drained = False
+    def kick(self, endpoint_id: str) -> None:
+        """New work for an endpoint: send it now if its agent has credit (coalesced per endpoint)."""
         if endpoint_id in self._cancel_eps:
             self._kick_cancels(endpoint_id)
         gw = self._site_of.get(endpoint_id)
@@ -753,18 +668,14 @@ class Dispatcher:
 
     async def _pump(self, s: _Session) -> None:
         try:
-            if s.drained and s.credit > 0:  # still out of work: the scheduler may move placed tasks here (late binding)
-                self._observe("endpoint_starving", s.endpoint_id, time.time())
             while True:
                 s.again = False
-                while s.credit > 0 and not s.drained and self._sessions.get(s.endpoint_id) is s and not self.served_by_site(s.endpoint_id):
+                while s.credit > 0 and self._sessions.get(s.endpoint_id) is s and not self.served_by_site(s.endpoint_id):
                     room = self._placed_room(s)
-                    asked = min(s.credit, _LEASE_BATCH)
-                    tasks, bodies = await self.store.lease(s.endpoint_id, asked, self.cfg.lease_s, _LEASE_BYTES,
+                    tasks, bodies = await self.store.lease(s.endpoint_id, min(s.credit, _LEASE_BATCH), self.cfg.lease_s, _LEASE_BYTES,
                                                            placed_max=room)
                     if not tasks:
                         if room is None or room > 0:  # it could take work and the hub has none for it
-                            s.drained = not s.again and not self.replicated  # a kick while leasing may have queued more
                             self._observe("endpoint_starving", s.endpoint_id, time.time())
                         break
                     sent_at = time.time()
@@ -788,10 +699,6 @@ class Dispatcher:
                         s.retry_credit = max(s.retry_credit, s.credit + len(tasks))
                         s.retry_at = time.time() + 2.0
                         s.credit = 0
-                        break
-                    if (len(tasks) < asked and (room is None or len(tasks) < room) and not s.again and not self.replicated
-                            and _small(tasks, bodies)):
-                        s.drained = True  # fewer than asked, not for the lookahead or the frame size: that was all
                         break
                 await self._send_now(s)
                 if not s.again:
@@ -823,10 +730,9 @@ class Dispatcher:
         agent outside its fetch credit: credit counts its pool's slots and prefetch, and such a
         task must never wait behind them. The agent starts each on a free worker or on one more
         (up to its cap) and otherwise fails it at once, saying why (docs/multiprocessing.md)."""
-        while not s.now_drained and self._sessions.get(s.endpoint_id) is s and not self.served_by_site(s.endpoint_id):
+        while self._sessions.get(s.endpoint_id) is s and not self.served_by_site(s.endpoint_id):
             tasks, bodies = await self.store.lease(s.endpoint_id, _LEASE_BATCH, self.cfg.lease_s, _LEASE_BYTES, only_now=True)
             if not tasks:
-                s.now_drained = not s.again and not self.replicated
                 return
             try:
                 await self._send(s, Kind.TASKS, {"tasks": tasks, "functions": bodies, "allow": self._allow_field(s.endpoint_id)})
@@ -869,18 +775,17 @@ class Dispatcher:
                     self._keys[endpoint_id] = key
             if key is None:
                 raise _refused(ProtocolError(f"unknown endpoint {endpoint_id}"), "unknown_endpoint")
-            with costs.stage("hub.verify"):
-                sealed = open_frame(frame, key)
-                if sealed.kind not in UP_KINDS:
-                    raise _refused(BadFrame(f"a {sealed.kind.value} frame cannot come from an agent (reflected?)"), "wrong_direction")
-                # A hello is answered with a nonce-bound welcome that tells the agent our clock, so it
-                # may come from a device whose clock is off (a Pi after a power cut has no RTC). A gone
-                # frame is the agent's MQTT will, signed when it connected and published by the broker
-                # whenever the connection dies: it acts only on the session whose hello named its conn.
-                if sealed.kind is not Kind.HELLO and sealed.kind is not Kind.GONE:
-                    check_freshness(sealed)
-                self._replay.check(sealed)
-                env = sealed.open()  # the body is parsed only after MAC, freshness and replay passed
+            sealed = open_frame(frame, key)
+            if sealed.kind not in UP_KINDS:
+                raise _refused(BadFrame(f"a {sealed.kind.value} frame cannot come from an agent (reflected?)"), "wrong_direction")
+            # A hello is answered with a nonce-bound welcome that tells the agent our clock, so it
+            # may come from a device whose clock is off (a Pi after a power cut has no RTC). A gone
+            # frame is the agent's MQTT will, signed when it connected and published by the broker
+            # whenever the connection dies: it acts only on the session whose hello named its conn.
+            if sealed.kind is not Kind.HELLO and sealed.kind is not Kind.GONE:
+                check_freshness(sealed)
+            self._replay.check(sealed)
+            env = sealed.open()  # the body is parsed only after MAC, freshness and replay passed
         except Replayed as exc:
             if sealed.kind is Kind.RESULTS and (not self.replicated or await self._holds(endpoint_id)):
                 # A results frame sent again verbatim (a site gateway re-sends until acked): benign,
@@ -1158,7 +1063,6 @@ class Dispatcher:
         for d in self.site_devices(env.endpoint) if s.site_hold > 0 else ():
             self._cancel_sent.pop(d, None)
         held = set(b.get("have", []))
-        await self._flush_acks(env.endpoint)  # acks of the old session first, as they came
         # One transaction (one fsync, shared with whatever else is committing): re-queue, reconcile,
         # online with its info, and the availability transition for a new session.
         _, lost = await self.store.open_session(env.endpoint, held, now, {**s.info, "capacity": s.capacity, **self.traffic_counters(env.endpoint)},
@@ -1229,7 +1133,6 @@ class Dispatcher:
         if self._sessions.get(ep) is not s:
             return
         del self._sessions[ep]
-        await self._flush_acks(ep)
         n = await self.store.close_session(ep, s.last_seen, {**s.info, "capacity": s.capacity, **self.traffic_counters(ep)})
         if self.replicated:
             self._owned.pop(ep, None)
@@ -1248,7 +1151,7 @@ class Dispatcher:
 
     async def _on_fetch(self, s: _Session, body: dict[str, Any]) -> None:
         s.credit = max(0, int(body.get("want", 0)))
-        self.kick(s.endpoint_id, new_work=False, start_now=False)
+        self.kick(s.endpoint_id)
 
     async def _on_ack(self, s: _Session, body: dict[str, Any]) -> None:
         applied = body.get("c")
@@ -1258,36 +1161,11 @@ class Dispatcher:
             if sent is not None:
                 for i in applied:
                     sent.pop(i, None)
-        ids = body.get("ids", [])
-        if ids and self._may_defer_ack(s):
-            pending = self._acks.setdefault(s.endpoint_id, set())
-            pending.update(ids)
-            if len(pending) > _ACKS_HELD_MAX:
-                await self._flush_acks(s.endpoint_id)
-        else:
-            await self.store.ack(s.endpoint_id, ids)
+        await self.store.ack(s.endpoint_id, body.get("ids", []))
         await self._site_confirmed(s, body.get("ids") or [])
         gw = self._site_of.get(s.endpoint_id)
         if gw is not None:  # room at the site again
             self.kick_site(gw)
-
-    def _may_defer_ack(self, s: _Session) -> bool:
-        """Whether this session's acks may wait for the watchdog's pass (issue 30): a task whose
-        result comes first (a short task, most of them) then needs no ack write at all. Not with
-        replicas, and not around sites (their confirmations pace the gateway's lease)."""
-        return (not self.replicated and self._sessions.get(s.endpoint_id) is s and s.site_hold == 0
-                and s.endpoint_id not in self._site_of)
-
-    async def _flush_acks(self, endpoint_id: str | None = None) -> None:
-        """Write the acks held for one endpoint (or all): before anything that reads which tasks
-        an agent acked (its session ending or starting, expired leases re-queued), so each sees
-        what it saw when acks were written at once. Acks are not durable either way: a hub that
-        restarts re-queues every lease and learns what each agent holds from its hello."""
-        eps = [endpoint_id] if endpoint_id is not None else list(self._acks)
-        for ep in eps:
-            ids = self._acks.pop(ep, None)
-            if ids:
-                await self.store.ack(ep, sorted(ids))
 
     async def _site_confirmed(self, s: _Session, ids: list[str], samples: list[tuple[int, float]] | None = None) -> None:
         """A gateway confirms it holds these tasks for its devices (its own ack of their ids, or its
@@ -1367,35 +1245,26 @@ class Dispatcher:
     async def _on_results(self, s: _Session, body: dict[str, Any]) -> None:
         results = body.get("results", [])
         try:
-            with costs.stage("hub.results"):
-                check_results(results)
+            check_results(results)
         except ValueError as exc:  # authentic but malformed (a broken agent): nothing of it is stored or acked
             self._count_rejected(s.endpoint_id, exc)
             log.warning("rejected results frame from %s: %s", s.endpoint_id, exc, extra={"endpoint_id": s.endpoint_id})
             return
         if self.bus._early:
-            with costs.stage("hub.push"):
-                recent = self._recent_cancels
-                self.bus.early(s.endpoint_id, [r for r in results if r["id"] not in recent] if recent else results)
-        pending = self._acks.get(s.endpoint_id)
-        if pending:  # their results make them done: no ack to write
-            pending.difference_update(r["id"] for r in results)
+            recent = self._recent_cancels
+            self.bus.early(s.endpoint_id, [r for r in results if r["id"] not in recent] if recent else results)
         if s.placed_out:
             held = len(s.placed_out)
             for r in results:
                 s.placed_out.pop(r["id"], None)
             if len(s.placed_out) < held:
-                self.kick(s.endpoint_id, new_work=False, start_now=False)  # room in its lookahead: the next placed tasks go now
+                self.kick(s.endpoint_id)  # room in its lookahead: the next placed tasks go now
         fresh = await self.store.store_results(s.endpoint_id, results)
-        with costs.stage("hub.results"):
-            self.stats["results_stored"] += len(fresh)
-            self.stats["duplicate_results"] += len(results) - len(fresh)
-            # Ack all, duplicates too: the agent must stop re-sending them either way.
-            if fresh:
-                if fresh.rows:
-                    self.bus.stored(fresh.rows)
-                else:
-                    self.bus.notify({u for _, u in fresh})
+        self.stats["results_stored"] += len(fresh)
+        self.stats["duplicate_results"] += len(results) - len(fresh)
+        # Ack all, duplicates too: the agent must stop re-sending them either way.
+        if fresh:
+            self.bus.notify({u for _, u in fresh})
         self._observe("results_stored", s.endpoint_id, time.time(), results, {t for t, _ in fresh})
         await self._send(s, Kind.RESULT_ACK, {"ids": [r["id"] for r in results]})
 
@@ -1479,7 +1348,6 @@ class Dispatcher:
                     g = self._sessions.get(self._site_of.get(dev) or "")
                     if up and dev not in self._sessions and g is not None and g.site_frames:
                         await self._ask_site_device_hello(dev, self._site_links.get(g.endpoint_id, g.link), now)
-                await self._flush_acks()  # before the expired leases are found
                 if await self.store.requeue(expired_before=now):
                     for ep in self._sessions:
                         self.kick(ep)
@@ -1504,11 +1372,6 @@ class Dispatcher:
                     await self.store.tx(prune_events, now - _EVENTS_KEEP_S)
             except Exception:
                 log.exception("watchdog pass failed")
-
-
-def _small(tasks: list[dict[str, Any]], bodies: dict[str, bytes]) -> bool:
-    """Whether a leased batch is well under the frame's byte cap (so the cap did not cut it short)."""
-    return sum(len(t["args"]) for t in tasks) + sum(len(b) for b in bodies.values()) < _LEASE_BYTES // 2
 
 
 def _expired_blob(task_id: str) -> bytes:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from mesh_agent import __version__, costs
+from mesh_agent import __version__
 from mesh_agent.backoff import reconnect_delay
 from mesh_agent.clock import HubClock
 from mesh_agent.engine import EngineResult, EngineTask, LocalEngine, error_result
@@ -67,8 +67,6 @@ _FRAME_BUDGET = 8 * 2**20
 _MAX_RESULT_BYTES = MAX_FRAME_BYTES // 2
 #: After a failed queue write (full disk) the agent takes no new tasks for this long, then tries again.
 _STORE_RETRY_S = 5.0
-#: How long an ack waits for its tasks' results to make it unnecessary (_defer_ack).
-_ACK_DELAY_S = 0.05
 #: A function body handed over by a site gateway: this prefix, the function id (64 hex), the body.
 SITE_BODY_MAGIC = b"CMFN"
 _SITE_BODIES_MAX = 16 * 2**20
@@ -198,8 +196,6 @@ class Agent:
         self._retry: list[EngineResult] = []  # results whose write failed (disk full), written again later
         self._pending_event = asyncio.Event()
         self._sent_at: dict[str, float] = {}  # results sent, not yet acked
-        self._ack_pending: dict[str, None] = {}  # tasks stored, their ack not sent yet (_defer_ack)
-        self._ack_task: asyncio.Task[None] | None = None
         self._in_engine: set[str] = set()
         self._cancelled: dict[str, None] = {}  # task ids cancelled by their submitter (bounded, oldest first out)
         self._received_since_fetch = 0
@@ -379,9 +375,8 @@ class Agent:
         # Behind a site gateway (docs/sites.md) results and acks may wait at the gateway through a long
         # uplink outage: they stay valid for a week (both are idempotent by task id at the hub).
         exp = ts + _RELAYED_TTL_S if self._relayed and kind in (Kind.RESULTS, Kind.ACK) else 0.0
-        with costs.stage("agent.sign"):
-            frame = encode(Envelope(kind, self.endpoint_id, body, ts=ts, exp=exp), self._key,
-                           compress=self._hub_reads_z and (self.footprint.compress if compress is None else compress))
+        frame = encode(Envelope(kind, self.endpoint_id, body, ts=ts, exp=exp), self._key,
+                       compress=self._hub_reads_z and (self.footprint.compress if compress is None else compress))
         await link.send(frame)
         self._bytes_sent += len(frame)  # frame bytes, reported in heartbeats (device counters)
         self._last_frame = time.monotonic()
@@ -483,24 +478,23 @@ class Agent:
         """The full heartbeat body. Compact (adaptive) rounds resource figures so that noise alone
         does not count as a change worth bytes."""
         counts = await self.store.counts()
-        with costs.stage("agent.heartbeat"):
-            ps = _psutil()
-            mem = ps.virtual_memory()
-            cpu = ps.cpu_percent(None)
-            return {
-                "capacity": self._capacity,
-                "running": self.engine.running,
-                "queued": self.engine.queued,
-                "stored": counts["queued"],
-                "outbox": counts["done"],
-                "want": self._want(),
-                "warm": self.engine.warm_functions()[:100],
-                **self._held_envs(),
-                "cpu": round(cpu) if compact else cpu,
-                "mem_used": round(mem.percent) if compact else mem.percent,
-                "mem_avail_mb": (mem.available // 2**24) * 16 if compact else mem.available // 2**20,
-                **self._device_counters(compact),
-            }
+        ps = _psutil()
+        mem = ps.virtual_memory()
+        cpu = ps.cpu_percent(None)
+        return {
+            "capacity": self._capacity,
+            "running": self.engine.running,
+            "queued": self.engine.queued,
+            "stored": counts["queued"],
+            "outbox": counts["done"],
+            "want": self._want(),
+            "warm": self.engine.warm_functions()[:100],
+            **self._held_envs(),
+            "cpu": round(cpu) if compact else cpu,
+            "mem_used": round(mem.percent) if compact else mem.percent,
+            "mem_avail_mb": (mem.available // 2**24) * 16 if compact else mem.available // 2**20,
+            **self._device_counters(compact),
+        }
 
     def _device_counters(self, compact: bool) -> dict[str, int]:
         """What the hub exports for this device (cloud_hub/metrics.py), riding on the heartbeat
@@ -590,24 +584,23 @@ class Agent:
             self._site_body(frame)
             return
         try:
-            with costs.stage("agent.verify"):  # MAC, header, freshness, replay, then the body
-                sealed = open_frame(frame, self._key)
-                if sealed.endpoint != self.endpoint_id:
-                    raise BadFrame(f"frame addressed to {sealed.endpoint}")
-                if sealed.kind not in DOWN_KINDS:
-                    raise BadFrame(f"a {sealed.kind.value} frame cannot come from the hub (reflected?)")
-                if sealed.kind is Kind.WELCOME:
-                    # No freshness check: our clock may be wrong until this very welcome sets it.
-                    # A welcome carries the nonce of the hello it answers as its message id instead.
-                    if sealed.id not in self._hello_nonces:
-                        raise ProtocolError("welcome does not answer a hello of ours")
-                else:
-                    now = self._now()
-                    check_freshness(sealed, now=now)
-                    self._replay.check(sealed, now=now)
-                env = sealed.open()
-                if env.kind is Kind.WELCOME and env.body["reply_to"] != sealed.id:
-                    raise BadFrame("welcome reply_to differs from its message id")
+            sealed = open_frame(frame, self._key)
+            if sealed.endpoint != self.endpoint_id:
+                raise BadFrame(f"frame addressed to {sealed.endpoint}")
+            if sealed.kind not in DOWN_KINDS:
+                raise BadFrame(f"a {sealed.kind.value} frame cannot come from the hub (reflected?)")
+            if sealed.kind is Kind.WELCOME:
+                # No freshness check: our clock may be wrong until this very welcome sets it.
+                # A welcome carries the nonce of the hello it answers as its message id instead.
+                if sealed.id not in self._hello_nonces:
+                    raise ProtocolError("welcome does not answer a hello of ours")
+            else:
+                now = self._now()
+                check_freshness(sealed, now=now)
+                self._replay.check(sealed, now=now)
+            env = sealed.open()
+            if env.kind is Kind.WELCOME and env.body["reply_to"] != sealed.id:
+                raise BadFrame("welcome reply_to differs from its message id")
         except ProtocolError as exc:
             self.stats["rejected_frames"] += 1
             log.warning("rejected frame from hub: %s: %s", exc.reason, exc)
@@ -719,27 +712,25 @@ class Agent:
         cancel = body.get("cancel")
         if cancel and not body.get("tasks") and not body.get("functions"):
             return await self._on_cancel(cancel)  # a cancel alone: no tasks to store
-        with costs.stage("agent.tasks"):
-            tasks: list[dict[str, Any]] = body.get("tasks", [])
-            functions: dict[str, bytes] = body.get("functions") or {}
-            for fid in body.get("at_site") or []:  # bodies our gateway handed us, checked by hash, stored with these tasks
-                if isinstance(fid, str) and fid not in functions and fid in self._site_bodies:
-                    functions[fid] = self._site_bodies.pop(fid)  # stored with these tasks: no longer held in memory
-            self._received_since_fetch += len(tasks)
-            by_id = {t["id"]: t for t in tasks}
-            missing: list[tuple[str, str, bytes, float | None, float | None, str | None, Any]] = []
+        tasks: list[dict[str, Any]] = body.get("tasks", [])
+        functions: dict[str, bytes] = body.get("functions") or {}
+        for fid in body.get("at_site") or []:  # bodies our gateway handed us, checked by hash, stored with these tasks
+            if isinstance(fid, str) and fid not in functions and fid in self._site_bodies:
+                functions[fid] = self._site_bodies.pop(fid)  # stored with these tasks: no longer held in memory
+        self._received_since_fetch += len(tasks)
+        by_id = {t["id"]: t for t in tasks}
+        missing: list[tuple[str, str, bytes, float | None, float | None, str | None, Any]] = []
 
         def start(fresh: list[str]) -> None:
             # Called inside the store's transaction, before its commit: tasks whose function came
             # with this frame start now; the rest wait for their stored body (below).
-            with costs.stage("agent.tasks"):  # (a callback on the loop: agent.submit nests inside)
-                self.stats["tasks_received"] += len(fresh)
-                ready: list[tuple[str, str, bytes, float | None, float | None, str | None, Any]] = []
-                for i in fresh:
-                    t = by_id[i]
-                    row = (i, t["fn"], t["args"], t.get("timeout"), t.get("exp"), t.get("env"), t.get("now"))
-                    (ready if t["fn"] in functions else missing).append(row)
-                self._submit(ready, functions)
+            self.stats["tasks_received"] += len(fresh)
+            ready: list[tuple[str, str, bytes, float | None, float | None, str | None, Any]] = []
+            for i in fresh:
+                t = by_id[i]
+                row = (i, t["fn"], t["args"], t.get("timeout"), t.get("exp"), t.get("env"), t.get("now"))
+                (ready if t["fn"] in functions else missing).append(row)
+            self._submit(ready, functions)
 
         await self._set_hub_allow(body)  # before any of these tasks is considered for running
         try:
@@ -763,35 +754,11 @@ class Agent:
             self._submit(missing, bodies)  # before the ack: a link that fails now must not strand them
         # Ack everything, duplicates included (the hub may have missed our earlier ack), except
         # finished tasks held back by the store (see MeshStore.add_tasks): the hub signs them again.
-        with costs.stage("agent.tasks"):
-            skip = set(held_back)
-            ids = [t["id"] for t in tasks if t["id"] not in skip]
-        if self._relayed:
-            await self._send(Kind.ACK, {"ids": ids})
-        else:
-            self._defer_ack(ids)
+        skip = set(held_back)
+        await self._send(Kind.ACK, {"ids": [t["id"] for t in tasks if t["id"] not in skip]})
         if cancel:
             return await self._on_cancel(cancel)
         return True
-
-    def _defer_ack(self, ids: list[str]) -> None:
-        """Acknowledge these tasks ``_ACK_DELAY_S`` from now, all but those whose results went out
-        meanwhile: the hub takes a result as the task's ack, so a short task costs one frame up,
-        not two (issue 30). A long task's ack is that much later, far inside its lease. Not behind
-        a gateway (its acks pace the gateway's hold: docs/sites.md)."""
-        self._ack_pending.update(dict.fromkeys(ids))
-        if self._ack_task is None or self._ack_task.done():
-            self._ack_task = asyncio.get_running_loop().create_task(self._ack_later())
-
-    async def _ack_later(self) -> None:
-        await asyncio.sleep(_ACK_DELAY_S)
-        ids, self._ack_pending = list(self._ack_pending), {}
-        if not ids:
-            return
-        try:
-            await self._send(Kind.ACK, {"ids": ids})
-        except LinkError:  # not acknowledged: the hub sends them again after their lease, and we drop the repeats
-            log.debug("ack of %d tasks not sent (link down)", len(ids))
 
     async def _on_cancel(self, ids: list[str]) -> bool:
         """The submitter cancelled these tasks (``tasks.cancel``, docs/protocol.md "Cancellation"):
@@ -837,32 +804,31 @@ class Agent:
     # ------------------------------------------------------------------ execution
     def _submit(self, rows: list[tuple[str, str, bytes, float | None, float | None, str | None, Any]], bodies: dict[str, bytes]) -> None:
         """``rows``: (id, function id, args, timeout, expiry, environment spec[, start now])."""
-        with costs.stage("agent.submit"):  # the local engine dispatches to its workers inside
-            now = self._now()
-            batch: list[EngineTask] = []
-            for task_id, fid, args, timeout, exp, env_text, *more in rows:
-                start_now = more[0] if more else None
-                if task_id in self._in_engine:
-                    continue
-                refusal = self._refusal(fid)
-                if refusal is not None:
-                    self.stats["refused_tasks"] += 1
-                    log.warning("refused task %s: %s", task_id, refusal, extra={"task_id": task_id, "function_id": fid})
-                    self._on_results([error_result(task_id, "mesh_agent.FunctionNotAllowed", refusal)])
-                elif fid not in bodies:
-                    self._on_results([error_result(task_id, "mesh_agent.FunctionMissing", f"function {fid} not stored")])
-                elif exp and now > exp:
-                    self._on_results([error_result(task_id, "mesh_agent.TaskExpired", f"task expired {now - exp:.0f}s before it could run")])
-                elif env_text is not None and (bad := self._env_refusal(env_text)) is not None:
-                    self._on_results([error_result(task_id, "mesh_agent.engine.EnvError", bad)])
-                else:
-                    self._in_engine.add(task_id)
-                    task = EngineTask(task_id, fid, bodies[fid], args, timeout, _env_spec(env_text))
-                    if start_now and isinstance(self.engine, LocalEngine):
-                        task.now = True  # a Process: a free worker or one more (up to the cap), never the queue
-                    batch.append(task)
-            if batch:
-                self.engine.submit(batch)
+        now = self._now()
+        batch: list[EngineTask] = []
+        for task_id, fid, args, timeout, exp, env_text, *more in rows:
+            start_now = more[0] if more else None
+            if task_id in self._in_engine:
+                continue
+            refusal = self._refusal(fid)
+            if refusal is not None:
+                self.stats["refused_tasks"] += 1
+                log.warning("refused task %s: %s", task_id, refusal, extra={"task_id": task_id, "function_id": fid})
+                self._on_results([error_result(task_id, "mesh_agent.FunctionNotAllowed", refusal)])
+            elif fid not in bodies:
+                self._on_results([error_result(task_id, "mesh_agent.FunctionMissing", f"function {fid} not stored")])
+            elif exp and now > exp:
+                self._on_results([error_result(task_id, "mesh_agent.TaskExpired", f"task expired {now - exp:.0f}s before it could run")])
+            elif env_text is not None and (bad := self._env_refusal(env_text)) is not None:
+                self._on_results([error_result(task_id, "mesh_agent.engine.EnvError", bad)])
+            else:
+                self._in_engine.add(task_id)
+                task = EngineTask(task_id, fid, bodies[fid], args, timeout, _env_spec(env_text))
+                if start_now and isinstance(self.engine, LocalEngine):
+                    task.now = True  # a Process: a free worker or one more (up to the cap), never the queue
+                batch.append(task)
+        if batch:
+            self.engine.submit(batch)
 
     def _env_refusal(self, env_text: str) -> str | None:
         """Why a task's environment spec cannot run here, or None (checked again: a hub is not trusted)."""
@@ -894,15 +860,14 @@ class Agent:
         self._pending_event.clear()
         if not batch:
             return []
-        with costs.stage("agent.collect"):
-            if self._cancelled:  # the engine's result of a cancelled task: the hub has that task's one result already
-                for r in batch:
-                    if r.task_id in self._cancelled:
-                        self._in_engine.discard(r.task_id)
-                batch = [r for r in batch if r.task_id not in self._cancelled]
-                if not batch:
-                    return []
-            stored = [StoredResult(r.task_id, r.ok, r.data, r.started, r.finished, r.worker_pid) for r in map(_fit, batch)]
+        if self._cancelled:  # the engine's result of a cancelled task: the hub has that task's one result already
+            for r in batch:
+                if r.task_id in self._cancelled:
+                    self._in_engine.discard(r.task_id)
+            batch = [r for r in batch if r.task_id not in self._cancelled]
+            if not batch:
+                return []
+        stored = [StoredResult(r.task_id, r.ok, r.data, r.started, r.finished, r.worker_pid) for r in map(_fit, batch)]
         try:
             await self.store.save_results(stored)
         except StoreError:
@@ -943,7 +908,6 @@ class Agent:
             )
             for r in chunk:
                 self._sent_at[r.id] = now
-                self._ack_pending.pop(r.id, None)  # the result acknowledges its task
             self.stats["results_sent"] += len(chunk)
 
     async def _resend_stale_results(self, all_of_them: bool = False) -> None:

@@ -17,8 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
-from cloud_hub.store.group import GroupCommitter, db_stage
-from mesh_agent import costs
+from cloud_hub.store.group import GroupCommitter
 from cloud_hub.store.migrations import MIGRATIONS
 
 if TYPE_CHECKING:
@@ -67,7 +66,7 @@ def _chunks(seq: Sequence[T], n: int = 500) -> Iterable[Sequence[T]]:
         yield seq[i : i + n]
 
 
-def number_results(db: Any) -> dict[str, int]:
+def number_results(db: Any) -> None:
     """Give every result stored in this transaction the next number of its user's cursor.
 
     Called by each writer of ``results`` before its transaction commits, so no committed result is
@@ -75,27 +74,17 @@ def number_results(db: Any) -> dict[str, int]:
     own cursors, how many results everyone else got. Why a counter table and not MAX(user_seq):
     pruning a user's newest results must not hand their numbers out again (a client holding that
     cursor would skip the new results). In PostgreSQL the writer already holds the results lock
-    (postgres.py), so numbers are committed in order for the stream readers too. Returns the
-    number each task's result got (task id -> number)."""
-    rows = db.execute("SELECT seq, user_id, task_id FROM results WHERE user_seq IS NULL ORDER BY seq").fetchall()
-    by_user: dict[str, list[tuple[int, str]]] = {}
-    for seq, uid, tid in rows:
-        by_user.setdefault(uid, []).append((seq, tid))
-    given: dict[str, int] = {}
+    (postgres.py), so numbers are committed in order for the stream readers too."""
+    rows = db.execute("SELECT seq, user_id FROM results WHERE user_seq IS NULL ORDER BY seq").fetchall()
+    by_user: dict[str, list[int]] = {}
+    for seq, uid in rows:
+        by_user.setdefault(uid, []).append(seq)
     for uid, seqs in by_user.items():
         row = db.execute("SELECT last FROM result_cursors WHERE user_id=?", (uid,)).fetchone()
         last = row[0] if row else 0
-        db.executemany("UPDATE results SET user_seq=? WHERE seq=?", [(last + i, s) for i, (s, _) in enumerate(seqs, 1)])
+        db.executemany("UPDATE results SET user_seq=? WHERE seq=?", [(last + i, s) for i, s in enumerate(seqs, 1)])
         db.execute("INSERT INTO result_cursors (user_id, last) VALUES (?, ?) ON CONFLICT (user_id) DO UPDATE SET last=excluded.last",
                    (uid, last + len(seqs)))
-        given.update((tid, last + i) for i, (_, tid) in enumerate(seqs, 1))
-    return given
-
-
-def _charged(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on the database thread, its CPU charged to its store method in the ledger."""
-    with costs.stage(db_stage(fn)):
-        return fn(*args)
 
 
 def migrate(db: sqlite3.Connection, path: Path | str) -> None:
@@ -147,8 +136,6 @@ class StoreEngine:
         self._owners: dict[str, str] = {}  # endpoint id -> its owner, as read (endpoint_owners_of)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        if costs.enabled:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, _charged, fn, *args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def _tx(self, fn: Callable[..., T], *args: Any, durable: bool = True) -> T:
@@ -209,7 +196,7 @@ class StoreEngine:
             uri = "file:" + urllib.parse.quote(str(self.path.resolve())) + "?mode=ro"
             self._rdb = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
             self._rdb.execute("PRAGMA query_only=ON")
-        return _charged(fn, self._rdb, *args)
+        return fn(self._rdb, *args)
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:

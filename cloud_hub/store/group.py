@@ -32,8 +32,6 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mesh_agent import costs
-
 __all__ = ["GroupCommitter", "MAX_GROUP"]
 
 #: At most this many operations per transaction: a herd of hellos still lets reads queued on the
@@ -134,8 +132,7 @@ class GroupCommitter:
                         continue
                 db.execute("SAVEPOINT op")
                 try:
-                    with costs.stage(db_stage(op.fn)):
-                        out = op.fn(db, *op.args)
+                    out = op.fn(db, *op.args)
                 except BaseException as exc:
                     if db.in_transaction:  # roll back this operation only
                         db.execute("ROLLBACK TO op")
@@ -153,8 +150,7 @@ class GroupCommitter:
                 done.append((op, out))
             if db.in_transaction:
                 try:
-                    with costs.stage("db.commit"):
-                        db.execute("COMMIT")
+                    db.execute("COMMIT")
                 except BaseException as exc:
                     if db.in_transaction:
                         db.execute("ROLLBACK")
@@ -181,15 +177,6 @@ class GroupCommitter:
             op.loop.call_soon_threadsafe(_reject, op.future, exc)
         except RuntimeError:  # its event loop is closed: nobody is waiting
             pass
-
-
-def db_stage(fn: Callable[..., Any]) -> str:
-    """The ledger's name for a database operation: ``db.`` and the store method that made it
-    (not worked out while the ledger is off)."""
-    if not costs.enabled:
-        return ""
-    name = getattr(fn, "__qualname__", "op").split(".<locals>")[0].rsplit(".", 1)[-1]
-    return f"db.{name}"
 
 
 def _resolve(fut: asyncio.Future[Any], value: Any) -> None:

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence, TypeVar
 if TYPE_CHECKING:
     pass
 
-from cloud_hub.store import scheduling
 from cloud_hub.store._engine import StoreEngine, _chunks, number_results
 
 T = TypeVar("T")
@@ -35,40 +34,6 @@ def _result_rows(rows: Iterable[tuple[Any, ...]]) -> list[dict[str, Any]]:
          "endpoint_id": r[6], "own_endpoint": r[6] is None or bool(r[7]), "trusted": r[6] is None or (bool(r[7]) and bool(r[8]))}
         for r in rows
     ]
-
-
-class Fresh(list[tuple[str, str]]):
-    """(task id, user id) of the results a frame stored for the first time, and ``rows``: per
-    user, those results as ``results_after`` would read them back (numbered, with the endpoint's
-    flags), read inside the storing transaction. Why: the SDK's result stream sends them from
-    memory, which saves the hub a read on another thread per results frame (issue 30)."""
-
-    rows: dict[str, list[dict[str, Any]]]
-
-    def __init__(self, items: Iterable[tuple[str, str]] = ()) -> None:
-        super().__init__(items)
-        self.rows = {}
-
-
-def _stream_rows(db: Any, endpoint_id: str, fresh: Sequence[dict[str, Any]], owners: dict[str, str],
-                 numbers: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
-    """The stream's rows of results just stored by one endpoint, by user: their numbers as
-    ``number_results`` gave them, the endpoint's flags read once (one query, not one per row)."""
-    row = db.execute("SELECT user_id, trusted FROM endpoints WHERE id=?", (endpoint_id,)).fetchone()
-    owner, trusted = (row[0], bool(row[1])) if row is not None else (None, False)
-    out: dict[str, list[dict[str, Any]]] = {}
-    for r in fresh:
-        seq = numbers.get(r["id"])
-        if seq is None:  # stored before (a memo copy): the store has it, with its own number
-            continue
-        uid = owners[r["id"]]
-        own = row is not None and owner == uid  # as _RESULT_SELECT reads it back
-        out.setdefault(uid, []).append(
-            {"seq": seq, "task_id": r["id"], "ok": bool(r["ok"]), "data": r["data"], "started": r.get("started"), "finished": r.get("finished"),
-             "endpoint_id": endpoint_id, "own_endpoint": own, "trusted": own and trusted})
-    for rows_of in out.values():
-        rows_of.sort(key=lambda x: x["seq"])
-    return out
 
 
 def check_results(results: Any) -> None:
@@ -96,25 +61,22 @@ def check_results(results: Any) -> None:
 class ResultStore(StoreEngine):
     """Results of tasks, and each user's result cursor."""
 
-    async def store_results(self, endpoint_id: str, results: Sequence[dict[str, Any]]) -> Fresh:
-        """Store results exactly once per task; return (task id, user id) of those that were new,
-        with each new result as the result stream sends it (``Fresh.rows``). A malformed batch
-        raises ValueError naming what is wrong, and stores none of it."""
+    async def store_results(self, endpoint_id: str, results: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+        """Store results exactly once per task; return (task id, user id) of those that were new.
+        A malformed batch raises ValueError naming what is wrong, and stores none of it."""
 
-        def q(db: sqlite3.Connection) -> Fresh:
+        def q(db: sqlite3.Connection) -> list[tuple[str, str]]:
             check_results(results)
             now = time.time()
             ids = [r["id"] for r in results]
             owners: dict[str, str] = {}
-            cached: set[str] = set()  # submitted with a cache key (cloud_hub/store/memo.py)
             for chunk in _chunks(ids):
-                for tid, uid, memo_key in db.execute(
-                    f"SELECT id, user_id, memo_key FROM tasks WHERE endpoint_id=? AND state != 'done' AND id IN ({','.join('?' * len(chunk))})",
-                    (endpoint_id, *chunk),
-                ):
-                    owners[tid] = uid
-                    if memo_key is not None:
-                        cached.add(tid)
+                owners.update(
+                    db.execute(
+                        f"SELECT id, user_id FROM tasks WHERE endpoint_id=? AND state != 'done' AND id IN ({','.join('?' * len(chunk))})",
+                        (endpoint_id, *chunk),
+                    ).fetchall()
+                )
             fresh = list({r["id"]: r for r in results if r["id"] in owners}.values())  # a batch may repeat an id
             db.executemany(
                 "INSERT INTO results (task_id, user_id, ok, data, started, finished, received, pid) "
@@ -122,15 +84,12 @@ class ResultStore(StoreEngine):
                 [(r["id"], owners[r["id"]], int(bool(r["ok"])), r["data"], r.get("started"), r.get("finished"), now, r.get("pid")) for r in fresh],
             )
             db.executemany("UPDATE tasks SET state='done', done=?, args=NULL WHERE id=?", [(now, r["id"]) for r in fresh])
-            scheduling.complete_results(db, fresh, now)
-            numbers = number_results(db)
-            if getattr(self, "memo", None) is not None and cached:  # results of tasks submitted with cache=True answer repeats
+            number_results(db)
+            if getattr(self, "memo", None) is not None and fresh:  # results of tasks submitted with cache=True answer repeats (cloud_hub/store/memo.py)
                 from cloud_hub.store import memo
 
-                memo.record(db, [r for r in fresh if r["id"] in cached], self.memo, now)  # type: ignore[arg-type]
-            out = Fresh((r["id"], owners[r["id"]]) for r in fresh)
-            out.rows = _stream_rows(db, endpoint_id, fresh, owners, numbers)
-            return out
+                memo.record(db, fresh, self.memo, now)  # type: ignore[arg-type]
+            return [(r["id"], owners[r["id"]]) for r in fresh]
 
         return await self.tx(q)
 
