@@ -171,7 +171,6 @@ class _Session:
     site_pumping: bool = False
     site_cache: bool = False  # a site gateway that caches function bodies: each crosses the uplink once
     site_have: set[str] = field(default_factory=set)  # function ids that gateway holds
-    site_clock: ConfirmClock | None = None  # a site gateway: how long its confirmations take (cloud_hub/site_lease.py)
     # A site gateway back after its session ended (an uplink outage): until this time, work that
     # went back to the queue from its unconfirmed leases is not sent to it again. It probably holds
     # those frames, or the broker is delivering them now (its session is persistent), and its
@@ -512,12 +511,13 @@ class Dispatcher:
                 if room <= 0:
                     break
                 link = self._site_links.get(g.endpoint_id) if g.site_frames else None
+                clock = self._site_clocks.get(g.endpoint_id)
                 max_bytes = _LEASE_BYTES
-                if isinstance(link, SiteDownLink) and g.site_clock is not None:
+                if isinstance(link, SiteDownLink) and clock is not None:
                     # Settled by number or on evidence, never by a timer, while the session lives;
                     # at most what the uplink carries in a few seconds in flight unconfirmed.
                     unconfirmed_s = self.cfg.site_hold_s
-                    max_bytes = min(max_bytes, g.site_clock.window_bytes() - link.inflight_bytes)
+                    max_bytes = min(max_bytes, clock.window_bytes() - link.inflight_bytes)
                     if max_bytes <= 0:
                         break  # the next confirmation kicks the pump again (_site_confirmed)
                 else:
@@ -525,7 +525,7 @@ class Dispatcher:
                     # confirms it stored them (its own ack), then site_hold_s: a frame lost on the way (the
                     # gateway died before its commit) is sent again soon, and a slow uplink is not flooded
                     # with re-sends of batches whose confirmation is merely late.
-                    unconfirmed_s = g.site_clock.lease_s() if g.site_clock is not None else self.cfg.lease_s
+                    unconfirmed_s = self._site_grace(g.endpoint_id)
                 by_dev, bodies = await self.store.lease_site(g.endpoint_id, devices, min(room, _LEASE_BATCH), unconfirmed_s, max_bytes,
                                                              skip_returned=time.time() < g.site_wait_until)
                 if not by_dev:
@@ -563,8 +563,8 @@ class Dispatcher:
                         log.warning("leasing ahead to site %s failed (%s); %d tasks re-queued", g.endpoint_id, exc, n, extra={"endpoint_id": g.endpoint_id})
                         return
                     self._count(dev, len(frame), out=True, kind=Kind.TASKS)
-                    if g.site_clock is not None and site_link is None:  # numbered batches time themselves
-                        g.site_clock.sent([t["id"] for t in tasks], time.monotonic())
+                    if clock is not None and site_link is None:  # numbered batches time themselves
+                        clock.sent([t["id"] for t in tasks], time.monotonic())
                     self.stats["tasks_sent"] += len(tasks)
                     self.stats["site_leased"] = self.stats.get("site_leased", 0) + len(tasks)
         except Exception:
@@ -1033,14 +1033,13 @@ class Dispatcher:
             hold = site.get("hold")
             s.site_hold = max(0, min(int(hold), 100_000)) if isinstance(hold, int) and not isinstance(hold, bool) else 0
             if s.site_hold > 0:  # per gateway, not per session: an uplink outage does not forget its confirmation delay
-                s.site_clock = self._site_clocks.get(env.endpoint)
-                if s.site_clock is None:
-                    s.site_clock = self._site_clocks[env.endpoint] = ConfirmClock(min(self.cfg.lease_s, self.cfg.site_hold_s),
-                                                                                  self.cfg.site_hold_s)
+                clock = self._site_clocks.get(env.endpoint)
+                if clock is None:
+                    clock = self._site_clocks[env.endpoint] = ConfirmClock(min(self.cfg.lease_s, self.cfg.site_hold_s), self.cfg.site_hold_s)
                 # Back after its session ended (it reconnects and confirms all it holds at once):
                 # give that confirmation the time of an unconfirmed lease before re-sending work
                 # that went back to the queue from its leases meanwhile.
-                s.site_wait_until = old.site_wait_until if old is not None else now + s.site_clock.lease_s()
+                s.site_wait_until = old.site_wait_until if old is not None else now + clock.lease_s()
             where = site.get("broker")
             if isinstance(where, str) and where.count(":") == 1 and where.rsplit(":", 1)[1].isdigit():
                 s.site_broker = (where.rsplit(":", 1)[0], int(where.rsplit(":", 1)[1]))
