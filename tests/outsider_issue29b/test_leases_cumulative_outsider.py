@@ -224,8 +224,10 @@ def test_gateway_sigkilled_with_batches_in_flight(tmp_path: Path) -> None:
     log = tmp_path / "runs.log"
     with _shaped_site(tmp_path, "gw3", "d3", 10.0, LinkShape(latency_s=1.0, jitter_s=0.2, bandwidth_bps=32_000)) as (mesh, proxy, gw, devs):
         fid = mesh.client.register_function(_work)
-        tasks = _submit(mesh, fid, devs, [f"k{i:03d}" for i in range(45)], 0.1, log, pad=os.urandom(900))
+        # Counted from before the submits: on a loaded machine the 45 submits can take as long as
+        # the uplink takes to carry all their batches.
         down0 = proxy.stats["bytes_down"]
+        tasks = _submit(mesh, fid, devs, [f"k{i:03d}" for i in range(45)], 0.1, log, pad=os.urandom(900))
         wait_for(lambda: proxy.stats["bytes_down"] - down0 > 6_000, "batches crossing the uplink", 30, step=0.1, logs=[gw])
         gw.kill()
         n_at_kill1 = len(_results(mesh, [t for t, _ in tasks.values()]))
