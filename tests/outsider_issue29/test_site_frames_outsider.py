@@ -537,6 +537,18 @@ def test_six_devices_exactly_once_through_gateway_sigkill_uplink_loss_and_device
 
 
 # ------------------------------------------------------------------------- 7. one copy per result
+def device_holds(dev: AgentProcess, tids: list[str]) -> bool:
+    """Whether the device's own queue (its SQLite file, read-only) has stored every one of ``tids``."""
+    c = sqlite3.connect(f"file:{dev.cfg.data_dir}/queue.sqlite3?mode=ro", uri=True, timeout=5)
+    try:
+        got = {r[0] for r in c.execute(f"SELECT id FROM tasks WHERE id IN ({','.join('?' * len(tids))})", tids)}
+    except sqlite3.OperationalError:  # not created yet
+        return False
+    finally:
+        c.close()
+    return got == set(tids)
+
+
 def test_one_copy_per_result_over_the_uplink_after_an_outage(mesh: LocalMesh, marks: Path) -> None:
     """Four tasks leased ahead to a site; the uplink is cut once the first starts; the device finishes
     them all during a 25 s outage (longer than two turns of the old blind 10 s timer). The gateway's
@@ -554,6 +566,9 @@ def test_one_copy_per_result_over_the_uplink_after_an_outage(mesh: LocalMesh, ma
         fid = mesh.client.register_function(work)
         tids = [mesh.client.submit(dev.endpoint_id, fid, str(marks), f"t{i}", 1.0, f"t{i}") for i in range(4)]
         wait_for(lambda: runs(marks, "t0") >= 1, "the first task started", 30, step=0.02, logs=[gw, dev])
+        # All four on the device before the cut: on a loaded machine the last submit's batch could
+        # still be on its way up the proxy when the first task starts (CI saw three never arrive).
+        wait_for(lambda: device_holds(dev, tids), "all four stored on the device", 30, step=0.02, logs=[gw, dev])
         proxy.cut()
         cut_at = time.monotonic()
         assert result_rows(mesh, tids) == []
