@@ -32,6 +32,7 @@ from cloud_hub.site_lease import ConfirmClock
 from cloud_hub.store import SqliteStore
 from cloud_hub.store.availability import close_stale_sessions, prune_events
 from cloud_hub.store.sqlite import check_results
+from mesh_agent import costs
 from mesh_agent.protocol import (
     UP_KINDS,
     BadFrame,
@@ -265,7 +266,8 @@ class Dispatcher:
 
     def _observe(self, hook: str, *args: Any) -> None:
         try:
-            getattr(self.observer, hook)(*args)
+            with costs.stage("hub.observe"):  # the scheduler's bookkeeping (cloud_hub/placement.py)
+                getattr(self.observer, hook)(*args)
         except Exception:
             log.exception("observer hook %s failed", hook)
 
@@ -403,8 +405,9 @@ class Dispatcher:
         if kind in _ECHOED:  # a few bytes: the agent echoes it in its next frame (link timing)
             seq = s.echo_seq = s.echo_seq % 0xFFFF + 1
             body = {**body, "t": seq}
-        env = Envelope(kind, s.endpoint_id, body) if msg_id is None else Envelope(kind, s.endpoint_id, body, id=msg_id)
-        frame = encode(env, self._keys[s.endpoint_id], ttl=self.cfg.frame_ttl_s, compress=s.compress)
+        with costs.stage("hub.sign"):
+            env = Envelope(kind, s.endpoint_id, body) if msg_id is None else Envelope(kind, s.endpoint_id, body, id=msg_id)
+            frame = encode(env, self._keys[s.endpoint_id], ttl=self.cfg.frame_ttl_s, compress=s.compress)
         if seq:
             sent = s.echo_sent
             sent[seq] = time.time()  # as late as we can: only the transport's own queueing follows
@@ -775,17 +778,18 @@ class Dispatcher:
                     self._keys[endpoint_id] = key
             if key is None:
                 raise _refused(ProtocolError(f"unknown endpoint {endpoint_id}"), "unknown_endpoint")
-            sealed = open_frame(frame, key)
-            if sealed.kind not in UP_KINDS:
-                raise _refused(BadFrame(f"a {sealed.kind.value} frame cannot come from an agent (reflected?)"), "wrong_direction")
-            # A hello is answered with a nonce-bound welcome that tells the agent our clock, so it
-            # may come from a device whose clock is off (a Pi after a power cut has no RTC). A gone
-            # frame is the agent's MQTT will, signed when it connected and published by the broker
-            # whenever the connection dies: it acts only on the session whose hello named its conn.
-            if sealed.kind is not Kind.HELLO and sealed.kind is not Kind.GONE:
-                check_freshness(sealed)
-            self._replay.check(sealed)
-            env = sealed.open()  # the body is parsed only after MAC, freshness and replay passed
+            with costs.stage("hub.verify"):
+                sealed = open_frame(frame, key)
+                if sealed.kind not in UP_KINDS:
+                    raise _refused(BadFrame(f"a {sealed.kind.value} frame cannot come from an agent (reflected?)"), "wrong_direction")
+                # A hello is answered with a nonce-bound welcome that tells the agent our clock, so it
+                # may come from a device whose clock is off (a Pi after a power cut has no RTC). A gone
+                # frame is the agent's MQTT will, signed when it connected and published by the broker
+                # whenever the connection dies: it acts only on the session whose hello named its conn.
+                if sealed.kind is not Kind.HELLO and sealed.kind is not Kind.GONE:
+                    check_freshness(sealed)
+                self._replay.check(sealed)
+                env = sealed.open()  # the body is parsed only after MAC, freshness and replay passed
         except Replayed as exc:
             if sealed.kind is Kind.RESULTS and (not self.replicated or await self._holds(endpoint_id)):
                 # A results frame sent again verbatim (a site gateway re-sends until acked): benign,
@@ -1244,14 +1248,16 @@ class Dispatcher:
     async def _on_results(self, s: _Session, body: dict[str, Any]) -> None:
         results = body.get("results", [])
         try:
-            check_results(results)
+            with costs.stage("hub.results"):
+                check_results(results)
         except ValueError as exc:  # authentic but malformed (a broken agent): nothing of it is stored or acked
             self._count_rejected(s.endpoint_id, exc)
             log.warning("rejected results frame from %s: %s", s.endpoint_id, exc, extra={"endpoint_id": s.endpoint_id})
             return
         if self.bus._early:
-            recent = self._recent_cancels
-            self.bus.early(s.endpoint_id, [r for r in results if r["id"] not in recent] if recent else results)
+            with costs.stage("hub.push"):
+                recent = self._recent_cancels
+                self.bus.early(s.endpoint_id, [r for r in results if r["id"] not in recent] if recent else results)
         if s.placed_out:
             held = len(s.placed_out)
             for r in results:
@@ -1259,11 +1265,12 @@ class Dispatcher:
             if len(s.placed_out) < held:
                 self.kick(s.endpoint_id)  # room in its lookahead: the next placed tasks go now
         fresh = await self.store.store_results(s.endpoint_id, results)
-        self.stats["results_stored"] += len(fresh)
-        self.stats["duplicate_results"] += len(results) - len(fresh)
-        # Ack all, duplicates too: the agent must stop re-sending them either way.
-        if fresh:
-            self.bus.notify({u for _, u in fresh})
+        with costs.stage("hub.results"):
+            self.stats["results_stored"] += len(fresh)
+            self.stats["duplicate_results"] += len(results) - len(fresh)
+            # Ack all, duplicates too: the agent must stop re-sending them either way.
+            if fresh:
+                self.bus.notify({u for _, u in fresh})
         self._observe("results_stored", s.endpoint_id, time.time(), results, {t for t, _ in fresh})
         await self._send(s, Kind.RESULT_ACK, {"ids": [r["id"] for r in results]})
 

@@ -17,6 +17,7 @@ import uvicorn
 from cloud_hub.api.app import create_app
 from cloud_hub.service.hub import Hub
 from cloud_hub.config import HubConfig
+from mesh_agent import costs
 
 __all__ = ["serve", "HubThread", "HubStartError", "listen_summary"]
 
@@ -104,6 +105,7 @@ def serve(cfg: HubConfig) -> None:
             await asyncio.sleep(0.05)
         if server.started:
             log.info("hub listening: %s", listen_summary(cfg))
+            costs.start("hub")  # only with MESH_COST_LEDGER set (bench/hotpath.py)
         await task
 
     try:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from mesh_agent import __version__
+from mesh_agent import __version__, costs
 from mesh_agent.backoff import reconnect_delay
 from mesh_agent.clock import HubClock
 from mesh_agent.engine import EngineResult, EngineTask, LocalEngine, error_result
@@ -375,8 +375,9 @@ class Agent:
         # Behind a site gateway (docs/sites.md) results and acks may wait at the gateway through a long
         # uplink outage: they stay valid for a week (both are idempotent by task id at the hub).
         exp = ts + _RELAYED_TTL_S if self._relayed and kind in (Kind.RESULTS, Kind.ACK) else 0.0
-        frame = encode(Envelope(kind, self.endpoint_id, body, ts=ts, exp=exp), self._key,
-                       compress=self._hub_reads_z and (self.footprint.compress if compress is None else compress))
+        with costs.stage("agent.sign"):
+            frame = encode(Envelope(kind, self.endpoint_id, body, ts=ts, exp=exp), self._key,
+                           compress=self._hub_reads_z and (self.footprint.compress if compress is None else compress))
         await link.send(frame)
         self._bytes_sent += len(frame)  # frame bytes, reported in heartbeats (device counters)
         self._last_frame = time.monotonic()
@@ -478,23 +479,24 @@ class Agent:
         """The full heartbeat body. Compact (adaptive) rounds resource figures so that noise alone
         does not count as a change worth bytes."""
         counts = await self.store.counts()
-        ps = _psutil()
-        mem = ps.virtual_memory()
-        cpu = ps.cpu_percent(None)
-        return {
-            "capacity": self._capacity,
-            "running": self.engine.running,
-            "queued": self.engine.queued,
-            "stored": counts["queued"],
-            "outbox": counts["done"],
-            "want": self._want(),
-            "warm": self.engine.warm_functions()[:100],
-            **self._held_envs(),
-            "cpu": round(cpu) if compact else cpu,
-            "mem_used": round(mem.percent) if compact else mem.percent,
-            "mem_avail_mb": (mem.available // 2**24) * 16 if compact else mem.available // 2**20,
-            **self._device_counters(compact),
-        }
+        with costs.stage("agent.heartbeat"):
+            ps = _psutil()
+            mem = ps.virtual_memory()
+            cpu = ps.cpu_percent(None)
+            return {
+                "capacity": self._capacity,
+                "running": self.engine.running,
+                "queued": self.engine.queued,
+                "stored": counts["queued"],
+                "outbox": counts["done"],
+                "want": self._want(),
+                "warm": self.engine.warm_functions()[:100],
+                **self._held_envs(),
+                "cpu": round(cpu) if compact else cpu,
+                "mem_used": round(mem.percent) if compact else mem.percent,
+                "mem_avail_mb": (mem.available // 2**24) * 16 if compact else mem.available // 2**20,
+                **self._device_counters(compact),
+            }
 
     def _device_counters(self, compact: bool) -> dict[str, int]:
         """What the hub exports for this device (cloud_hub/metrics.py), riding on the heartbeat
@@ -584,23 +586,24 @@ class Agent:
             self._site_body(frame)
             return
         try:
-            sealed = open_frame(frame, self._key)
-            if sealed.endpoint != self.endpoint_id:
-                raise BadFrame(f"frame addressed to {sealed.endpoint}")
-            if sealed.kind not in DOWN_KINDS:
-                raise BadFrame(f"a {sealed.kind.value} frame cannot come from the hub (reflected?)")
-            if sealed.kind is Kind.WELCOME:
-                # No freshness check: our clock may be wrong until this very welcome sets it.
-                # A welcome carries the nonce of the hello it answers as its message id instead.
-                if sealed.id not in self._hello_nonces:
-                    raise ProtocolError("welcome does not answer a hello of ours")
-            else:
-                now = self._now()
-                check_freshness(sealed, now=now)
-                self._replay.check(sealed, now=now)
-            env = sealed.open()
-            if env.kind is Kind.WELCOME and env.body["reply_to"] != sealed.id:
-                raise BadFrame("welcome reply_to differs from its message id")
+            with costs.stage("agent.verify"):  # MAC, header, freshness, replay, then the body
+                sealed = open_frame(frame, self._key)
+                if sealed.endpoint != self.endpoint_id:
+                    raise BadFrame(f"frame addressed to {sealed.endpoint}")
+                if sealed.kind not in DOWN_KINDS:
+                    raise BadFrame(f"a {sealed.kind.value} frame cannot come from the hub (reflected?)")
+                if sealed.kind is Kind.WELCOME:
+                    # No freshness check: our clock may be wrong until this very welcome sets it.
+                    # A welcome carries the nonce of the hello it answers as its message id instead.
+                    if sealed.id not in self._hello_nonces:
+                        raise ProtocolError("welcome does not answer a hello of ours")
+                else:
+                    now = self._now()
+                    check_freshness(sealed, now=now)
+                    self._replay.check(sealed, now=now)
+                env = sealed.open()
+                if env.kind is Kind.WELCOME and env.body["reply_to"] != sealed.id:
+                    raise BadFrame("welcome reply_to differs from its message id")
         except ProtocolError as exc:
             self.stats["rejected_frames"] += 1
             log.warning("rejected frame from hub: %s: %s", exc.reason, exc)
@@ -712,25 +715,27 @@ class Agent:
         cancel = body.get("cancel")
         if cancel and not body.get("tasks") and not body.get("functions"):
             return await self._on_cancel(cancel)  # a cancel alone: no tasks to store
-        tasks: list[dict[str, Any]] = body.get("tasks", [])
-        functions: dict[str, bytes] = body.get("functions") or {}
-        for fid in body.get("at_site") or []:  # bodies our gateway handed us, checked by hash, stored with these tasks
-            if isinstance(fid, str) and fid not in functions and fid in self._site_bodies:
-                functions[fid] = self._site_bodies.pop(fid)  # stored with these tasks: no longer held in memory
-        self._received_since_fetch += len(tasks)
-        by_id = {t["id"]: t for t in tasks}
-        missing: list[tuple[str, str, bytes, float | None, float | None, str | None, Any]] = []
+        with costs.stage("agent.tasks"):
+            tasks: list[dict[str, Any]] = body.get("tasks", [])
+            functions: dict[str, bytes] = body.get("functions") or {}
+            for fid in body.get("at_site") or []:  # bodies our gateway handed us, checked by hash, stored with these tasks
+                if isinstance(fid, str) and fid not in functions and fid in self._site_bodies:
+                    functions[fid] = self._site_bodies.pop(fid)  # stored with these tasks: no longer held in memory
+            self._received_since_fetch += len(tasks)
+            by_id = {t["id"]: t for t in tasks}
+            missing: list[tuple[str, str, bytes, float | None, float | None, str | None, Any]] = []
 
         def start(fresh: list[str]) -> None:
             # Called inside the store's transaction, before its commit: tasks whose function came
             # with this frame start now; the rest wait for their stored body (below).
-            self.stats["tasks_received"] += len(fresh)
-            ready: list[tuple[str, str, bytes, float | None, float | None, str | None, Any]] = []
-            for i in fresh:
-                t = by_id[i]
-                row = (i, t["fn"], t["args"], t.get("timeout"), t.get("exp"), t.get("env"), t.get("now"))
-                (ready if t["fn"] in functions else missing).append(row)
-            self._submit(ready, functions)
+            with costs.stage("agent.tasks"):  # (a callback on the loop: agent.submit nests inside)
+                self.stats["tasks_received"] += len(fresh)
+                ready: list[tuple[str, str, bytes, float | None, float | None, str | None, Any]] = []
+                for i in fresh:
+                    t = by_id[i]
+                    row = (i, t["fn"], t["args"], t.get("timeout"), t.get("exp"), t.get("env"), t.get("now"))
+                    (ready if t["fn"] in functions else missing).append(row)
+                self._submit(ready, functions)
 
         await self._set_hub_allow(body)  # before any of these tasks is considered for running
         try:
@@ -754,8 +759,10 @@ class Agent:
             self._submit(missing, bodies)  # before the ack: a link that fails now must not strand them
         # Ack everything, duplicates included (the hub may have missed our earlier ack), except
         # finished tasks held back by the store (see MeshStore.add_tasks): the hub signs them again.
-        skip = set(held_back)
-        await self._send(Kind.ACK, {"ids": [t["id"] for t in tasks if t["id"] not in skip]})
+        with costs.stage("agent.tasks"):
+            skip = set(held_back)
+            ids = [t["id"] for t in tasks if t["id"] not in skip]
+        await self._send(Kind.ACK, {"ids": ids})
         if cancel:
             return await self._on_cancel(cancel)
         return True
@@ -804,31 +811,32 @@ class Agent:
     # ------------------------------------------------------------------ execution
     def _submit(self, rows: list[tuple[str, str, bytes, float | None, float | None, str | None, Any]], bodies: dict[str, bytes]) -> None:
         """``rows``: (id, function id, args, timeout, expiry, environment spec[, start now])."""
-        now = self._now()
-        batch: list[EngineTask] = []
-        for task_id, fid, args, timeout, exp, env_text, *more in rows:
-            start_now = more[0] if more else None
-            if task_id in self._in_engine:
-                continue
-            refusal = self._refusal(fid)
-            if refusal is not None:
-                self.stats["refused_tasks"] += 1
-                log.warning("refused task %s: %s", task_id, refusal, extra={"task_id": task_id, "function_id": fid})
-                self._on_results([error_result(task_id, "mesh_agent.FunctionNotAllowed", refusal)])
-            elif fid not in bodies:
-                self._on_results([error_result(task_id, "mesh_agent.FunctionMissing", f"function {fid} not stored")])
-            elif exp and now > exp:
-                self._on_results([error_result(task_id, "mesh_agent.TaskExpired", f"task expired {now - exp:.0f}s before it could run")])
-            elif env_text is not None and (bad := self._env_refusal(env_text)) is not None:
-                self._on_results([error_result(task_id, "mesh_agent.engine.EnvError", bad)])
-            else:
-                self._in_engine.add(task_id)
-                task = EngineTask(task_id, fid, bodies[fid], args, timeout, _env_spec(env_text))
-                if start_now and isinstance(self.engine, LocalEngine):
-                    task.now = True  # a Process: a free worker or one more (up to the cap), never the queue
-                batch.append(task)
-        if batch:
-            self.engine.submit(batch)
+        with costs.stage("agent.submit"):  # the local engine dispatches to its workers inside
+            now = self._now()
+            batch: list[EngineTask] = []
+            for task_id, fid, args, timeout, exp, env_text, *more in rows:
+                start_now = more[0] if more else None
+                if task_id in self._in_engine:
+                    continue
+                refusal = self._refusal(fid)
+                if refusal is not None:
+                    self.stats["refused_tasks"] += 1
+                    log.warning("refused task %s: %s", task_id, refusal, extra={"task_id": task_id, "function_id": fid})
+                    self._on_results([error_result(task_id, "mesh_agent.FunctionNotAllowed", refusal)])
+                elif fid not in bodies:
+                    self._on_results([error_result(task_id, "mesh_agent.FunctionMissing", f"function {fid} not stored")])
+                elif exp and now > exp:
+                    self._on_results([error_result(task_id, "mesh_agent.TaskExpired", f"task expired {now - exp:.0f}s before it could run")])
+                elif env_text is not None and (bad := self._env_refusal(env_text)) is not None:
+                    self._on_results([error_result(task_id, "mesh_agent.engine.EnvError", bad)])
+                else:
+                    self._in_engine.add(task_id)
+                    task = EngineTask(task_id, fid, bodies[fid], args, timeout, _env_spec(env_text))
+                    if start_now and isinstance(self.engine, LocalEngine):
+                        task.now = True  # a Process: a free worker or one more (up to the cap), never the queue
+                    batch.append(task)
+            if batch:
+                self.engine.submit(batch)
 
     def _env_refusal(self, env_text: str) -> str | None:
         """Why a task's environment spec cannot run here, or None (checked again: a hub is not trusted)."""
@@ -860,14 +868,15 @@ class Agent:
         self._pending_event.clear()
         if not batch:
             return []
-        if self._cancelled:  # the engine's result of a cancelled task: the hub has that task's one result already
-            for r in batch:
-                if r.task_id in self._cancelled:
-                    self._in_engine.discard(r.task_id)
-            batch = [r for r in batch if r.task_id not in self._cancelled]
-            if not batch:
-                return []
-        stored = [StoredResult(r.task_id, r.ok, r.data, r.started, r.finished, r.worker_pid) for r in map(_fit, batch)]
+        with costs.stage("agent.collect"):
+            if self._cancelled:  # the engine's result of a cancelled task: the hub has that task's one result already
+                for r in batch:
+                    if r.task_id in self._cancelled:
+                        self._in_engine.discard(r.task_id)
+                batch = [r for r in batch if r.task_id not in self._cancelled]
+                if not batch:
+                    return []
+            stored = [StoredResult(r.task_id, r.ok, r.data, r.started, r.finished, r.worker_pid) for r in map(_fit, batch)]
         try:
             await self.store.save_results(stored)
         except StoreError:

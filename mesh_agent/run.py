@@ -92,8 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg, creds = build(payload["config"], payload["credentials"], payload["shapes"])
     register_credentials(creds)  # every log line of this process masks the key and passwords (mesh_agent/redact.py)
     setup_logging(level, stream=sys.stderr, fmt=fmt, fields={"endpoint_id": cfg.endpoint_id})  # every line names this endpoint
+    from mesh_agent import costs
     from mesh_agent.agent import Agent
     from mesh_agent.store import StoreError
+
+    costs.start("agent")  # the CPU ledger's writer, only with MESH_COST_LEDGER set (mesh_agent/costs.py)
 
     async def run() -> None:
         stop = asyncio.Event()

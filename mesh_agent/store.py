@@ -9,6 +9,7 @@ late duplicate of the same task is recognised and not run again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sqlite3
 import time
@@ -18,9 +19,13 @@ from typing import Any, Callable, Iterable, Sequence
 
 import aiosqlite
 
+from mesh_agent import costs
+
 __all__ = ["AgentStore", "StoreError", "StoreFull", "QueuedTask", "StoredResult"]
 
 log = logging.getLogger(__name__)
+
+_UNCHARGED = contextlib.nullcontext()  # a write outside the CPU ledger's stages (mesh_agent/costs.py)
 
 SCHEMA_VERSION = 1
 
@@ -214,52 +219,53 @@ class AgentStore:
         loop = asyncio.get_running_loop()
 
         def tx(conn: sqlite3.Connection) -> list[str]:
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                ids = [t["id"] for t in tasks]
-                known: set[str] = set()
-                rerun: list[str] = []
-                for i in range(0, len(ids), 500):
-                    chunk = ids[i : i + 500]
-                    rows = conn.execute(f"SELECT id, state, finished FROM tasks WHERE id IN ({','.join('?' * len(chunk))})", chunk)
-                    for tid, state, finished in rows:
-                        # 'acked': the hub acknowledged its result, yet signed this task again after it
-                        # finished, so the hub no longer has that result (restored from an older
-                        # backup): run it again (at least once) rather than ack a task that would
-                        # never finish. A re-send racing its own result's ack costs one extra run;
-                        # the hub stores one result. (See the docstring: a replay never qualifies.)
-                        if state == "acked" and rerun_acked_before is not None and (finished or 0.0) < rerun_acked_before:
-                            rerun.append(tid)
-                        else:
-                            known.add(tid)
-                            if state == "acked" and rerun_acked_before is not None and held_back is not None:
-                                held_back.append(tid)
-                if rerun:
-                    conn.executemany("DELETE FROM tasks WHERE id=? AND state='acked'", [(t,) for t in rerun])
-                    log.warning("%d tasks sent again after their results were acknowledged (a hub restored from a backup?): "
-                                "running them again", len(rerun))
-                fresh = [t for t in tasks if t["id"] not in known]
-                if on_fresh is not None and fresh:
-                    loop.call_soon_threadsafe(on_fresh, [t["id"] for t in fresh])
-                if functions:
+            with costs.stage("agent.store_task"):  # on the connection's thread, commit included
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                    ids = [t["id"] for t in tasks]
+                    known: set[str] = set()
+                    rerun: list[str] = []
+                    for i in range(0, len(ids), 500):
+                        chunk = ids[i : i + 500]
+                        rows = conn.execute(f"SELECT id, state, finished FROM tasks WHERE id IN ({','.join('?' * len(chunk))})", chunk)
+                        for tid, state, finished in rows:
+                            # 'acked': the hub acknowledged its result, yet signed this task again after it
+                            # finished, so the hub no longer has that result (restored from an older
+                            # backup): run it again (at least once) rather than ack a task that would
+                            # never finish. A re-send racing its own result's ack costs one extra run;
+                            # the hub stores one result. (See the docstring: a replay never qualifies.)
+                            if state == "acked" and rerun_acked_before is not None and (finished or 0.0) < rerun_acked_before:
+                                rerun.append(tid)
+                            else:
+                                known.add(tid)
+                                if state == "acked" and rerun_acked_before is not None and held_back is not None:
+                                    held_back.append(tid)
+                    if rerun:
+                        conn.executemany("DELETE FROM tasks WHERE id=? AND state='acked'", [(t,) for t in rerun])
+                        log.warning("%d tasks sent again after their results were acknowledged (a hub restored from a backup?): "
+                                    "running them again", len(rerun))
+                    fresh = [t for t in tasks if t["id"] not in known]
+                    if on_fresh is not None and fresh:
+                        loop.call_soon_threadsafe(on_fresh, [t["id"] for t in fresh])
+                    if functions:
+                        conn.executemany(
+                            "INSERT OR IGNORE INTO functions (id, body, stored_at) VALUES (?, ?, ?)",
+                            [(fid, body, now) for fid, body in functions.items()],
+                        )
                     conn.executemany(
-                        "INSERT OR IGNORE INTO functions (id, body, stored_at) VALUES (?, ?, ?)",
-                        [(fid, body, now) for fid, body in functions.items()],
+                        "INSERT OR IGNORE INTO tasks (id, function_id, args, timeout, expires, state, received, env, now) "
+                        "VALUES (?, ?, ?, ?, ?, 'queued', ?, ?, ?)",
+                        [(t["id"], t["fn"], t["args"], t.get("timeout"), t.get("exp"), now, t.get("env"), 1 if t.get("now") else None) for t in fresh],
                     )
-                conn.executemany(
-                    "INSERT OR IGNORE INTO tasks (id, function_id, args, timeout, expires, state, received, env, now) "
-                    "VALUES (?, ?, ?, ?, ?, 'queued', ?, ?, ?)",
-                    [(t["id"], t["fn"], t["args"], t.get("timeout"), t.get("exp"), now, t.get("env"), 1 if t.get("now") else None) for t in fresh],
-                )
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:  # SQLite may have rolled back on its own (SQLITE_FULL)
-                    try:
-                        conn.execute("ROLLBACK")
-                    except sqlite3.Error:
-                        pass
-                raise
-            return [t["id"] for t in fresh]
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:  # SQLite may have rolled back on its own (SQLITE_FULL)
+                        try:
+                            conn.execute("ROLLBACK")
+                        except sqlite3.Error:
+                            pass
+                    raise
+                return [t["id"] for t in fresh]
 
         try:
             return await db._execute(tx, db._conn)  # aiosqlite's own "run this on my thread"
@@ -276,26 +282,28 @@ class AgentStore:
             except sqlite3.Error:
                 pass
 
-    async def _many(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
+    async def _many(self, sql: str, rows: list[tuple[Any, ...]], stage: str | None = None) -> None:
         """One transaction (one fsync) for a whole batch; autocommit would pay one per row. Run
-        whole on the connection's thread: one thread hop, not three (BEGIN, executemany, COMMIT)."""
+        whole on the connection's thread: one thread hop, not three (BEGIN, executemany, COMMIT).
+        ``stage``: the CPU ledger's stage charged with it, on that thread (mesh_agent/costs.py)."""
         db = self.db
 
         def tx(conn: sqlite3.Connection) -> None:
-            if len(rows) == 1:  # one autocommit statement is its own transaction
-                conn.execute(sql, rows[0])
-                return
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                conn.executemany(sql, rows)
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:  # SQLite may have rolled back on its own (SQLITE_FULL)
-                    try:
-                        conn.execute("ROLLBACK")
-                    except sqlite3.Error:
-                        pass
-                raise
+            with costs.stage(stage) if stage is not None else _UNCHARGED:
+                if len(rows) == 1:  # one autocommit statement is its own transaction
+                    conn.execute(sql, rows[0])
+                    return
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                    conn.executemany(sql, rows)
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:  # SQLite may have rolled back on its own (SQLITE_FULL)
+                        try:
+                            conn.execute("ROLLBACK")
+                        except sqlite3.Error:
+                            pass
+                    raise
 
         async with self._tx_lock:
             try:
@@ -326,6 +334,7 @@ class AgentStore:
             "UPDATE tasks SET state='done', ok=?, result=?, started=?, finished=?, worker_pid=?, args=NULL "
             "WHERE id=? AND state='queued'",
             [(int(r.ok), r.data, r.started, r.finished, r.worker_pid, r.id) for r in results],
+            stage="agent.store_result",
         )
 
     async def cancel_tasks(self, ids: Sequence[str], now: float) -> list[str]:
@@ -379,7 +388,8 @@ class AgentStore:
         if not ids:
             return
         await self._many(
-            "UPDATE tasks SET state='acked', result=NULL, args=NULL WHERE id=? AND state='done'", [(i,) for i in ids]
+            "UPDATE tasks SET state='acked', result=NULL, args=NULL WHERE id=? AND state='done'", [(i,) for i in ids],
+            stage="agent.ack",
         )
 
     async def held_ids(self, limit: int = 100_000) -> list[str]:

@@ -35,6 +35,7 @@ from cloud_hub.service.errors import ServiceError
 from cloud_hub.service.hub import Hub
 from cloud_hub.service.submit import accept
 from cloud_hub.store import StoreFull
+from mesh_agent import costs
 
 __all__ = ["router", "STREAM_VERSION", "MAX_FRAME", "CLOSE_AUTH", "CLOSE_BAD_FRAME", "CLOSE_TRY_LATER"]
 
@@ -141,7 +142,8 @@ class _Conn:
         self._early_on = False
 
     async def send(self, msg: dict[str, Any]) -> None:
-        text = json.dumps(msg, separators=(",", ":"))
+        with costs.stage("hub.answer"):
+            text = json.dumps(msg, separators=(",", ":"))
         async with self._send_lock:
             await self.ws.send_text(text)
 
@@ -178,7 +180,8 @@ class _Conn:
             msg = await self.ws.receive()
             if msg["type"] == "websocket.disconnect":
                 raise WebSocketDisconnect(msg.get("code", 1000))
-            frame = _parse(msg.get("text"))
+            with costs.stage("hub.decode"):
+                frame = _parse(msg.get("text"))
             if frame["op"] != "submit":
                 raise _BadFrame(f'unknown op {frame["op"]!r} (expected "submit")')
             ref = frame.get("ref")
@@ -187,7 +190,8 @@ class _Conn:
             # Each submit is authorized as a REST request would be (the token may have been
             # revoked since the handshake); cached, so this is a dictionary lookup.
             try:
-                uid, why = await self.hub.auth(self._token)
+                with costs.stage("hub.auth"):
+                    uid, why = await self.hub.auth(self._token)
             except GlobusUnavailable as exc:  # neither good nor bad yet: REST answers 503, retried with the same key
                 await self.send({"op": "refused", "ref": ref, "status": 503, "detail": str(exc), "retry_after": 5.0})
                 continue
@@ -205,12 +209,13 @@ class _Conn:
 
         h, cfg = self.hub, self.hub.cfg
         try:
-            body = BatchIn.model_validate(batch)
-            if len(body.tasks) > cfg.max_batch:
-                raise HTTPException(413, f"batch of {len(body.tasks)} tasks exceeds the limit of {cfg.max_batch}")
-            if any(t.idempotency_key is not None for t in body.tasks):
-                raise HTTPException(422, "idempotency_key belongs on the batch, not on its tasks")
-            functions = checked_functions(h, body.functions)
+            with costs.stage("hub.decode"):
+                body = BatchIn.model_validate(batch)
+                if len(body.tasks) > cfg.max_batch:
+                    raise HTTPException(413, f"batch of {len(body.tasks)} tasks exceeds the limit of {cfg.max_batch}")
+                if any(t.idempotency_key is not None for t in body.tasks):
+                    raise HTTPException(422, "idempotency_key belongs on the batch, not on its tasks")
+                functions = checked_functions(h, body.functions)
             ids, eps = await accept(h, self.user, body.tasks, body.idempotency_key, functions=functions, group=body.task_group_id)
         except ValidationError as exc:
             return {"op": "refused", "ref": ref, "status": 422, "detail": _validation_detail(exc)}
@@ -301,12 +306,14 @@ class _Conn:
         decided under the send lock, so the cursor never passes a result the SDK may lack (a
         frame written before this one arrives before it, or neither arrives)."""
         async with self._send_lock:
-            out = [_row(r) for r in rows if r["task_id"] not in self._early_done]
-            if self._early_on:
-                for r in rows:  # stored: never early any more (a task re-placed elsewhere, a result via another replica)
-                    self._early_done.discard(r["task_id"])
-                    self._placed.pop(r["task_id"], None)
-            await self.ws.send_text(json.dumps({"op": "results", "cursor": cursor, "results": out}, separators=(",", ":")))
+            with costs.stage("hub.push"):
+                out = [_row(r) for r in rows if r["task_id"] not in self._early_done]
+                if self._early_on:
+                    for r in rows:  # stored: never early any more (a task re-placed elsewhere, a result via another replica)
+                        self._early_done.discard(r["task_id"])
+                        self._placed.pop(r["task_id"], None)
+                text = json.dumps({"op": "results", "cursor": cursor, "results": out}, separators=(",", ":"))
+            await self.ws.send_text(text)
 
     async def _push(self, cursor: int) -> None:
         """Every result of the user after ``cursor``, as soon as it is stored (woken by the result bus)."""

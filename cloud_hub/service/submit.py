@@ -19,6 +19,7 @@ from cloud_hub.service.errors import ServiceError
 from cloud_hub.service.hub import Hub
 from cloud_hub.service.schemas import TaskIn
 from cloud_hub.store.endpoints import put_functions
+from mesh_agent import costs
 from mesh_agent.protocol import SerializationError, method_of
 
 __all__ = ["accept", "check_size", "function_writer"]
@@ -56,68 +57,61 @@ async def accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None = None,
     request_hash = _request_hash(tasks) if key is not None else ""
     if key is not None and (done := await _replayed(h, user, key, request_hash)) is not None:
         return done
-    for i, t in enumerate(tasks):
-        check_size(h, f"task {i} arguments", t.args)
-        try:
-            method_of(t.args)
-        except SerializationError as exc:
-            raise ServiceError(422, f"task {i} arguments: {exc}") from None
-    env_specs = task_environments(tasks)  # 422 naming the task and key, before anything is stored
-    eps: set[str] = set()
-    for t in tasks:
-        if isinstance(t.endpoint_id, list):
-            eps.update(t.endpoint_id)
-        elif isinstance(t.endpoint_id, str) and t.endpoint_id != "auto":
-            eps.add(t.endpoint_id)
-    fids = {t.function_id for t in tasks}
+    with costs.stage("hub.validate"):
+        for i, t in enumerate(tasks):
+            check_size(h, f"task {i} arguments", t.args)
+            try:
+                method_of(t.args)
+            except SerializationError as exc:
+                raise ServiceError(422, f"task {i} arguments: {exc}") from None
+        env_specs = task_environments(tasks)  # 422 naming the task and key, before anything is stored
+        eps: set[str] = set()
+        for t in tasks:
+            if isinstance(t.endpoint_id, list):
+                eps.update(t.endpoint_id)
+            elif isinstance(t.endpoint_id, str) and t.endpoint_id != "auto":
+                eps.add(t.endpoint_id)
+        fids = {t.function_id for t in tasks}
     found_eps, found_fids = await h.store.owned_refs(user, eps, fids)
     if eps - found_eps:
         raise ServiceError(404, f"unknown endpoint {sorted(eps - found_eps)[0]}")
     if fids - found_fids - set(functions or ()):
         raise ServiceError(404, f"unknown function {sorted(fids - found_fids - set(functions or ()))[0]} (register it first)")
     now = time.time()
-    rows = [
-        {
-            "id": uuid.uuid4().hex,
-            "user_id": user,
-            "endpoint_id": t.endpoint_id if isinstance(t.endpoint_id, str) and t.endpoint_id != "auto" else None,
-            "function_id": t.function_id,
-            "args": t.args,
-            "created": now,
-            "expires": now + (t.ttl_s or h.cfg.task_ttl_s),
-            "timeout": t.timeout_s,
-            "task_group_id": group,
-            "memo_key": t.cache_key,
-            "start_now": 1 if t.start == "now" else None,
-        }
-        for t in tasks
-    ]
+    with costs.stage("hub.rows"):
+        rows = _rows(h, user, tasks, now, group)
     # Memoization and admission (cloud_hub/service/admit.py): cached results answer their tasks with no
     # dispatch; the rest must fit under the queue bounds (else 429 + Retry-After, nothing stored).
-    hits = await h.admission.memo_split(user, tasks, now)
+    with costs.stage("hub.memo"):  # a stage only where it does not suspend (no cache keys): else counted as misnested
+        hits = await h.admission.memo_split(user, tasks, now)
     run = [i for i in range(len(tasks)) if i not in hits]
     run_tasks, run_rows = [tasks[i] for i in run], [rows[i] for i in run]
-    await h.admission.check(user, run_tasks)
+    with costs.stage("hub.admission"):
+        await h.admission.check(user, run_tasks)
     for i, hit in hits.items():
         rows[i]["endpoint_id"] = hit.endpoint_id
         if hit.joined:  # the same call is still queued or running: this submit gets that task
             rows[i]["id"] = hit.task_id
     try:
-        decisions = await h.placement.place(user, run_tasks, run_rows, now) if run_rows else []
+        with costs.stage("hub.placement"):
+            decisions = await h.placement.place(user, run_tasks, run_rows, now) if run_rows else []
     except PlacementError as exc:
         raise ServiceError(exc.status, str(exc)) from None
-    for i, r in zip(run, run_rows):  # on the endpoint each task will run on, named or placed
-        allowed = h.dispatcher.allow_list(r["endpoint_id"])
-        if allowed is not None and r["function_id"] not in allowed:
-            h.placement.retract(r["id"] for r in run_rows)
-            raise ServiceError(403, f"task {i}: function {r['function_id']} is not on endpoint {r['endpoint_id']}'s allow-list")
-    await apply_environments(h, user, rows, env_specs)  # after placement: others' endpoints sandbox by default
-    write_decisions = h.placement.writer(decisions)
-    misses: dict[str, int] = {}
-    for r in run_rows:
-        if r["memo_key"]:
-            misses[r["function_id"]] = misses.get(r["function_id"], 0) + 1
-    write_memo = h.admission.memo_writer(user, [(rows[i], hit) for i, hit in hits.items()], misses, now)
+    with costs.stage("hub.allow"):
+        for i, r in zip(run, run_rows):  # on the endpoint each task will run on, named or placed
+            allowed = h.dispatcher.allow_list(r["endpoint_id"])
+            if allowed is not None and r["function_id"] not in allowed:
+                h.placement.retract(r["id"] for r in run_rows)
+                raise ServiceError(403, f"task {i}: function {r['function_id']} is not on endpoint {r['endpoint_id']}'s allow-list")
+    with costs.stage("hub.environment"):
+        await apply_environments(h, user, rows, env_specs)  # after placement: others' endpoints sandbox by default
+    with costs.stage("hub.rows"):
+        write_decisions = h.placement.writer(decisions)
+        misses: dict[str, int] = {}
+        for r in run_rows:
+            if r["memo_key"]:
+                misses[r["function_id"]] = misses.get(r["function_id"], 0) + 1
+        write_memo = h.admission.memo_writer(user, [(rows[i], hit) for i, hit in hits.items()], misses, now)
 
     def also(db: Any) -> None:
         if write_decisions is not None:
@@ -136,12 +130,33 @@ async def accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None = None,
         if key is not None and (done := await _replayed(h, user, key, request_hash)) is not None:
             return done
         raise
-    h.metrics.tasks_submitted(rows)
-    if hits:
-        h.bus.notify({user})  # their results are stored already
-    for ep in {r["endpoint_id"] for r in run_rows}:
-        h.dispatcher.kick(ep)
+    with costs.stage("hub.accepted"):
+        h.metrics.tasks_submitted(rows)
+        if hits:
+            h.bus.notify({user})  # their results are stored already
+        for ep in {r["endpoint_id"] for r in run_rows}:
+            h.dispatcher.kick(ep)
     return [r["id"] for r in rows], [r["endpoint_id"] for r in rows]
+
+
+def _rows(h: Hub, user: str, tasks: list[TaskIn], now: float, group: str | None) -> list[dict[str, Any]]:
+    """The task rows to insert, one per task (ids made here)."""
+    return [
+        {
+            "id": uuid.uuid4().hex,
+            "user_id": user,
+            "endpoint_id": t.endpoint_id if isinstance(t.endpoint_id, str) and t.endpoint_id != "auto" else None,
+            "function_id": t.function_id,
+            "args": t.args,
+            "created": now,
+            "expires": now + (t.ttl_s or h.cfg.task_ttl_s),
+            "timeout": t.timeout_s,
+            "task_group_id": group,
+            "memo_key": t.cache_key,
+            "start_now": 1 if t.start == "now" else None,
+        }
+        for t in tasks
+    ]
 
 
 def function_writer(user: str, functions: dict[str, tuple[str, bytes]]) -> Any:

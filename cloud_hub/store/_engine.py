@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
-from cloud_hub.store.group import GroupCommitter
+from cloud_hub.store.group import GroupCommitter, db_stage
+from mesh_agent import costs
 from cloud_hub.store.migrations import MIGRATIONS
 
 if TYPE_CHECKING:
@@ -87,6 +88,12 @@ def number_results(db: Any) -> None:
                    (uid, last + len(seqs)))
 
 
+def _charged(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on the database thread, its CPU charged to its store method in the ledger."""
+    with costs.stage(db_stage(fn)):
+        return fn(*args)
+
+
 def migrate(db: sqlite3.Connection, path: Path | str) -> None:
     """Bring a hub database (autocommit connection) to the newest schema, one transaction per
     migration. Also used by restore, so a backup from an older hub is fixed up on the new schema."""
@@ -136,6 +143,8 @@ class StoreEngine:
         self._owners: dict[str, str] = {}  # endpoint id -> its owner, as read (endpoint_owners_of)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        if costs.enabled:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, _charged, fn, *args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def _tx(self, fn: Callable[..., T], *args: Any, durable: bool = True) -> T:
@@ -196,7 +205,7 @@ class StoreEngine:
             uri = "file:" + urllib.parse.quote(str(self.path.resolve())) + "?mode=ro"
             self._rdb = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
             self._rdb.execute("PRAGMA query_only=ON")
-        return fn(self._rdb, *args)
+        return _charged(fn, self._rdb, *args)
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:

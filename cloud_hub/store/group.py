@@ -32,6 +32,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from mesh_agent import costs
+
 __all__ = ["GroupCommitter", "MAX_GROUP"]
 
 #: At most this many operations per transaction: a herd of hellos still lets reads queued on the
@@ -132,7 +134,8 @@ class GroupCommitter:
                         continue
                 db.execute("SAVEPOINT op")
                 try:
-                    out = op.fn(db, *op.args)
+                    with costs.stage(db_stage(op.fn)):
+                        out = op.fn(db, *op.args)
                 except BaseException as exc:
                     if db.in_transaction:  # roll back this operation only
                         db.execute("ROLLBACK TO op")
@@ -150,7 +153,8 @@ class GroupCommitter:
                 done.append((op, out))
             if db.in_transaction:
                 try:
-                    db.execute("COMMIT")
+                    with costs.stage("db.commit"):
+                        db.execute("COMMIT")
                 except BaseException as exc:
                     if db.in_transaction:
                         db.execute("ROLLBACK")
@@ -177,6 +181,15 @@ class GroupCommitter:
             op.loop.call_soon_threadsafe(_reject, op.future, exc)
         except RuntimeError:  # its event loop is closed: nobody is waiting
             pass
+
+
+def db_stage(fn: Callable[..., Any]) -> str:
+    """The ledger's name for a database operation: ``db.`` and the store method that made it
+    (not worked out while the ledger is off)."""
+    if not costs.enabled:
+        return ""
+    name = getattr(fn, "__qualname__", "op").split(".<locals>")[0].rsplit(".", 1)[-1]
+    return f"db.{name}"
 
 
 def _resolve(fut: asyncio.Future[Any], value: Any) -> None:

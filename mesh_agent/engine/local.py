@@ -63,6 +63,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from mesh_agent import costs
 from mesh_agent.engine.environments import DEFAULT_KIND, EnvError, Environments, WorkerKind, _bootstrap_dirs, channel_prefix, sandbox_environ
 from mesh_agent.engine._channel import MAX_FRAME, ChannelError, decode_worker_frame, encode_chunk
 from mesh_agent.protocol.serialize import serialize
@@ -905,50 +906,52 @@ class LocalEngine:
 
     def _on_readable(self, w: _Worker) -> None:
         """Read what a worker sent, handle every complete message, deliver results in one batch."""
-        try:
-            data = os.read(w.fd, _READ_SIZE)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self._on_worker_lost(w)
-            return
-        buf = w.inbuf
-        buf += data
-        results: list[EngineResult] = []
-        pos, end = 0, len(buf)
-        while end - pos >= 4:
-            (size,) = _HEADER.unpack_from(buf, pos)
-            start = pos + 4
-            if size == -1:
-                if end - pos < 12:
-                    break
-                (size,) = _BIG.unpack_from(buf, start)
-                start += 8
-            stop = start + size
-            if size < 0 or size > MAX_FRAME:  # never buffer what a worker merely claims it will send
-                self._protocol_violation(w, f"frame of {size} bytes (limit {MAX_FRAME})", results)
-                return
-            if stop > end:
-                break
+        with costs.stage("agent.collect"):  # the results reach the agent (on_results) inside
             try:
-                msg = decode_worker_frame(memoryview(buf)[start:stop])
-            except ChannelError as exc:
-                self._protocol_violation(w, str(exc), results)
+                data = os.read(w.fd, _READ_SIZE)
+            except BlockingIOError:
                 return
-            self._handle(w, msg, results)
-            pos = stop
-        if pos:
-            del buf[:pos]
-        if results:
-            w.head_started = time.monotonic()  # the next task had started by now
-            if w.extra and not w.inflight:
-                self._detach(w)  # its one task is done: EOF ends it (no idle process kept for it)
-            self._pump()  # refill the workers before the callback, which may take a while
-            self._deliver(results)
-            if not w.inflight:
-                self._note_idle()
+            except OSError:
+                data = b""
+            if not data:
+                self._on_worker_lost(w)
+                return
+            buf = w.inbuf
+            buf += data
+            results: list[EngineResult] = []
+            pos, end = 0, len(buf)
+            while end - pos >= 4:
+                (size,) = _HEADER.unpack_from(buf, pos)
+                start = pos + 4
+                if size == -1:
+                    if end - pos < 12:
+                        break
+                    (size,) = _BIG.unpack_from(buf, start)
+                    start += 8
+                stop = start + size
+                if size < 0 or size > MAX_FRAME:  # never buffer what a worker merely claims it will send
+                    self._protocol_violation(w, f"frame of {size} bytes (limit {MAX_FRAME})", results)
+                    return
+                if stop > end:
+                    break
+                try:
+                    msg = decode_worker_frame(memoryview(buf)[start:stop])
+                except ChannelError as exc:
+                    self._protocol_violation(w, str(exc), results)
+                    return
+                self._handle(w, msg, results)
+                pos = stop
+            if pos:
+                del buf[:pos]
+            if results:
+                w.head_started = time.monotonic()  # the next task had started by now
+                if w.extra and not w.inflight:
+                    self._detach(w)  # its one task is done: EOF ends it (no idle process kept for it)
+                with costs.stage("agent.submit"):
+                    self._pump()  # refill the workers before the callback, which may take a while
+                self._deliver(results)
+                if not w.inflight:
+                    self._note_idle()
 
     def _protocol_violation(self, w: _Worker, why: str, results: list[EngineResult]) -> None:
         """A worker broke the channel's format (a bug, or a function writing to the channel fd):

@@ -45,6 +45,7 @@ SMOKES: dict[str, tuple[str, list[str]]] = {
     "fl": ("fl.py", []),
     "fl_flower_app": ("fl.py", ["--flower-app", "tests/fixtures/flower_apps/quickstart-sklearn"]),
     "footprint": ("footprint.py", []),
+    "hotpath": ("hotpath.py", []),
     "latency": ("latency.py", []),
     "memo": ("memo.py", []),
     "metrics": ("metrics.py", []),
