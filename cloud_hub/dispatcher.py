@@ -113,13 +113,68 @@ _LEASE_BYTES = 8 * 2**20
 _EVENTS_KEEP_S = 90 * 86400  # availability history kept for the console and the scheduler
 
 
+class Inbox:
+    """A result stream's copy of the results stored for its user since it last looked, in the
+    stream's own row format, so it can send them without reading them back (issue 30). It is
+    only a shortcut: ``take`` returns None whenever the store must be read instead (a result
+    stored without rows, such as a memo hit or an expiry; a gap in the numbers; too many held)."""
+
+    __slots__ = ("rows", "stale")
+    MAX_ROWS = 2000
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.stale = True  # the stream reads the store first
+
+    def take(self, cursor: int) -> list[dict[str, Any]] | None:
+        """The rows right after ``cursor`` (numbers with no gap), [] for none, or None: read the store."""
+        rows, self.rows = self.rows, []
+        if self.stale:
+            self.stale = False
+            return None
+        rows = [r for r in rows if r["seq"] > cursor]
+        for i, r in enumerate(rows):
+            if r["seq"] != cursor + 1 + i:
+                return None
+        return rows
+
+    def add(self, rows: list[dict[str, Any]]) -> None:
+        if self.stale:
+            return
+        if len(self.rows) + len(rows) > self.MAX_ROWS:  # a slow client: the store has them
+            self.rows, self.stale = [], True
+            return
+        self.rows.extend(rows)
+
+
 class ResultBus:
     """Wakes waiters when results for a user arrive. Grab ``event(user)`` *before* querying the
-    store, then wait on it: a result stored in between has already set that event (no lost wake-up)."""
+    store, then wait on it: a result stored in between has already set that event (no lost wake-up).
+    A result stream also holds an :class:`Inbox`, which ``stored`` fills with the rows themselves."""
 
     def __init__(self) -> None:
         self._events: dict[str, asyncio.Event] = {}
         self._early: list[Any] = []  # SDK streams that take results before they are stored (cloud_hub/api/stream.py)
+        self._inboxes: dict[str, list[Inbox]] = {}
+
+    def inbox(self, user_id: str) -> Inbox:
+        box = Inbox()
+        self._inboxes.setdefault(user_id, []).append(box)
+        return box
+
+    def drop_inbox(self, user_id: str, box: Inbox) -> None:
+        boxes = self._inboxes.get(user_id, [])
+        if box in boxes:
+            boxes.remove(box)
+        if not boxes:
+            self._inboxes.pop(user_id, None)
+
+    def stored(self, rows_by_user: dict[str, list[dict[str, Any]]]) -> None:
+        """Results just stored, with their rows (``Fresh.rows``): into every inbox of their user, then wake."""
+        for u, rows in rows_by_user.items():
+            for box in self._inboxes.get(u, ()):
+                box.add(rows)
+        self._wake(set(rows_by_user))
 
     def listen_early(self, cb: Any) -> None:
         """``cb(endpoint_id, results)`` with each verified ``results`` body, before the hub stores
@@ -145,6 +200,13 @@ class ResultBus:
         return ev
 
     def notify(self, user_ids: set[str]) -> None:
+        """Results were stored for these users (rows not at hand): waiters read the store."""
+        for u in user_ids:
+            for box in self._inboxes.get(u, ()):
+                box.stale = True
+        self._wake(user_ids)
+
+    def _wake(self, user_ids: set[str]) -> None:
         for u in user_ids:
             ev = self._events.pop(u, None)
             if ev is not None:
@@ -185,6 +247,12 @@ class _Session:
     # when sent): what counts against the endpoint's lookahead (docs/scheduler.md, "Late binding").
     placed_out: dict[str, float] = field(default_factory=dict)
     metered: bool = False  # the agent runs the metered profile (adaptive beats): every frame costs it money
+    # The last lease found the endpoint's queue empty (``drained``), or no task in it that must
+    # start at once (``now_drained``): until a kick says new work may be there, a kick for room
+    # (a fetch, a result) does not ask the database again (issue 30). Never with replicas: another
+    # replica queues work for our endpoints without kicking us.
+    drained: bool = False
+    now_drained: bool = False
     site_frames: bool = False  # a site gateway that reads and sends site_up/site_down (cloud_hub/site_frames.py)
 
 
@@ -651,8 +719,17 @@ class Dispatcher:
         finally:
             self._cancelling.discard(ep)
 
-    def kick(self, endpoint_id: str) -> None:
-        """New work for an endpoint: send it now if its agent has credit (coalesced per endpoint)."""
+    def kick(self, endpoint_id: str, *, new_work: bool = True, start_now: bool = True) -> None:
+        """New work for an endpoint, or room for it: send it now if its agent has credit (coalesced
+        per endpoint). ``new_work=False``: only room changed (credit, a result), no task was queued,
+        so a queue the last lease found empty is not read again; ``start_now=False``: none of the new
+        tasks must start at once. Both default to what is always safe."""
+        s = self._sessions.get(endpoint_id)
+        if s is not None:
+            if new_work:
+                s.drained = False
+            if start_now:
+                s.now_drained = False
         if endpoint_id in self._cancel_eps:
             self._kick_cancels(endpoint_id)
         gw = self._site_of.get(endpoint_id)
@@ -673,12 +750,14 @@ class Dispatcher:
         try:
             while True:
                 s.again = False
-                while s.credit > 0 and self._sessions.get(s.endpoint_id) is s and not self.served_by_site(s.endpoint_id):
+                while s.credit > 0 and not s.drained and self._sessions.get(s.endpoint_id) is s and not self.served_by_site(s.endpoint_id):
                     room = self._placed_room(s)
-                    tasks, bodies = await self.store.lease(s.endpoint_id, min(s.credit, _LEASE_BATCH), self.cfg.lease_s, _LEASE_BYTES,
+                    asked = min(s.credit, _LEASE_BATCH)
+                    tasks, bodies = await self.store.lease(s.endpoint_id, asked, self.cfg.lease_s, _LEASE_BYTES,
                                                            placed_max=room)
                     if not tasks:
                         if room is None or room > 0:  # it could take work and the hub has none for it
+                            s.drained = not s.again and not self.replicated  # a kick while leasing may have queued more
                             self._observe("endpoint_starving", s.endpoint_id, time.time())
                         break
                     sent_at = time.time()
@@ -702,6 +781,10 @@ class Dispatcher:
                         s.retry_credit = max(s.retry_credit, s.credit + len(tasks))
                         s.retry_at = time.time() + 2.0
                         s.credit = 0
+                        break
+                    if (len(tasks) < asked and (room is None or len(tasks) < room) and not s.again and not self.replicated
+                            and _small(tasks, bodies)):
+                        s.drained = True  # fewer than asked, not for the lookahead or the frame size: that was all
                         break
                 await self._send_now(s)
                 if not s.again:
@@ -733,9 +816,10 @@ class Dispatcher:
         agent outside its fetch credit: credit counts its pool's slots and prefetch, and such a
         task must never wait behind them. The agent starts each on a free worker or on one more
         (up to its cap) and otherwise fails it at once, saying why (docs/multiprocessing.md)."""
-        while self._sessions.get(s.endpoint_id) is s and not self.served_by_site(s.endpoint_id):
+        while not s.now_drained and self._sessions.get(s.endpoint_id) is s and not self.served_by_site(s.endpoint_id):
             tasks, bodies = await self.store.lease(s.endpoint_id, _LEASE_BATCH, self.cfg.lease_s, _LEASE_BYTES, only_now=True)
             if not tasks:
+                s.now_drained = not s.again and not self.replicated
                 return
             try:
                 await self._send(s, Kind.TASKS, {"tasks": tasks, "functions": bodies, "allow": self._allow_field(s.endpoint_id)})
@@ -1154,7 +1238,7 @@ class Dispatcher:
 
     async def _on_fetch(self, s: _Session, body: dict[str, Any]) -> None:
         s.credit = max(0, int(body.get("want", 0)))
-        self.kick(s.endpoint_id)
+        self.kick(s.endpoint_id, new_work=False, start_now=False)
 
     async def _on_ack(self, s: _Session, body: dict[str, Any]) -> None:
         applied = body.get("c")
@@ -1263,14 +1347,17 @@ class Dispatcher:
             for r in results:
                 s.placed_out.pop(r["id"], None)
             if len(s.placed_out) < held:
-                self.kick(s.endpoint_id)  # room in its lookahead: the next placed tasks go now
+                self.kick(s.endpoint_id, new_work=False, start_now=False)  # room in its lookahead: the next placed tasks go now
         fresh = await self.store.store_results(s.endpoint_id, results)
         with costs.stage("hub.results"):
             self.stats["results_stored"] += len(fresh)
             self.stats["duplicate_results"] += len(results) - len(fresh)
             # Ack all, duplicates too: the agent must stop re-sending them either way.
             if fresh:
-                self.bus.notify({u for _, u in fresh})
+                if fresh.rows:
+                    self.bus.stored(fresh.rows)
+                else:
+                    self.bus.notify({u for _, u in fresh})
         self._observe("results_stored", s.endpoint_id, time.time(), results, {t for t, _ in fresh})
         await self._send(s, Kind.RESULT_ACK, {"ids": [r["id"] for r in results]})
 
@@ -1378,6 +1465,11 @@ class Dispatcher:
                     await self.store.tx(prune_events, now - _EVENTS_KEEP_S)
             except Exception:
                 log.exception("watchdog pass failed")
+
+
+def _small(tasks: list[dict[str, Any]], bodies: dict[str, bytes]) -> bool:
+    """Whether a leased batch is well under the frame's byte cap (so the cap did not cut it short)."""
+    return sum(len(t["args"]) for t in tasks) + sum(len(b) for b in bodies.values()) < _LEASE_BYTES // 2
 
 
 def _expired_blob(task_id: str) -> bytes:

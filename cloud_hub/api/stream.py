@@ -318,28 +318,36 @@ class _Conn:
     async def _push(self, cursor: int) -> None:
         """Every result of the user after ``cursor``, as soon as it is stored (woken by the result bus)."""
         h = self.hub
+        box = h.bus.inbox(self.user)
         try:
             while True:
                 ev = h.bus.event(self.user)  # before the query: a result stored in between sets it
-                rows = await h.store.results_after(self.user, cursor, _RESULTS_PER_FRAME)
+                rows = box.take(cursor)  # sent from memory when the dispatcher handed them over whole
+                if rows is None:
+                    rows = await h.store.results_after(self.user, cursor, _RESULTS_PER_FRAME)
                 if rows:
                     fitted = _fit(rows)
                     cursor = fitted[-1]["seq"]
                     await self._send_stored(cursor, fitted)
                     if len(rows) >= _RESULTS_PER_FRAME or len(fitted) < len(rows):
+                        box.stale = True  # the rest is read from the store
                         continue  # more are stored already
                     # That was all: no second read to find nothing (one DB hop per round trip less);
                     # a result stored since has set ``ev``.
                 # Bounded: a wake-up that comes before the stored rows are visible to this read (or a
                 # store path that never notifies) costs at most this long, never a stuck stream.
-                with contextlib.suppress(asyncio.TimeoutError):
+                try:
                     await asyncio.wait_for(ev.wait(), _IDLE_REQUERY_S)
+                except asyncio.TimeoutError:
+                    box.stale = True  # the store is read again: a path that stored without telling
         except (asyncio.CancelledError, WebSocketDisconnect):
             raise
         except Exception as exc:  # the store failed: close, the client reconnects and resumes from its cursor
             log.error("result stream of user %s stopped: %s", self.user, exc)
             with contextlib.suppress(Exception):
                 await self.ws.close(1011, _reason(f"hub error while reading results: {exc}"))
+        finally:
+            h.bus.drop_inbox(self.user, box)
 
 
 def _row(r: dict[str, Any]) -> dict[str, Any]:

@@ -53,10 +53,25 @@ async def accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None = None,
                   group: str | None = None) -> tuple[list[str], list[str]]:
     """Validate every task, place those with a selector ("auto", a list, tags), then insert all
     (with the placement decisions and the idempotency key) in one transaction, then wake the
-    dispatcher. With a key seen before, answer what that submit made and insert nothing."""
-    request_hash = _request_hash(tasks) if key is not None else ""
-    if key is not None and (done := await _replayed(h, user, key, request_hash)) is not None:
-        return done
+    dispatcher. With a key seen before, answer what that submit made and insert nothing.
+
+    The key is not looked up first (a database read on every submit, issue 30): the insert of a
+    key seen before fails inside the tasks' transaction, which then stores nothing, and so does any
+    refusal on the way there (a queue bound the first attempt's own tasks now fill): either way
+    the key is looked up then, and a replay gets what the first attempt made."""
+    with costs.stage("hub.idempotency"):
+        request_hash = _request_hash(tasks) if key is not None else ""
+    try:
+        return await _accept(h, user, tasks, key, request_hash, functions, group)
+    except BaseException:
+        # A retry (the client did not hear the first answer), possibly racing the first attempt.
+        if key is not None and (done := await _replayed(h, user, key, request_hash)) is not None:
+            return done
+        raise
+
+
+async def _accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None, request_hash: str,
+                  functions: dict[str, tuple[str, bytes]] | None, group: str | None) -> tuple[list[str], list[str]]:
     with costs.stage("hub.validate"):
         for i, t in enumerate(tasks):
             check_size(h, f"task {i} arguments", t.args)
@@ -125,17 +140,14 @@ async def accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None = None,
         await h.store.insert_tasks(run_rows, also=also, before=function_writer(user, functions) if functions else None)
     except BaseException:
         h.placement.retract(r["id"] for r in run_rows)
-        # The same key, submitted concurrently (a client retrying before its first attempt
-        # answered), won the race: answer what it made.
-        if key is not None and (done := await _replayed(h, user, key, request_hash)) is not None:
-            return done
         raise
     with costs.stage("hub.accepted"):
         h.metrics.tasks_submitted(rows)
         if hits:
             h.bus.notify({user})  # their results are stored already
+        now_eps = {r["endpoint_id"] for r in run_rows if r["start_now"]}
         for ep in {r["endpoint_id"] for r in run_rows}:
-            h.dispatcher.kick(ep)
+            h.dispatcher.kick(ep, start_now=ep in now_eps)
     return [r["id"] for r in rows], [r["endpoint_id"] for r in rows]
 
 

@@ -41,6 +41,7 @@ from functools import lru_cache
 from typing import Any, Callable, Iterable, NamedTuple, Sequence, TypeVar
 
 from cloud_hub.store.migrations import PG_MIGRATIONS
+from cloud_hub.store.results import Fresh
 from cloud_hub.store.sqlite import SqliteStore, StoreError, StoreFull, _statements, pending_migrations
 from mesh_agent.backoff import Backoff, retry
 
@@ -380,7 +381,7 @@ class PostgresStore(SqliteStore):
 
         await super().insert_tasks(rows, with_notify, before)
 
-    async def store_results(self, endpoint_id: str, results: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+    async def store_results(self, endpoint_id: str, results: Sequence[dict[str, Any]]) -> Fresh:
         fresh = await super().store_results(endpoint_id, results)
         await self._notify("mesh_results", {u for _, u in fresh})
         return fresh
