@@ -170,19 +170,8 @@ def error_type(data: bytes | None) -> str | None:
 
 #: The longest run time a result may claim (a week): beyond it, or negative, or not finite, the
 #: timings are not a run's (a forged or broken frame) and the scheduler learns nothing from them.
-_MAX_RUNTIME_S = 7 * 86400.0
-
-
-def _runtime(started: Any, finished: Any) -> float | None:
-    """A result's run time, or None where its stamps could not come from a run (pure)."""
-    if not (isinstance(started, (int, float)) and isinstance(finished, (int, float))):
-        return None
-    if isinstance(started, bool) or isinstance(finished, bool):
-        return None
-    runtime = float(finished) - float(started)
-    if not math.isfinite(runtime) or not 0.0 <= runtime <= _MAX_RUNTIME_S:
-        return None
-    return runtime
+_runtime = scheduling.runtime_of
+_MAX_RUNTIME_S = scheduling.MAX_RUNTIME_S
 
 
 def _tenant_of(env: Any) -> bool:
@@ -455,7 +444,7 @@ class PlacementService(DispatchObserver):
     def results_stored(self, endpoint_id: str, now: float, results: Sequence[dict[str, Any]], fresh: set[str]) -> None:
         if not fresh:
             return
-        done: list[tuple[float, float | None, int, str]] = []  # decision updates
+        # Their decisions were closed by the results' own transaction (store/scheduling.complete_results).
         unknown: list[tuple[str, float, int, bool, str | None]] = []
         for r in results:
             tid = r.get("id")
@@ -465,7 +454,6 @@ class PlacementService(DispatchObserver):
             runtime = _runtime(r.get("started"), r.get("finished"))
             data = r.get("data") or b""
             err = None if ok else error_type(data)
-            done.append((now, runtime, int(ok), tid))
             if runtime is None:  # nothing to learn from (or timings no run could have): it still leaves its queue
                 self.sched.retract([tid])
                 continue
@@ -481,8 +469,9 @@ class PlacementService(DispatchObserver):
                 self.sched.task_completed(tid, now, runtime, result_bytes=len(data), ok=ok, error=err, worker=pid)
             except KeyError:  # not placed by this scheduler (an explicit endpoint, or before a restart)
                 unknown.append((tid, runtime, len(data), ok, err))
-        self._changes += len(done)
-        self._spawn(self._record_results(endpoint_id, now, done, unknown))
+        self._changes += len(fresh)
+        if unknown:
+            self._spawn(self._record_results(endpoint_id, now, [], unknown))
 
     async def _record_results(self, endpoint_id: str, now: float, done: list[tuple[float, float | None, int, str]],
                               unknown: list[tuple[str, float, int, bool, str | None]]) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence, TypeVar
 if TYPE_CHECKING:
     pass
 
+from cloud_hub.store import scheduling
 from cloud_hub.store._engine import StoreEngine, _chunks, number_results
 
 T = TypeVar("T")
@@ -118,6 +119,7 @@ class ResultStore(StoreEngine):
                 [(r["id"], owners[r["id"]], int(bool(r["ok"])), r["data"], r.get("started"), r.get("finished"), now, r.get("pid")) for r in fresh],
             )
             db.executemany("UPDATE tasks SET state='done', done=?, args=NULL WHERE id=?", [(now, r["id"]) for r in fresh])
+            scheduling.complete_results(db, fresh, now)
             number_results(db)
             if getattr(self, "memo", None) is not None and fresh:  # results of tasks submitted with cache=True answer repeats (cloud_hub/store/memo.py)
                 from cloud_hub.store import memo

@@ -8,6 +8,7 @@ the console's to ``read_parallel``), so what ran in one transaction still does.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 __all__ = [
@@ -53,6 +54,28 @@ def pending_tasks(db: Any) -> list[tuple[str, str, str, int | None]]:
 def prune_decisions(db: Any, older_than: float) -> None:
     """Drop finished or moved decisions placed before ``older_than`` (kept as long as results)."""
     db.execute("DELETE FROM scheduler_decisions WHERE placed_at < ? AND state != 'placed'", (older_than,))
+
+
+#: A run time longer than this is not a run's (a clock jump): it teaches nothing.
+MAX_RUNTIME_S = 7 * 86400.0
+
+
+def runtime_of(started: Any, finished: Any) -> float | None:
+    """A result's run time, or None where its stamps could not come from a run (pure)."""
+    if not (isinstance(started, (int, float)) and isinstance(finished, (int, float))):
+        return None
+    if isinstance(started, bool) or isinstance(finished, bool):
+        return None
+    runtime = float(finished) - float(started)
+    if not math.isfinite(runtime) or not 0.0 <= runtime <= MAX_RUNTIME_S:
+        return None
+    return runtime
+
+
+def complete_results(db: Any, results: Sequence[dict[str, Any]], now: float) -> None:
+    """Close the decisions of tasks whose results are being stored, in the storing transaction
+    (issue 30: one commit per results frame, not a second transaction after it)."""
+    complete_decisions(db, [(now, runtime_of(r.get("started"), r.get("finished")), int(bool(r.get("ok"))), r["id"]) for r in results])
 
 
 def complete_decisions(db: Any, done: Sequence[tuple[Any, ...]]) -> None:
