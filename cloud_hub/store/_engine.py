@@ -67,7 +67,7 @@ def _chunks(seq: Sequence[T], n: int = 500) -> Iterable[Sequence[T]]:
         yield seq[i : i + n]
 
 
-def number_results(db: Any) -> None:
+def number_results(db: Any) -> dict[str, int]:
     """Give every result stored in this transaction the next number of its user's cursor.
 
     Called by each writer of ``results`` before its transaction commits, so no committed result is
@@ -75,17 +75,21 @@ def number_results(db: Any) -> None:
     own cursors, how many results everyone else got. Why a counter table and not MAX(user_seq):
     pruning a user's newest results must not hand their numbers out again (a client holding that
     cursor would skip the new results). In PostgreSQL the writer already holds the results lock
-    (postgres.py), so numbers are committed in order for the stream readers too."""
-    rows = db.execute("SELECT seq, user_id FROM results WHERE user_seq IS NULL ORDER BY seq").fetchall()
-    by_user: dict[str, list[int]] = {}
-    for seq, uid in rows:
-        by_user.setdefault(uid, []).append(seq)
+    (postgres.py), so numbers are committed in order for the stream readers too. Returns the
+    number each task's result got (task id -> number)."""
+    rows = db.execute("SELECT seq, user_id, task_id FROM results WHERE user_seq IS NULL ORDER BY seq").fetchall()
+    by_user: dict[str, list[tuple[int, str]]] = {}
+    for seq, uid, tid in rows:
+        by_user.setdefault(uid, []).append((seq, tid))
+    given: dict[str, int] = {}
     for uid, seqs in by_user.items():
         row = db.execute("SELECT last FROM result_cursors WHERE user_id=?", (uid,)).fetchone()
         last = row[0] if row else 0
-        db.executemany("UPDATE results SET user_seq=? WHERE seq=?", [(last + i, s) for i, s in enumerate(seqs, 1)])
+        db.executemany("UPDATE results SET user_seq=? WHERE seq=?", [(last + i, s) for i, (s, _) in enumerate(seqs, 1)])
         db.execute("INSERT INTO result_cursors (user_id, last) VALUES (?, ?) ON CONFLICT (user_id) DO UPDATE SET last=excluded.last",
                    (uid, last + len(seqs)))
+        given.update((tid, last + i) for i, (_, tid) in enumerate(seqs, 1))
+    return given
 
 
 def _charged(fn: Callable[..., T], *args: Any) -> T:

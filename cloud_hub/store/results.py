@@ -50,21 +50,22 @@ class Fresh(list[tuple[str, str]]):
         self.rows = {}
 
 
-def _stream_rows(db: Any, fresh: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """The stream's rows of results just stored (their numbers are given by then), by user."""
-    by_id = {r["id"]: r for r in fresh}
+def _stream_rows(db: Any, endpoint_id: str, fresh: Sequence[dict[str, Any]], owners: dict[str, str],
+                 numbers: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
+    """The stream's rows of results just stored by one endpoint, by user: their numbers as
+    ``number_results`` gave them, the endpoint's flags read once (one query, not one per row)."""
+    row = db.execute("SELECT user_id, trusted FROM endpoints WHERE id=?", (endpoint_id,)).fetchone()
+    owner, trusted = (row[0], bool(row[1])) if row is not None else (None, False)
     out: dict[str, list[dict[str, Any]]] = {}
-    for chunk in _chunks(list(by_id)):
-        rows = db.execute(
-            "SELECT r.user_seq, r.task_id, t.endpoint_id, e.user_id = r.user_id, e.trusted, r.user_id FROM results r "
-            f"LEFT JOIN tasks t ON t.id = r.task_id LEFT JOIN endpoints e ON e.id = t.endpoint_id WHERE r.task_id IN ({','.join('?' * len(chunk))})",
-            chunk,
-        ).fetchall()
-        for seq, tid, ep, own, trusted, uid in rows:
-            r = by_id[tid]
-            out.setdefault(uid, []).append(
-                {"seq": seq, "task_id": tid, "ok": bool(r["ok"]), "data": r["data"], "started": r.get("started"), "finished": r.get("finished"),
-                 "endpoint_id": ep, "own_endpoint": ep is None or bool(own), "trusted": ep is None or (bool(own) and bool(trusted))})
+    for r in fresh:
+        seq = numbers.get(r["id"])
+        if seq is None:  # stored before (a memo copy): the store has it, with its own number
+            continue
+        uid = owners[r["id"]]
+        own = row is not None and owner == uid  # as _RESULT_SELECT reads it back
+        out.setdefault(uid, []).append(
+            {"seq": seq, "task_id": r["id"], "ok": bool(r["ok"]), "data": r["data"], "started": r.get("started"), "finished": r.get("finished"),
+             "endpoint_id": endpoint_id, "own_endpoint": own, "trusted": own and trusted})
     for rows_of in out.values():
         rows_of.sort(key=lambda x: x["seq"])
     return out
@@ -105,13 +106,15 @@ class ResultStore(StoreEngine):
             now = time.time()
             ids = [r["id"] for r in results]
             owners: dict[str, str] = {}
+            cached: set[str] = set()  # submitted with a cache key (cloud_hub/store/memo.py)
             for chunk in _chunks(ids):
-                owners.update(
-                    db.execute(
-                        f"SELECT id, user_id FROM tasks WHERE endpoint_id=? AND state != 'done' AND id IN ({','.join('?' * len(chunk))})",
-                        (endpoint_id, *chunk),
-                    ).fetchall()
-                )
+                for tid, uid, memo_key in db.execute(
+                    f"SELECT id, user_id, memo_key FROM tasks WHERE endpoint_id=? AND state != 'done' AND id IN ({','.join('?' * len(chunk))})",
+                    (endpoint_id, *chunk),
+                ):
+                    owners[tid] = uid
+                    if memo_key is not None:
+                        cached.add(tid)
             fresh = list({r["id"]: r for r in results if r["id"] in owners}.values())  # a batch may repeat an id
             db.executemany(
                 "INSERT INTO results (task_id, user_id, ok, data, started, finished, received, pid) "
@@ -120,13 +123,13 @@ class ResultStore(StoreEngine):
             )
             db.executemany("UPDATE tasks SET state='done', done=?, args=NULL WHERE id=?", [(now, r["id"]) for r in fresh])
             scheduling.complete_results(db, fresh, now)
-            number_results(db)
-            if getattr(self, "memo", None) is not None and fresh:  # results of tasks submitted with cache=True answer repeats (cloud_hub/store/memo.py)
+            numbers = number_results(db)
+            if getattr(self, "memo", None) is not None and cached:  # results of tasks submitted with cache=True answer repeats
                 from cloud_hub.store import memo
 
-                memo.record(db, fresh, self.memo, now)  # type: ignore[arg-type]
+                memo.record(db, [r for r in fresh if r["id"] in cached], self.memo, now)  # type: ignore[arg-type]
             out = Fresh((r["id"], owners[r["id"]]) for r in fresh)
-            out.rows = _stream_rows(db, fresh)
+            out.rows = _stream_rows(db, endpoint_id, fresh, owners, numbers)
             return out
 
         return await self.tx(q)
