@@ -48,6 +48,8 @@ class Hub:
         self.dispatcher = Dispatcher(cfg, self.store, self.bus)
         self.placement = PlacementService(cfg, self.store, self.dispatcher.kick, self.dispatcher.allow_list)
         self.admission = Admission(cfg, self.store, self.dispatcher)  # limits, shares, memoization (cloud_hub/service/admit.py)
+        #: Endpoints and functions each user's accepted submits named (cloud_hub/service/submit.py).
+        self.refs_seen: dict[str, tuple[set[str], set[str]]] = {}
         self.dispatcher.observer = self.admission.observer(self.placement)
         self._token_cache: dict[str, tuple[str, float | None, float]] = {}  # token hash -> (user, expires, checked at)
         self.bootstrap_token: str | None = None

@@ -20,7 +20,7 @@ from cloud_hub.service.environments import apply_environments, task_environments
 from cloud_hub.service.errors import ServiceError
 from cloud_hub.service.hub import Hub
 from cloud_hub.service.schemas import TaskIn
-from cloud_hub.store.endpoints import put_functions
+from cloud_hub.store.endpoints import owned_refs_in, put_functions
 from mesh_agent import costs
 from mesh_agent.protocol import SerializationError, method_of
 
@@ -99,11 +99,17 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None, reque
             elif isinstance(t.endpoint_id, str) and t.endpoint_id != "auto":
                 eps.add(t.endpoint_id)
         fids = {t.function_id for t in tasks}
-    found_eps, found_fids = await h.store.owned_refs(user, eps, fids)
-    if eps - found_eps:
-        raise ServiceError(404, f"unknown endpoint {sorted(eps - found_eps)[0]}")
-    if fids - found_fids - set(functions or ()):
-        raise ServiceError(404, f"unknown function {sorted(fids - found_fids - set(functions or ()))[0]} (register it first)")
+    # Which endpoints and functions the user may use is checked inside the insert's transaction
+    # (``_refs_check``). It is also checked here, before placement and the allow-lists could
+    # answer anything about another user's endpoint, but from memory when this user's accepted
+    # submits named all of them before (one database hop per submit less, issue 30): a stale
+    # entry (a share withdrawn since) only lets the same 404 come from the transaction instead.
+    if not _seen(h, user, eps, fids):
+        found_eps, found_fids = await h.store.owned_refs(user, eps, fids)
+        if eps - found_eps:
+            raise ServiceError(404, f"unknown endpoint {sorted(eps - found_eps)[0]}")
+        if fids - found_fids - set(functions or ()):
+            raise ServiceError(404, f"unknown function {sorted(fids - found_fids - set(functions or ()))[0]} (register it first)")
     now = time.time()
     with costs.stage("hub.rows"):
         rows = _rows(h, user, tasks, now, group)
@@ -149,11 +155,12 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None, reque
             h.store.put_submit_key(db, user, key, request_hash, [r["id"] for r in rows], [r["endpoint_id"] for r in rows], now)
 
     try:
-        await h.store.insert_tasks(run_rows, also=also, before=function_writer(user, functions) if functions else None)
+        await h.store.insert_tasks(run_rows, also=also, before=_refs_check(user, eps, fids, functions))
     except BaseException:
         h.placement.retract(r["id"] for r in run_rows)
         raise
     with costs.stage("hub.accepted"):
+        _remember(h, user, eps, fids)
         h.metrics.tasks_submitted(rows)
         if hits:
             h.bus.notify({user})  # their results are stored already
@@ -181,6 +188,43 @@ def _rows(h: Hub, user: str, tasks: list[TaskIn], now: float, group: str | None)
         }
         for t in tasks
     ]
+
+
+_REFS_SEEN_MAX = 10_000  # users, and names per user, remembered (then forgotten and read again)
+
+
+def _seen(h: Hub, user: str, eps: set[str], fids: set[str]) -> bool:
+    known = h.refs_seen.get(user)
+    return known is not None and eps <= known[0] and fids <= known[1]
+
+
+def _remember(h: Hub, user: str, eps: set[str], fids: set[str]) -> None:
+    """After an accepted submit (its transaction checked every name): its names are the user's."""
+    known = h.refs_seen.get(user)
+    if known is None or len(known[0]) + len(known[1]) > _REFS_SEEN_MAX:
+        if len(h.refs_seen) >= _REFS_SEEN_MAX:
+            h.refs_seen.clear()
+        known = h.refs_seen[user] = (set(), set())
+    known[0].update(eps)
+    known[1].update(fids)
+
+
+def _refs_check(user: str, eps: set[str], fids: set[str], functions: dict[str, tuple[str, bytes]] | None) -> Any:
+    """First in the submit's transaction: the batch's function bodies are stored, then every named
+    endpoint and function must be the user's (or shared with them), else 404 and the transaction
+    stores nothing. (Placement and admission ran on the batch before, in memory only: a refusal
+    here takes their bookkeeping back, as any failed insert does.)"""
+
+    def q(db: Any) -> None:
+        if functions:
+            put_functions(db, user, functions, time.time())
+        found_eps, found_fids = owned_refs_in(db, user, eps, fids - set(functions or ()))
+        if eps - found_eps:
+            raise ServiceError(404, f"unknown endpoint {sorted(eps - found_eps)[0]}")
+        if fids - found_fids - set(functions or ()):
+            raise ServiceError(404, f"unknown function {sorted(fids - found_fids - set(functions or ()))[0]} (register it first)")
+
+    return q
 
 
 def function_writer(user: str, functions: dict[str, tuple[str, bytes]]) -> Any:

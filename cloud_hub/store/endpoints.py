@@ -30,6 +30,21 @@ def put_functions(db: Any, user_id: str, functions: Mapping[str, tuple[str, byte
                    (fid, user_id))
 
 
+def owned_refs_in(db: Any, user_id: str, endpoint_ids: Iterable[str], fids: Iterable[str]) -> tuple[set[str], set[str]]:
+    """Which of these endpoints (own or shared, not revoked) and functions the user may use."""
+    eps, fns = list(set(endpoint_ids)), list(set(fids))
+    found_e: set[str] = set()
+    found_f: set[str] = set()
+    for chunk in _chunks(eps):
+        found_e.update(r[0] for r in db.execute(
+            f"SELECT id FROM endpoints WHERE revoked IS NULL AND (user_id=? OR id IN (SELECT endpoint_id FROM endpoint_shares WHERE user_id=?)) "
+            f"AND id IN ({','.join('?' * len(chunk))})", (user_id, user_id, *chunk)))
+    for chunk in _chunks(fns):
+        found_f.update(r[0] for r in db.execute(
+            f"SELECT function_id FROM function_owners WHERE user_id=? AND function_id IN ({','.join('?' * len(chunk))})", (user_id, *chunk)))
+    return found_e, found_f
+
+
 class EndpointStore(StoreEngine):
     """Endpoints, their sessions and owners, and registered functions."""
 
@@ -131,22 +146,10 @@ class EndpointStore(StoreEngine):
         return await self._run(q)
 
     async def owned_refs(self, user_id: str, endpoint_ids: Iterable[str], fids: Iterable[str]) -> tuple[set[str], set[str]]:
-        """Which of these endpoints and functions the user may use: one hop on the submit path."""
-        eps, fns = list(set(endpoint_ids)), list(set(fids))
-
-        def q(db: Any) -> tuple[set[str], set[str]]:
-            found_e: set[str] = set()
-            found_f: set[str] = set()
-            for chunk in _chunks(eps):
-                found_e.update(r[0] for r in db.execute(
-                    f"SELECT id FROM endpoints WHERE revoked IS NULL AND (user_id=? OR id IN (SELECT endpoint_id FROM endpoint_shares WHERE user_id=?)) "
-                    f"AND id IN ({','.join('?' * len(chunk))})", (user_id, user_id, *chunk)))
-            for chunk in _chunks(fns):
-                found_f.update(r[0] for r in db.execute(
-                    f"SELECT function_id FROM function_owners WHERE user_id=? AND function_id IN ({','.join('?' * len(chunk))})", (user_id, *chunk)))
-            return found_e, found_f
-
-        return await self.read_parallel(q)
+        """Which of these endpoints and functions the user may use (the submit path asks
+        :func:`owned_refs_in` inside its own transaction instead)."""
+        eps, fns = set(endpoint_ids), set(fids)
+        return await self.read_parallel(lambda db: owned_refs_in(db, user_id, eps, fns))
 
     async def endpoint_owners_of(self, endpoint_ids: Iterable[str]) -> dict[str, str]:
         """endpoint id -> the user who enrolled it (sandbox by default for anyone else's tasks, docs/environments.md)."""
