@@ -748,6 +748,8 @@ class Dispatcher:
 
     async def _pump(self, s: _Session) -> None:
         try:
+            if s.drained and s.credit > 0:  # still out of work: the scheduler may move placed tasks here (late binding)
+                self._observe("endpoint_starving", s.endpoint_id, time.time())
             while True:
                 s.again = False
                 while s.credit > 0 and not s.drained and self._sessions.get(s.endpoint_id) is s and not self.served_by_site(s.endpoint_id):

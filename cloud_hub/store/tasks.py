@@ -166,11 +166,15 @@ class TaskStore(StoreEngine):
         await self.tx(q)
 
     async def submit_key(self, user_id: str, key: str) -> tuple[str, list[str], list[str | None]] | None:
-        """What a submit with this idempotency key made: (request hash, task ids, endpoint ids)."""
-        # On the reader connection, as owned_refs and results_after: hot-path reads do not queue
-        # behind the writer's commits (WAL: it sees every committed key).
-        row = await self.read_parallel(lambda db: db.execute(
-            "SELECT request_hash, task_ids, endpoint_ids FROM submit_keys WHERE user_id=? AND key=?", (user_id, key)).fetchone())
+        """What a submit with this idempotency key made: (request hash, task ids, endpoint ids).
+
+        Read in a transaction of the writer, queued behind whatever is committing: the submit path
+        asks only after its own insert failed, and a copy of the same request in the same group
+        commit has not committed its key yet when that failure is reported (group.py)."""
+        def q(db: Any) -> Any:
+            return db.execute("SELECT request_hash, task_ids, endpoint_ids FROM submit_keys WHERE user_id=? AND key=?", (user_id, key)).fetchone()
+
+        row = await self.tx(q, durable=False)
         return None if row is None else (str(row[0]), json.loads(row[1]), json.loads(row[2]))
 
     @staticmethod
