@@ -102,14 +102,34 @@ async def _accept(h: Hub, user: str, tasks: list[TaskIn], key: str | None, reque
     # Which endpoints and functions the user may use is checked inside the insert's transaction
     # (``_refs_check``). It is also checked here, before placement and the allow-lists could
     # answer anything about another user's endpoint, but from memory when this user's accepted
-    # submits named all of them before (one database hop per submit less, issue 30): a stale
-    # entry (a share withdrawn since) only lets the same 404 come from the transaction instead.
-    if not _seen(h, user, eps, fids):
-        found_eps, found_fids = await h.store.owned_refs(user, eps, fids)
-        if eps - found_eps:
-            raise ServiceError(404, f"unknown endpoint {sorted(eps - found_eps)[0]}")
-        if fids - found_fids - set(functions or ()):
-            raise ServiceError(404, f"unknown function {sorted(fids - found_fids - set(functions or ()))[0]} (register it first)")
+    # submits named all of them before (one database hop per submit less, issue 30). An entry
+    # may be stale (a share withdrawn since): any other refusal on the way (an allow-list, the
+    # constraints) is then answered only after the names were read again, so it never tells a
+    # former user anything about an endpoint that is no longer theirs (404 first, as always).
+    if _seen(h, user, eps, fids):
+        try:
+            return await _accept_named(h, user, tasks, key, request_hash, functions, group, eps, fids, env_specs)
+        except ServiceError as exc:
+            if exc.status != 404:
+                h.refs_seen.pop(user, None)
+                await _check_refs(h, user, eps, fids, functions)
+            raise
+    await _check_refs(h, user, eps, fids, functions)
+    return await _accept_named(h, user, tasks, key, request_hash, functions, group, eps, fids, env_specs)
+
+
+async def _check_refs(h: Hub, user: str, eps: set[str], fids: set[str], functions: dict[str, tuple[str, bytes]] | None) -> None:
+    """404 unless every named endpoint and function is the user's (or shared with them)."""
+    found_eps, found_fids = await h.store.owned_refs(user, eps, fids)
+    if eps - found_eps:
+        raise ServiceError(404, f"unknown endpoint {sorted(eps - found_eps)[0]}")
+    if fids - found_fids - set(functions or ()):
+        raise ServiceError(404, f"unknown function {sorted(fids - found_fids - set(functions or ()))[0]} (register it first)")
+
+
+async def _accept_named(h: Hub, user: str, tasks: list[TaskIn], key: str | None, request_hash: str,
+                        functions: dict[str, tuple[str, bytes]] | None, group: str | None, eps: set[str],
+                        fids: set[str], env_specs: Any) -> tuple[list[str], list[str]]:
     now = time.time()
     with costs.stage("hub.rows"):
         rows = _rows(h, user, tasks, now, group)
