@@ -253,6 +253,11 @@ class _Session:
     # replica queues work for our endpoints without kicking us.
     drained: bool = False
     now_drained: bool = False
+    # The safety net under those flags: a path that queues work without kicking would strand it.
+    # The watchdog looks again at ``recheck_at`` (0: not due), after 1 s, then 2, 4... up to 60 s
+    # while nothing new is kicked, so an idle endpoint costs one empty lease a minute.
+    recheck_at: float = 0.0
+    recheck_wait: float = 1.0
     site_frames: bool = False  # a site gateway that reads and sends site_up/site_down (cloud_hub/site_frames.py)
 
 
@@ -728,6 +733,7 @@ class Dispatcher:
         if s is not None:
             if new_work:
                 s.drained = False
+                s.recheck_wait, s.recheck_at = 1.0, 0.0
             if start_now:
                 s.now_drained = False
         if endpoint_id in self._cancel_eps:
@@ -760,6 +766,7 @@ class Dispatcher:
                     if not tasks:
                         if room is None or room > 0:  # it could take work and the hub has none for it
                             s.drained = not s.again and not self.replicated  # a kick while leasing may have queued more
+                            self._recheck_later(s)
                             self._observe("endpoint_starving", s.endpoint_id, time.time())
                         break
                     sent_at = time.time()
@@ -787,6 +794,7 @@ class Dispatcher:
                     if (len(tasks) < asked and (room is None or len(tasks) < room) and not s.again and not self.replicated
                             and _small(tasks, bodies)):
                         s.drained = True  # fewer than asked, not for the lookahead or the frame size: that was all
+                        self._recheck_later(s)
                         break
                 await self._send_now(s)
                 if not s.again:
@@ -795,6 +803,20 @@ class Dispatcher:
             log.exception("dispatch to %s failed", s.endpoint_id)
         finally:
             s.pumping = False
+
+    @staticmethod
+    def _recheck_later(s: _Session) -> None:
+        """Schedule the watchdog's next look at a drained session (see ``_Session.recheck_at``)."""
+        if (s.drained or s.now_drained) and not s.recheck_at:
+            s.recheck_at = time.time() + s.recheck_wait
+            s.recheck_wait = min(60.0, s.recheck_wait * 2)
+
+    def _recheck_drained(self, ep: str, s: _Session, now: float) -> None:
+        """The watchdog's look at a drained session whose recheck is due: lease once more."""
+        if s.recheck_at and now >= s.recheck_at and (s.drained or s.now_drained):
+            s.recheck_at = 0.0
+            s.drained = s.now_drained = False
+            self.kick(ep, new_work=False, start_now=False)
 
     def _placed_room(self, s: _Session) -> int | None:
         """How many more scheduler-placed tasks this session may be sent now: the endpoint's
@@ -822,6 +844,7 @@ class Dispatcher:
             tasks, bodies = await self.store.lease(s.endpoint_id, _LEASE_BATCH, self.cfg.lease_s, _LEASE_BYTES, only_now=True)
             if not tasks:
                 s.now_drained = not s.again and not self.replicated
+                self._recheck_later(s)
                 return
             try:
                 await self._send(s, Kind.TASKS, {"tasks": tasks, "functions": bodies, "allow": self._allow_field(s.endpoint_id)})
@@ -1158,6 +1181,7 @@ class Dispatcher:
                                                 transition=old is None)
         if lost:
             log.warning("%s no longer holds %d acked tasks; re-queued", env.endpoint, lost, extra={"endpoint_id": env.endpoint})
+            s.drained = s.now_drained = False  # a kick while open_session ran may have found the queue without them
         self._observe("endpoint_online", env.endpoint, now, {**s.info, "capacity": s.capacity})
         # The welcome's message id is the hello's nonce: the agent matches it before parsing the body.
         # "hold": how long the hello waited here (its database work): the agent takes it out of the
@@ -1439,6 +1463,7 @@ class Dispatcher:
                     if s.retry_credit and s.credit == 0 and now >= s.retry_at:
                         s.credit, s.retry_credit = s.retry_credit, 0
                         self.kick(ep)
+                    self._recheck_drained(ep, s, now)
                 for dev, up in list(self._on_lan.items()):  # site devices on their LAN without a session: ask again
                     g = self._sessions.get(self._site_of.get(dev) or "")
                     if up and dev not in self._sessions and g is not None and g.site_frames:
