@@ -9,7 +9,9 @@ the database again until a kick says new work may be there. What must hold on a 
 - after the agent is SIGKILLed (its session lost, its leases re-queued) and restarted, work queued
   before and during the outage is delivered;
 - and the saving itself: once drained, a room-only kick calls ``store.lease`` zero times, a
-  new-work kick once, a start-now kick once (counted by wrapping the hub's store)."""
+  new-work kick once, a start-now kick once (counted by wrapping the hub's store);
+- the safety net: work queued with no kick at all (as a path that forgot one would) is still
+  leased, by the watchdog's recheck of drained sessions."""
 
 from __future__ import annotations
 
@@ -108,6 +110,15 @@ def test_once_drained_a_room_kick_does_not_lease_and_new_work_does(m: tuple[Loca
     mesh, agent, _, counted = m
     disp = mesh.hub.hub.dispatcher  # type: ignore[union-attr]
     ep = agent.endpoint_id
+    recheck = disp._recheck_drained
+    disp._recheck_drained = lambda *a: None  # the watchdog's safety net would add leases to the counts (tested below)
+    try:
+        _counts_once_drained(mesh, disp, ep, counted)
+    finally:
+        disp._recheck_drained = recheck
+
+
+def _counts_once_drained(mesh: LocalMesh, disp: Any, ep: str, counted: _Counted) -> None:
     with Executor(mesh.client, ep) as ex:
         assert ex.submit(square, 3).result(30) == 9  # drains the queue (and the "now" one)
         s = disp._sessions[ep]
@@ -219,3 +230,27 @@ def test_work_queued_before_and_during_an_agent_outage_is_delivered_after_it(m: 
     s2 = disp._sessions[ep]
     assert s2 is not s
     _wait(lambda: not s2.pumping and s2.drained, 10, "the new session drained")
+
+
+def test_work_queued_without_a_kick_is_found_by_the_watchdogs_recheck(m: tuple[LocalMesh, AgentProcess, AgentProcess, _Counted]) -> None:
+    """Submits while the dispatcher's kick does nothing (a path that queues work and forgets to
+    kick): once kicks work again, only room-only kicks follow (results, fetches), which a drained
+    session ignores. The watchdog's recheck (1 s after draining, then 2, 4...) must deliver them."""
+    mesh, agent, _, _ = m
+    disp = mesh.hub.hub.dispatcher  # type: ignore[union-attr]
+    ep = agent.endpoint_id
+    with Executor(mesh.client, ep) as ex:
+        assert ex.submit(square, 2).result(30) == 4
+        s = disp._sessions[ep]
+        _wait(lambda: s.credit > 0 and not s.pumping and s.drained, 10, "an idle, drained session with credit")
+        kick = disp.kick
+        disp.kick = lambda *a, **kw: None
+        try:
+            futs = [ex.submit(square, i) for i in range(5)]
+            time.sleep(0.3)
+            assert not any(f.done() for f in futs), "delivered with every kick switched off"
+        finally:
+            disp.kick = kick
+        t0 = time.monotonic()
+        assert [f.result(30) for f in futs] == [i * i for i in range(5)]
+        print(f"found by the recheck after {time.monotonic() - t0:.2f} s")
