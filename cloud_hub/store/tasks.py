@@ -249,11 +249,16 @@ class TaskStore(StoreEngine):
             "SELECT COUNT(*) FROM tasks WHERE endpoint_id=? AND state='leased'", (endpoint_id,)).fetchone()[0]))
 
     async def unlease(self, endpoint_id: str, ids: Sequence[str]) -> int:
-        """Put these leased tasks back in the queue at once: the frame carrying them failed to send."""
+        """Put these leased tasks back in the queue at once: the frame carrying them failed to send.
+        That attempt never happened: it is not counted, and a task on its first attempt is again
+        never dispatched, so the scheduler may still move it (late binding) if its endpoint is lost
+        (found by the outsider's check of issue 30: two "auto" tasks waited for a dead endpoint)."""
 
         def q(db: sqlite3.Connection) -> int:
             return sum(
-                db.execute("UPDATE tasks SET state='queued', leased_until=NULL WHERE id=? AND endpoint_id=? AND state='leased'",
+                db.execute("UPDATE tasks SET state='queued', leased_until=NULL, attempts=CASE WHEN attempts > 0 THEN attempts - 1 ELSE 0 END, "
+                           "dispatched=CASE WHEN attempts <= 1 THEN NULL ELSE dispatched END "
+                           "WHERE id=? AND endpoint_id=? AND state='leased'",
                            (i, endpoint_id)).rowcount
                 for i in ids
             )

@@ -333,8 +333,21 @@ async def test_count_leased_and_unlease_after_a_failed_send(store: SqliteStore) 
     assert await store.unlease(ep, ids) == 2, "the acked one stays on the device"
     assert await store.count_leased(ep) == 0
     assert await store.task_counts(uid) == {"acked": 1, "queued": 4}
+    # The failed send was no attempt: never dispatched again (the scheduler may still move such a
+    # task), not counted; a task that had reached an agent before keeps its dispatched time.
+    for tid in ids[1:]:
+        st = await store.get_task(tid, uid)
+        assert (st["attempts"], st["dispatched"]) == (0, None), st
     again, _ = await store.lease(ep, 10, 30.0, 1 << 20)
     assert [t["id"] for t in again] == ["t00001", "t00002", "t00003", "t00004"]
+    assert await store.unlease(ep, ["t00001"]) == 1
+    again, _ = await store.lease(ep, 1, 30.0, 1 << 20)
+    assert [t["id"] for t in again] == ["t00001"]
+    await store.requeue(ep)  # that one reached the agent, and its session ended: attempt 1 stands
+    again, _ = await store.lease(ep, 1, 30.0, 1 << 20)
+    assert await store.unlease(ep, ["t00001"]) == 1
+    st = await store.get_task("t00001", uid)
+    assert st["attempts"] == 1 and st["dispatched"] is not None, st
 
 
 async def test_submit_key_is_stored_with_its_tasks_and_a_second_insert_fails_whole(open_store: Callable[[], SqliteStore]) -> None:
