@@ -71,8 +71,11 @@ async def test_zmq_agent_gets_its_tasks_after_a_tasks_frame_is_lost(long_lease_m
             await _until(lambda: all(hasattr(f, "task_id") for f in futures), 10, "the tasks to be accepted")
 
             def requeued() -> bool:
+                # The send failed: the session's credit is spent (0; it had some above) and every
+                # task is back in the queue, the failed attempt not counted (store.unlease).
                 st = [mesh.client.task_status(f.task_id) for f in futures]  # type: ignore[attr-defined]
-                return any(t["attempts"] for t in st) and all(t["state"] == "queued" for t in st)
+                return ((dispatcher.session_info(ep) or {}).get("credit") == 0
+                        and all(t["state"] == "queued" and t["attempts"] == 0 and t["dispatched"] is None for t in st))
 
             await _until(requeued, 20, "the tasks of the failed send to be queued again (not leased for 60 s)")
             assert (dispatcher.session_info(ep) or {}).get("credit") == 0
