@@ -7,6 +7,7 @@ and restarted against their own SQLite queues, talking to the hub through a real
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -24,6 +25,8 @@ from mesh_agent.cli import enroll
 from mesh_agent.config import AgentConfig
 
 __all__ = ["AgentProcess", "GatewayProcess", "LocalMesh"]
+
+log = logging.getLogger(__name__)
 
 
 class AgentProcess:
@@ -150,13 +153,28 @@ class LocalMesh:
             self._start_hub_process()
             return None
         cfg = self.hub_cfg
+        fresh = self.hub is None and cfg.port == 0
         if self.hub is not None:  # restart: keep the same port and ZeroMQ address so agents find it
             cfg = cfg.model_copy(update={"port": self.hub.cfg.port, "zmq_bind": self.hub.hub.zmq_address})
-        self.hub = HubThread(cfg).start()
-        self.hub_cfg = self.hub.cfg
+        hub = self._start_hub_thread(cfg, retries=2 if fresh else 0)
+        self.hub, self.hub_cfg = hub, hub.cfg
         if self._token is None:
-            self._token = self.hub.token
-        return self.hub
+            self._token = hub.token
+        return hub
+
+    @staticmethod
+    def _start_hub_thread(cfg: HubConfig, retries: int) -> HubThread:
+        """Start a hub thread. uvicorn exits (SystemExit(1), after the lifespan's shutdown) when
+        its bind fails: another process took the port ``free_port`` drew between its check and
+        this bind (seen once in a full parallel suite). A fresh hub then draws another port."""
+        for attempt in range(retries + 1):
+            try:
+                return HubThread(cfg).start()
+            except RuntimeError as exc:
+                if attempt == retries or "SystemExit" not in str(exc):
+                    raise
+                log.warning("the hub could not start on its drawn port (%s); drawing another", exc)
+        raise AssertionError("unreachable")
 
     def stop_hub(self) -> None:
         if self.hub is not None:
