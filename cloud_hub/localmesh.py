@@ -145,7 +145,11 @@ class LocalMesh:
     # ---------------------------------------------------------------- parts
     def start(self) -> "LocalMesh":
         self.broker.start()
-        self.start_hub()
+        try:
+            self.start_hub()
+        except BaseException:
+            self.broker.stop()  # a caller whose start failed has nothing to stop: do not leave the broker running
+            raise
         return self
 
     def start_hub(self) -> HubThread | None:

@@ -39,3 +39,32 @@ def test_a_fresh_hub_whose_drawn_port_was_taken_draws_another(tmp_path: Path, mo
     finally:
         mesh.stop()
         taken.close()
+
+
+def test_a_mesh_whose_hub_cannot_start_leaves_no_broker_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every draw is a taken port: start() fails, and stops the broker it started (the fixture that
+    called it never reaches its teardown; a leaked Mosquitto was found after such a run)."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    mesh = LocalMesh(tmp_path / "mesh")
+    real_start = mesh.broker.start
+    procs: list[Any] = []
+
+    def broker_then_taken() -> Any:
+        out = real_start()
+        procs.append(mesh.broker.proc)
+        monkeypatch.setattr(cloud_hub.broker, "free_port", lambda host="127.0.0.1": taken.getsockname()[1])
+        return out
+
+    monkeypatch.setattr(mesh.broker, "start", broker_then_taken)
+    try:
+        with pytest.raises(RuntimeError, match="hub failed to start"):
+            mesh.start()
+        assert procs and procs[0] is not None and procs[0].poll() is not None, "the broker still runs"
+    finally:
+        taken.close()
+        for p in procs:
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(5)
