@@ -72,6 +72,16 @@ CREATE INDEX IF NOT EXISTS relay_ids_task ON relay_ids (task_id);
 """
 
 
+def _rollback_quietly(conn: sqlite3.Connection) -> None:
+    """Roll back a failed transaction. SQLite may already have rolled back on its own
+    (SQLITE_FULL): a second ROLLBACK would raise "no transaction is active" and hide the real error."""
+    if conn.in_transaction:
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+
+
 class StoreError(RuntimeError):
     """The queue database cannot be used; the message says which file and why."""
 
@@ -259,11 +269,7 @@ class AgentStore:
                     )
                     conn.execute("COMMIT")
                 except BaseException:
-                    if conn.in_transaction:  # SQLite may have rolled back on its own (SQLITE_FULL)
-                        try:
-                            conn.execute("ROLLBACK")
-                        except sqlite3.Error:
-                            pass
+                    _rollback_quietly(conn)
                     raise
                 return [t["id"] for t in fresh]
 
@@ -298,11 +304,7 @@ class AgentStore:
                     conn.executemany(sql, rows)
                     conn.execute("COMMIT")
                 except BaseException:
-                    if conn.in_transaction:  # SQLite may have rolled back on its own (SQLITE_FULL)
-                        try:
-                            conn.execute("ROLLBACK")
-                        except sqlite3.Error:
-                            pass
+                    _rollback_quietly(conn)
                     raise
 
         async with self._tx_lock:
@@ -362,11 +364,7 @@ class AgentStore:
                 conn.execute("COMMIT")
                 return stopped
             except BaseException:
-                if conn.in_transaction:
-                    try:
-                        conn.execute("ROLLBACK")
-                    except sqlite3.Error:
-                        pass
+                _rollback_quietly(conn)
                 raise
 
         async with self._tx_lock:
