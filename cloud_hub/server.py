@@ -7,6 +7,7 @@ talk HTTP to it exactly as users do, and can stop and restart it against the sam
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -85,6 +86,18 @@ class _StartupFailureInOneLine(logging.Filter):
         return self.hub.startup_error is None or record.levelno < logging.ERROR
 
 
+def _freeze_startup_objects() -> None:
+    """Move everything alive once the hub has started (modules, the app, schemas, the store: a few
+    hundred thousand objects that live as long as the process) out of the garbage collector's
+    sight. Why: a full collection walks every tracked object, and the hub's hot path allocates
+    enough to trigger one every few batches; the CPU ledger charged 50-90 us per batched task to
+    ``gc.gen2``, a fifth of the hub's CPU, and none after this (issue 30, docs/benchmarks.md).
+    Garbage is collected first, so nothing collectable is frozen; what the hub allocates later is
+    collected as before."""
+    gc.collect()
+    gc.freeze()
+
+
 def serve(cfg: HubConfig) -> None:
     """Run until SIGTERM/SIGINT; logs the listen addresses once the port is bound, and the stop.
     Raises :class:`HubStartError` (one line) when start-up fails: a hub that did not start must
@@ -106,6 +119,7 @@ def serve(cfg: HubConfig) -> None:
         if server.started:
             log.info("hub listening: %s", listen_summary(cfg))
             costs.start("hub")  # only with MESH_COST_LEDGER set (bench/hotpath.py)
+            _freeze_startup_objects()
         await task
 
     try:

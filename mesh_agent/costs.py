@@ -28,6 +28,7 @@ The agent and the hub both use it, so it lives in the lowest layer (``mesh_agent
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import threading
@@ -65,14 +66,18 @@ _NULL = _Null()
 
 def _charge(name: str, ns: int, blocks: int) -> None:
     thread = _local.thread
-    with _lock:
-        _by_thread[thread] = _by_thread.get(thread, 0) + ns
-        row = _totals.get(name)
-        if row is None:
-            _totals[name] = [blocks, ns]
-        else:
-            row[0] += blocks
-            row[1] += ns
+    _local.in_ledger = True  # a collection tripped in here is not a stage (see _gc_stage)
+    try:
+        with _lock:
+            _by_thread[thread] = _by_thread.get(thread, 0) + ns
+            row = _totals.get(name)
+            if row is None:
+                _totals[name] = [blocks, ns]
+            else:
+                row[0] += blocks
+                row[1] += ns
+    finally:
+        _local.in_ledger = False
 
 
 def _task() -> Any:
@@ -130,9 +135,13 @@ def snapshot() -> dict[str, Any]:
     stages (seconds, by thread name), the process's CPU and its live children's (seconds)."""
     import psutil
 
-    with _lock:
-        stages = {k: list(v) for k, v in _totals.items()}
-        charged = {k: v / 1e9 for k, v in _by_thread.items()}
+    _local.in_ledger = True
+    try:
+        with _lock:
+            stages = {k: list(v) for k, v in _totals.items()}
+            charged = {k: v / 1e9 for k, v in _by_thread.items()}
+    finally:
+        _local.in_ledger = False
     proc = psutil.Process()
     names = {t.native_id: t.name for t in threading.enumerate()}
     threads: dict[str, float] = {}
@@ -179,3 +188,25 @@ def start(role: str) -> None:
             time.sleep(0.5)
 
     threading.Thread(target=loop, name="cost-ledger", daemon=True).start()
+    if _gc_stage not in gc.callbacks:
+        gc.callbacks.append(_gc_stage)
+
+
+_gc_open: dict[int, _Stage] = {}  # thread id -> its collection in progress
+
+
+def _gc_stage(phase: str, info: dict[str, Any]) -> None:
+    """The garbage collector's passes as stages of their own (``gc.gen0``..``gc.gen2``): a
+    collection runs inside whatever stage allocated the object that tripped it, and a full one in
+    a process holding millions of objects costs milliseconds, which would otherwise be charged to
+    that unlucky stage."""
+    tid = threading.get_ident()
+    if phase == "start":
+        if not enabled or getattr(_local, "in_ledger", False):  # tripped inside the ledger, holding its lock: charging it would deadlock
+            return
+        st = _gc_open[tid] = _Stage(f"gc.gen{info.get('generation', 0)}")
+        st.__enter__()
+    else:
+        done = _gc_open.pop(tid, None)
+        if done is not None:
+            done.__exit__()

@@ -28,6 +28,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
+from cloud_hub.api import _stream_wire as wire
 from cloud_hub.api.errors import http_error
 from cloud_hub.api.schemas import BatchIn
 from cloud_hub.globus_auth import GlobusUnavailable
@@ -77,17 +78,25 @@ def _token(ws: WebSocket) -> str | None:
     return cred.strip() if scheme.lower() == "bearer" and cred.strip() else None
 
 
-def _parse(text: str | None) -> dict[str, Any]:
-    if text is None:
-        raise _BadFrame("binary frames are not part of this protocol: send JSON text frames")
-    if len(text) > MAX_FRAME:
-        raise _BadFrame(f"frame of {len(text)} bytes is over the {MAX_FRAME}-byte limit: send big batches over REST")
+def _payload(msg: dict[str, Any], binary_ok: bool) -> tuple[str | bytes, str]:
+    """A received frame's payload and its encoding: a text frame is JSON, a binary one msgpack
+    (only after a hello that asked for it)."""
+    text, data = msg.get("text"), msg.get("bytes")
+    if text is None and (data is None or not binary_ok):
+        raise _BadFrame('binary frames are not part of this protocol unless the hello asked for "enc": "msgpack": send JSON text frames')
+    payload: str | bytes = text if text is not None else data  # type: ignore[assignment]
+    if len(payload) > MAX_FRAME:
+        raise _BadFrame(f"frame of {len(payload)} bytes is over the {MAX_FRAME}-byte limit: send big batches over REST")
+    return payload, "json" if text is not None else "msgpack"
+
+
+def _parse(payload: str | bytes, enc: str = "json") -> dict[str, Any]:
     try:
-        msg = json.loads(text)
-    except ValueError as exc:
-        raise _BadFrame(f"frame is not JSON ({exc})") from None
+        msg = json.loads(payload) if enc == "json" else wire.parse_msgpack(payload)  # type: ignore[arg-type]
+    except ValueError as exc:  # msgpack's errors are ValueErrors too
+        raise _BadFrame(f"frame is not {'JSON' if enc == 'json' else 'msgpack'} ({exc})") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
-        raise _BadFrame('frame must be a JSON object with an "op"')
+        raise _BadFrame('frame must be a JSON object with an "op"' if enc == "json" else 'frame must be a msgpack map with an "op"')
     return msg
 
 
@@ -140,18 +149,29 @@ class _Conn:
         self._early_done: set[str] = set()  # written to the socket; the stored copy is then not sent again
         self._sending: set[asyncio.Task[None]] = set()
         self._early_on = False
+        self.enc = "json"  # what this hub sends: "msgpack" once the hello asked for it
 
     async def send(self, msg: dict[str, Any]) -> None:
         with costs.stage("hub.answer"):
-            text = json.dumps(msg, separators=(",", ":"))
+            out = wire.encode(msg, self.enc)
         async with self._send_lock:
-            await self.ws.send_text(text)
+            await self._write(out)
+
+    def _data(self, data: bytes) -> str | bytes:
+        """A result's bytes as this stream carries them: raw in msgpack, base64 in JSON."""
+        return bytes(data) if self.enc == "msgpack" else base64.b64encode(data).decode()
+
+    async def _write(self, out: str | bytes) -> None:
+        if isinstance(out, bytes):
+            await self.ws.send_bytes(out)
+        else:
+            await self.ws.send_text(out)
 
     async def run(self) -> None:
         first = await self.ws.receive()
         if first["type"] == "websocket.disconnect":
             raise WebSocketDisconnect(first.get("code", 1000))
-        hello = _parse(first.get("text"))
+        hello = _parse(*_payload(first, False))  # the hello is JSON text
         if hello["op"] != "hello":
             raise _BadFrame(f'the first frame must be "hello", not {hello["op"]!r}')
         after = hello.get("after")
@@ -159,8 +179,11 @@ class _Conn:
             after = await self.hub.store.last_result_seq(self.user)
         if not isinstance(after, int) or isinstance(after, bool) or after < 0:
             raise _BadFrame('"after" must be a result cursor (an integer >= 0) or null')
+        enc = hello.get("enc")  # an encoding this hub does not speak gets JSON text, as from a hub that predates "enc"
+        enc = enc if enc in wire.ENCODINGS else "json"
         await self.send({"op": "welcome", "v": STREAM_VERSION, "cursor": after, "max_frame": MAX_FRAME,
-                         "max_batch": self.hub.cfg.max_batch})
+                         "max_batch": self.hub.cfg.max_batch, "enc": enc})  # the welcome itself is JSON text
+        self.enc = enc
         pusher = asyncio.create_task(self._push(after))
         if hello.get("early") is True:  # the client takes results before the hub stored them (see _early)
             self._early_on = True
@@ -181,12 +204,18 @@ class _Conn:
             if msg["type"] == "websocket.disconnect":
                 raise WebSocketDisconnect(msg.get("code", 1000))
             with costs.stage("hub.decode"):
-                frame = _parse(msg.get("text"))
-            if frame["op"] != "submit":
-                raise _BadFrame(f'unknown op {frame["op"]!r} (expected "submit")')
-            ref = frame.get("ref")
-            if not isinstance(ref, int) or isinstance(ref, bool):
-                raise _BadFrame('a submit needs an integer "ref" to answer it by')
+                payload, enc = _payload(msg, self.enc == "msgpack")
+                fast = wire.fast_submit(payload, enc)  # a plain batch, checked in one pass
+                if fast is not None:
+                    ref, batch = fast
+                else:  # anything else is checked the pydantic way, which answers with REST's words
+                    frame = _parse(payload, enc)
+                    if frame["op"] != "submit":
+                        raise _BadFrame(f'unknown op {frame["op"]!r} (expected "submit")')
+                    ref = frame.get("ref")
+                    if not isinstance(ref, int) or isinstance(ref, bool):
+                        raise _BadFrame('a submit needs an integer "ref" to answer it by')
+                    batch = frame.get("batch") if enc == "json" else wire.b64_batch(frame.get("batch"))
             # Each submit is authorized as a REST request would be (the token may have been
             # revoked since the handshake); cached, so this is a dictionary lookup.
             try:
@@ -198,19 +227,20 @@ class _Conn:
             if uid != self.user:
                 await self.ws.close(CLOSE_AUTH, _reason(f"the hub refused the token: {why}"))
                 return
-            answer = await self._submit(ref, frame.get("batch"))
+            answer = await self._submit(ref, batch)
             await self.send(answer)
             if answer["op"] == "accepted":
                 await self._placed_on(answer["task_ids"], answer["endpoint_ids"])
 
     async def _submit(self, ref: int, batch: Any) -> dict[str, Any]:
-        """The REST batch submit, answered as a frame; a refusal names the HTTP status it would have had."""
+        """The REST batch submit, answered as a frame; a refusal names the HTTP status it would have had.
+        ``batch`` is a :class:`BatchIn` already checked (``wire.fast_submit``) or the frame's value."""
         from cloud_hub.api.task_groups import checked_functions
 
         h, cfg = self.hub, self.hub.cfg
         try:
             with costs.stage("hub.decode"):
-                body = BatchIn.model_validate(batch)
+                body = batch if isinstance(batch, BatchIn) else BatchIn.model_validate(batch)
                 if len(body.tasks) > cfg.max_batch:
                     raise HTTPException(413, f"batch of {len(body.tasks)} tasks exceeds the limit of {cfg.max_batch}")
                 if any(t.idempotency_key is not None for t in body.tasks):
@@ -282,7 +312,7 @@ class _Conn:
             if self._placed.get(tid) != endpoint_id or not isinstance(data, (bytes, bytearray)):  # type: ignore[arg-type]
                 continue
             del self._placed[tid]  # type: ignore[arg-type]
-            rows.append({"task_id": tid, "ok": bool(r.get("ok")), "data": base64.b64encode(data).decode(), "started": r.get("started"),
+            rows.append({"task_id": tid, "ok": bool(r.get("ok")), "data": self._data(data), "started": r.get("started"),
                          "finished": r.get("finished"), "endpoint_id": endpoint_id, "own_endpoint": own, "trusted": trusted})
         if rows:
             self.hub.dispatcher.stats["stream_results_early"] = self.hub.dispatcher.stats.get("stream_results_early", 0) + len(rows)
@@ -291,10 +321,10 @@ class _Conn:
             t.add_done_callback(self._sending.discard)
 
     async def _send_early(self, rows: list[dict[str, Any]]) -> None:
-        text = json.dumps({"op": "results", "results": rows}, separators=(",", ":"))
+        out = wire.encode({"op": "results", "results": rows}, self.enc)
         async with self._send_lock:
             try:
-                await self.ws.send_text(text)
+                await self._write(out)
             except Exception:  # a closed stream: the SDK gets them from the store after it reconnects
                 return
             if len(self._early_done) > _MAX_PLACED:  # stored copies that never came (the hub refused them): forget
@@ -307,13 +337,13 @@ class _Conn:
         frame written before this one arrives before it, or neither arrives)."""
         async with self._send_lock:
             with costs.stage("hub.push"):
-                out = [_row(r) for r in rows if r["task_id"] not in self._early_done]
+                out = [_row(r, self._data(r["data"] or b"")) for r in rows if r["task_id"] not in self._early_done]
                 if self._early_on:
                     for r in rows:  # stored: never early any more (a task re-placed elsewhere, a result via another replica)
                         self._early_done.discard(r["task_id"])
                         self._placed.pop(r["task_id"], None)
-                text = json.dumps({"op": "results", "cursor": cursor, "results": out}, separators=(",", ":"))
-            await self.ws.send_text(text)
+                frame = wire.encode({"op": "results", "cursor": cursor, "results": out}, self.enc)
+            await self._write(frame)
 
     async def _push(self, cursor: int) -> None:
         """Every result of the user after ``cursor``, as soon as it is stored (woken by the result bus)."""
@@ -350,10 +380,12 @@ class _Conn:
             h.bus.drop_inbox(self.user, box)
 
 
-def _row(r: dict[str, Any]) -> dict[str, Any]:
+def _row(r: dict[str, Any], data: str | bytes | None = None) -> dict[str, Any]:
     """A result row as REST's ``ResultOut`` has it, built directly (a model per row costs more than
-    the rest of the frame on a busy stream)."""
-    return {"task_id": r["task_id"], "ok": bool(r["ok"]), "data": base64.b64encode(r["data"] or b"").decode(), "started": r["started"],
+    the rest of the frame on a busy stream); ``data``: raw bytes on a msgpack stream, else base64 text."""
+    if data is None:
+        data = base64.b64encode(r["data"] or b"").decode()
+    return {"task_id": r["task_id"], "ok": bool(r["ok"]), "data": data, "started": r["started"],
             "finished": r["finished"], "endpoint_id": r.get("endpoint_id"), "own_endpoint": bool(r.get("own_endpoint", False)),
             "trusted": bool(r.get("trusted", False))}
 

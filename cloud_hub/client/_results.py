@@ -128,7 +128,8 @@ def decode_row(row: dict[str, Any], trusted_endpoints: "frozenset[str] | set[str
     ep = row.get("endpoint_id")
     trusted = row_trusted(row, trusted_endpoints)
     try:
-        return decode_result(row["ok"], base64.b64decode(row["data"]), trusted=trusted)
+        data = row["data"]  # raw bytes from a msgpack stream, base64 text from REST and a JSON stream
+        return decode_result(row["ok"], data if isinstance(data, bytes) else base64.b64decode(data), trusted=trusted)
     except SerializationError as exc:
         if trusted:
             raise

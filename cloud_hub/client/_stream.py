@@ -17,12 +17,15 @@ upgrades) makes the Executor use REST for good.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import socket
 import ssl
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
+
+import msgpack
 
 from cloud_hub.client._client import AuthError, HubError, HubUnreachable
 from mesh_agent.backoff import Backoff
@@ -54,6 +57,28 @@ class Reader(Protocol):
 
 CLOSE_AUTH = 4401  # same codes as cloud_hub/api/stream.py (the SDK does not import the hub)
 CLOSE_BAD_FRAME = 4400
+#: What the SDK asks for in its hello: msgpack binary frames, with arguments, function bodies and
+#: results as raw bytes (no base64 on either side). A hub that predates it answers without
+#: ``enc``, and the stream stays JSON text.
+ENCODING = "msgpack"
+
+
+def _raw_batch(body: dict[str, Any]) -> dict[str, Any]:
+    """A batch body as REST sends it (base64 text, so a submit can fall back to REST unchanged,
+    same idempotency key) with its arguments and function bodies as raw bytes, for a msgpack stream."""
+    out = dict(body)
+    out["tasks"] = [{**t, "args": base64.b64decode(t["args"])} if isinstance(t.get("args"), str) else t for t in body["tasks"]]
+    if body.get("functions"):
+        out["functions"] = {fid: {**f, "body": base64.b64decode(f["body"])} if isinstance(f.get("body"), str) else f
+                            for fid, f in body["functions"].items()}
+    return out
+
+
+def _decode(frame: str | bytes) -> Any:
+    """A frame from the hub: text is JSON, binary is msgpack."""
+    if isinstance(frame, str):
+        return json.loads(frame)
+    return msgpack.unpackb(frame, raw=False)
 
 
 class StreamUnavailable(Exception):
@@ -98,6 +123,7 @@ class HubStream:
         self.submits = 0  # batches the hub accepted over the stream
         self.bytes_sent = 0  # frame payloads (WebSocket framing adds 6-14 B per frame, TCP/TLS more)
         self.bytes_received = 0
+        self.enc = "json"  # what the hub's welcome agreed to
 
     @classmethod
     def first(cls, client: "Client", cursor: int, early: bool = False) -> "HubStream | None":
@@ -132,12 +158,16 @@ class HubStream:
             ref = self._ref
             w = self._waiting[ref] = _Waiter()
         try:
-            text = json.dumps({"op": "submit", "ref": ref, "batch": body}, separators=(",", ":"))
-            if len(text) > self.max_frame:
-                raise FrameTooBig(f"batch frame of {len(text)} bytes is over the hub's {self.max_frame}")
+            frame: str | bytes
+            if self.enc == "msgpack":
+                frame = msgpack.packb({"op": "submit", "ref": ref, "batch": _raw_batch(body)}, use_bin_type=True)
+            else:
+                frame = json.dumps({"op": "submit", "ref": ref, "batch": body}, separators=(",", ":"))
+            if len(frame) > self.max_frame:
+                raise FrameTooBig(f"batch frame of {len(frame)} bytes is over the hub's {self.max_frame}")
             try:
-                ws.send(text)
-                self.bytes_sent += len(text)
+                ws.send(frame)
+                self.bytes_sent += len(frame)
             except Exception as exc:  # ConnectionClosed, OSError: the reader notices and reconnects
                 raise HubUnreachable(f"lost the stream to the hub at {self.client.url} while submitting ({exc})") from None
             if not w.event.wait(timeout_s):
@@ -200,17 +230,17 @@ class HubStream:
             if ex._reading_done():
                 return
             try:
-                text = ws.recv(timeout=0.5)
+                got = ws.recv(timeout=0.5)
             except TimeoutError:
                 continue
             except Exception as exc:
                 raise HubUnreachable(_closed_reason(exc, self.client.url)) from None
-            self.bytes_received += len(text)
+            self.bytes_received += len(got)
             try:
-                msg = json.loads(text)
+                msg = _decode(got)
                 op = msg["op"]
-            except (ValueError, TypeError, KeyError):
-                raise HubUnreachable(f"the hub sent a frame that is not the stream protocol: {str(text)[:80]!r}") from None
+            except (ValueError, TypeError, KeyError):  # msgpack's errors are ValueErrors too
+                raise HubUnreachable(f"the hub sent a frame that is not the stream protocol: {str(got)[:80]!r}") from None
             if op == "results":  # no cursor: sent before the hub stored them (its stored copy moves the cursor later)
                 ex._deliver(msg["results"], int(msg.get("cursor") or 0))
             elif op in ("accepted", "refused"):
@@ -263,7 +293,7 @@ class HubStream:
         except OSError:  # already closed by the hub (a refused token): the close frame says why, below
             pass
         try:
-            ws.send(json.dumps({"op": "hello", "after": cursor, **({"early": True} if self.early else {})}))
+            ws.send(json.dumps({"op": "hello", "after": cursor, "enc": ENCODING, **({"early": True} if self.early else {})}))
             welcome = json.loads(ws.recv(timeout=10))
         except Exception as exc:
             ws.close()
@@ -275,6 +305,7 @@ class HubStream:
             ws.close()
             raise StreamUnavailable(f"the hub answered hello with {str(welcome)[:80]!r}")
         self.max_frame = int(welcome.get("max_frame") or 0)
+        self.enc = "msgpack" if welcome.get("enc") == "msgpack" else "json"
         self._ws = ws
         self.connects += 1
 

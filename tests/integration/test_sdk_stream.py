@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
+import msgpack
 import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
@@ -291,3 +292,80 @@ def test_stream_over_https_uses_wss_with_the_hubs_ca(tmp_path: Path) -> None:
                 HubStream(untrusting)._connect(0)
         finally:
             untrusting.close()
+
+
+def _recv_ref(ws: Any, ref: int) -> dict[str, Any]:
+    """The answer to submit ``ref`` on a msgpack stream (result frames in between are skipped)."""
+    while True:
+        got = ws.recv(timeout=30)
+        assert isinstance(got, bytes), f"a msgpack stream answered with text: {got!r}"
+        msg = msgpack.unpackb(got, raw=False)
+        if msg.get("ref") == ref:
+            return msg
+
+
+def test_msgpack_stream_carries_raw_bytes_and_refuses_bad_frames(mesh: tuple[LocalMesh, str]) -> None:
+    """A hello with ``"enc": "msgpack"`` switches both directions to binary frames: arguments,
+    function bodies and results travel as raw bytes. A bad batch is refused with REST's words and
+    stores nothing; a frame that is not msgpack closes the stream with the reason."""
+    m, ep = mesh
+    body = serialize_function(square)
+    fid = function_id(body)
+    batch = {"tasks": [{"endpoint_id": ep, "function_id": fid, "args": serialize(((i,), {}))} for i in range(5)],
+             "functions": {fid: {"name": "square", "body": body}}}
+    with _raw(m) as ws:
+        ws.send(json.dumps({"op": "hello", "after": None, "enc": "msgpack"}))
+        welcome = json.loads(ws.recv(timeout=30))  # the welcome is still JSON text
+        assert (welcome["op"], welcome["enc"]) == ("welcome", "msgpack")
+        before = _counts(m)
+        bad_args = {**batch, "tasks": [{**batch["tasks"][0], "args": 5}]}
+        cases = [
+            (bad_args, 422, "batch.tasks.0.args"),
+            ({**batch, "surprise": 1}, 422, "batch.surprise"),
+            ({**batch, "functions": {fid: {"name": "square", "body": serialize_function(len)}}}, 422, "not the SHA-256"),
+            ({**batch, "tasks": [{**batch["tasks"][0], "endpoint_id": "ep-nope"}]}, 404, "unknown endpoint ep-nope"),
+        ]
+        for ref, (b, status, detail) in enumerate(cases, 1):
+            ws.send(msgpack.packb({"op": "submit", "ref": ref, "batch": b}, use_bin_type=True))
+            msg = _recv_ref(ws, ref)
+            assert (msg["op"], msg["status"]) == ("refused", status) and detail in msg["detail"], msg
+        assert _counts(m) == before
+        ws.send(msgpack.packb({"op": "submit", "ref": 9, "batch": batch}, use_bin_type=True))
+        accepted = _recv_ref(ws, 9)
+        assert accepted["op"] == "accepted" and len(accepted["task_ids"]) == 5
+        got: dict[str, bytes] = {}
+        deadline = time.monotonic() + 60
+        while len(got) < 5 and time.monotonic() < deadline:
+            msg = msgpack.unpackb(ws.recv(timeout=30), raw=False)
+            for r in msg.get("results", []):
+                if r["task_id"] in accepted["task_ids"]:
+                    assert isinstance(r["data"], bytes)  # raw, not base64 text
+                    got[r["task_id"]] = r["data"]
+        assert len(got) == 5
+        ws.send(b"\xc1 this is not msgpack")
+        with pytest.raises(ConnectionClosed) as info:
+            while True:
+                ws.recv(timeout=30)
+        assert info.value.rcvd is not None and info.value.rcvd.code == 4400 and "not msgpack" in info.value.rcvd.reason
+
+
+def test_unknown_encoding_in_hello_gets_json(mesh: tuple[LocalMesh, str]) -> None:
+    m, _ = mesh
+    with _raw(m) as ws:
+        ws.send(json.dumps({"op": "hello", "after": None, "enc": "xml"}))
+        welcome = json.loads(ws.recv(timeout=30))
+    assert (welcome["op"], welcome["enc"]) == ("welcome", "json")
+
+
+def test_sdk_speaks_msgpack_and_falls_back_to_json(mesh: tuple[LocalMesh, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SDK asks for msgpack; a hub that answers JSON (one that does not speak msgpack) gets
+    JSON text frames from the same SDK, with the same results."""
+    from cloud_hub.api import _stream_wire as wire
+
+    m, ep = mesh
+    for hub_speaks, expect in ((("json", "msgpack"), "msgpack"), (("json",), "json")):
+        monkeypatch.setattr(wire, "ENCODINGS", hub_speaks)
+        with Executor(m.client, endpoint_id=ep) as ex:
+            _wait_connected(ex)
+            assert [f.result(60) for f in [ex.submit(square, i) for i in range(20)]] == [i * i for i in range(20)]
+            assert ex._stream is not None and ex._stream.enc == expect

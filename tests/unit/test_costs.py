@@ -178,3 +178,22 @@ def test_start_writes_the_ledger(ledger: Path, monkeypatch: pytest.MonkeyPatch) 
     assert snap["process_cpu_s"] > 0
     assert "children_cpu_s" in snap
     assert not list(ledger.glob("*.tmp"))  # written aside, then renamed into place
+
+
+def test_garbage_collections_are_stages_of_their_own(ledger: Path) -> None:
+    """A collection tripped inside a stage is charged to ``gc.genN``, not to that stage; the
+    callback is removed again so other tests see no ledger."""
+    import gc
+
+    costs.start("gc-test")
+    try:
+        junk = [[i] for i in range(200_000)]  # something for a full collection to walk
+        with costs.stage("allocating"):
+            gc.collect()  # a full collection inside the stage, as one tripped by an allocation would be
+        del junk
+    finally:
+        while costs._gc_stage in gc.callbacks:
+            gc.callbacks.remove(costs._gc_stage)
+    snap = costs.snapshot()
+    assert snap["stages"]["gc.gen2"][0] >= 1
+    assert snap["stages"]["gc.gen2"][1] > snap["stages"]["allocating"][1]  # the walk was charged to gc, not to the stage
