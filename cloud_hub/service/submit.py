@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
-import uuid
 from typing import Any
 
 from pydantic import TypeAdapter
@@ -24,7 +24,7 @@ from cloud_hub.store.endpoints import owned_refs_in, put_functions
 from mesh_agent import costs
 from mesh_agent.protocol import SerializationError, method_of
 
-__all__ = ["accept", "check_size", "function_writer"]
+__all__ = ["accept", "check_size", "function_writer", "task_ids"]
 
 
 def check_size(h: Hub, what: str, blob: bytes) -> None:
@@ -190,11 +190,23 @@ async def _accept_named(h: Hub, user: str, tasks: list[TaskIn], key: str | None,
     return [r["id"] for r in rows], [r["endpoint_id"] for r in rows]
 
 
+def task_ids(n: int) -> list[str]:
+    """``n`` random version-4 UUIDs as 32 hex characters, what ``uuid.uuid4().hex`` gives, from one
+    ``os.urandom`` call: one call per id (a system call and a ``UUID`` object each) cost 3-6 us a
+    task, more than building the task's row (issue 30)."""
+    raw = bytearray(os.urandom(16 * n))
+    raw[6::16] = bytes((b & 0x0F) | 0x40 for b in raw[6::16])  # version 4
+    raw[8::16] = bytes((b & 0x3F) | 0x80 for b in raw[8::16])  # RFC 4122 variant
+    text = raw.hex()
+    return [text[i:i + 32] for i in range(0, 32 * n, 32)]
+
+
 def _rows(h: Hub, user: str, tasks: list[TaskIn], now: float, group: str | None) -> list[dict[str, Any]]:
     """The task rows to insert, one per task (ids made here)."""
+    ids = task_ids(len(tasks))
     return [
         {
-            "id": uuid.uuid4().hex,
+            "id": tid,
             "user_id": user,
             "endpoint_id": t.endpoint_id if isinstance(t.endpoint_id, str) and t.endpoint_id != "auto" else None,
             "function_id": t.function_id,
@@ -206,7 +218,7 @@ def _rows(h: Hub, user: str, tasks: list[TaskIn], now: float, group: str | None)
             "memo_key": t.cache_key,
             "start_now": 1 if t.start == "now" else None,
         }
-        for t in tasks
+        for t, tid in zip(tasks, ids)
     ]
 
 

@@ -146,3 +146,4 @@ def test_b64_batch_gives_the_rest_shape() -> None:
     assert out["tasks"][0]["args"] == "AQI=" and out["tasks"][1] == "junk" and out["functions"][_FID]["body"] == "AA=="
     assert raw["tasks"][0]["args"] == b"\x01\x02"  # the frame's own value is left as it was
     assert wire.b64_batch("a string") == "a string"
+
