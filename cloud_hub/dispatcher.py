@@ -22,7 +22,7 @@ import time
 import uuid
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from cloud_hub.config import HubConfig
 from cloud_hub.lanes import Lanes
@@ -752,17 +752,44 @@ class Dispatcher:
         s.pumping = True
         asyncio.create_task(self._pump(s))
 
-    async def _pump(self, s: _Session) -> None:
+    def claim_insert_leases(self, endpoint_ids: Iterable[str]) -> "InsertLeases | None":
+        """For a submit about to insert tasks for these endpoints: the sessions that could take
+        work now (credit, no pump running, not behind a site gateway, a single hub) have their
+        pump claimed, and their lease runs inside the submit's own transaction (``InsertLeases``):
+        the tasks leave in the frame that follows the commit, with no lease transaction of their
+        own (issue 30, "one transaction per direction"). The caller must end the claim with
+        ``committed`` or ``failed``."""
+        if self.replicated or not hasattr(self.store, "lease_query"):
+            return None
+        claims = []
+        for ep in endpoint_ids:
+            s = self._sessions.get(ep)
+            if s is None or s.pumping or s.credit <= 0 or ep in self._site_of or self.served_by_site(ep):
+                continue
+            s.pumping = True  # no other pump for this session until the claim ends
+            claims.append(_Claim(s, min(s.credit, _LEASE_BATCH), self._placed_room(s)))
+        return InsertLeases(self, claims) if claims else None
+
+    async def _pump(self, s: _Session, first: "_Claim | None" = None) -> None:
+        """Lease and send while the session has credit and its queue has work. ``first``: a lease
+        already made in a submit's transaction (``claim_insert_leases``), sent before any other."""
         try:
+            if first is not None and self._sessions.get(s.endpoint_id) is not s and first.got and first.got[0]:
+                await self.store.unlease(s.endpoint_id, [t["id"] for t in first.got[0]])  # the session ended meanwhile
+                first = None
             if s.drained and s.credit > 0:  # still out of work: the scheduler may move placed tasks here (late binding)
                 self._observe("endpoint_starving", s.endpoint_id, time.time())
             while True:
                 s.again = False
                 while s.credit > 0 and not s.drained and self._sessions.get(s.endpoint_id) is s and not self.served_by_site(s.endpoint_id):
-                    room = self._placed_room(s)
-                    asked = min(s.credit, _LEASE_BATCH)
-                    tasks, bodies = await self.store.lease(s.endpoint_id, asked, self.cfg.lease_s, _LEASE_BYTES,
-                                                           placed_max=room)
+                    if first is not None and first.got is not None:
+                        (tasks, bodies), asked, room = first.got, first.asked, first.room
+                        first = None
+                    else:
+                        room = self._placed_room(s)
+                        asked = min(s.credit, _LEASE_BATCH)
+                        tasks, bodies = await self.store.lease(s.endpoint_id, asked, self.cfg.lease_s, _LEASE_BYTES,
+                                                               placed_max=room)
                     if not tasks:
                         if room is None or room > 0:  # it could take work and the hub has none for it
                             s.drained = not s.again and not self.replicated  # a kick while leasing may have queued more
@@ -1492,6 +1519,59 @@ class Dispatcher:
                     await self.store.tx(prune_events, now - _EVENTS_KEEP_S)
             except Exception:
                 log.exception("watchdog pass failed")
+
+
+@dataclass(slots=True)
+class _Claim:
+    """One session's pump, claimed for a lease inside a submit's transaction."""
+
+    s: _Session
+    asked: int
+    room: int | None
+    got: tuple[list[dict[str, Any]], dict[str, bytes]] | None = None
+
+
+class InsertLeases:
+    """Leases that run in the transaction inserting a submit's tasks (``Dispatcher.claim_insert_leases``).
+
+    Why: a task submitted to an endpoint that has credit used to cost two transactions before it
+    left the hub, the submit's insert and then the lease (a database hop each, with the thread
+    wake-ups around them). The same lease query now runs last in the insert's transaction: the
+    tasks are committed and leased together, with the same fairness and lookahead as any lease,
+    and the frame goes out after that one commit. Durability is unchanged: a lease was never
+    durable on its own (a hub that dies before sending finds them leased and re-queues them after
+    ``lease_s``, as for any lease whose frame never left)."""
+
+    def __init__(self, d: "Dispatcher", claims: list[_Claim]) -> None:
+        self._d, self.claims = d, claims
+        self.endpoints = {c.s.endpoint_id for c in claims}
+
+    def query(self, db: Any) -> None:
+        """Inside the insert's transaction, after everything else it writes."""
+        d = self._d
+        for c in self.claims:
+            c.got = d.store.lease_query(c.s.endpoint_id, c.asked, d.cfg.lease_s, _LEASE_BYTES, placed_max=c.room)(db)  # type: ignore[attr-defined]
+
+    def committed(self, start_now: set[str]) -> None:
+        """The transaction committed: each claimed session's pump goes on from its lease (new work
+        was queued, so its drained flags are cleared as a kick would)."""
+        for c in self.claims:
+            s = c.s
+            s.drained = False
+            s.recheck_wait, s.recheck_at = 1.0, 0.0
+            if s.endpoint_id in start_now:
+                s.now_drained = False
+            if s.endpoint_id in self._d._cancel_eps:
+                self._d._kick_cancels(s.endpoint_id)
+            asyncio.create_task(self._d._pump(s, c))
+
+    def failed(self) -> None:
+        """The transaction did not commit: nothing was leased; the pumps are free again."""
+        for c in self.claims:
+            c.got = None
+            c.s.pumping = False
+            if c.s.again:  # a kick came while the claim held the pump
+                self._d.kick(c.s.endpoint_id, new_work=False, start_now=False)
 
 
 def _small(tasks: list[dict[str, Any]], bodies: dict[str, bytes]) -> bool:

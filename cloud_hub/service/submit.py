@@ -173,19 +173,27 @@ async def _accept_named(h: Hub, user: str, tasks: list[TaskIn], key: str | None,
             write_memo(db)
         if key is not None:
             h.store.put_submit_key(db, user, key, request_hash, [r["id"] for r in rows], [r["endpoint_id"] for r in rows], now)
+        if leases is not None:  # last: whatever above refuses the batch does so before a lease
+            leases.query(db)
 
+    # Endpoints with credit lease in this same transaction (Dispatcher.claim_insert_leases).
+    leases = h.dispatcher.claim_insert_leases({r["endpoint_id"] for r in run_rows})
     try:
         await h.store.insert_tasks(run_rows, also=also, before=_refs_check(user, eps, fids, functions))
     except BaseException:
+        if leases is not None:
+            leases.failed()
         h.placement.retract(r["id"] for r in run_rows)
         raise
     with costs.stage("hub.accepted"):
+        now_eps = {r["endpoint_id"] for r in run_rows if r["start_now"]}
+        if leases is not None:
+            leases.committed(now_eps)
         _remember(h, user, eps, fids)
         h.metrics.tasks_submitted(rows)
         if hits:
             h.bus.notify({user})  # their results are stored already
-        now_eps = {r["endpoint_id"] for r in run_rows if r["start_now"]}
-        for ep in {r["endpoint_id"] for r in run_rows}:
+        for ep in {r["endpoint_id"] for r in run_rows} - (leases.endpoints if leases is not None else set()):
             h.dispatcher.kick(ep, start_now=ep in now_eps)
     return [r["id"] for r in rows], [r["endpoint_id"] for r in rows]
 

@@ -1,0 +1,199 @@
+"""Leases in the submit's own transaction (``Dispatcher.claim_insert_leases``, issue 30 item 3) on
+a real mesh: Mosquitto, the in-process hub, a real agent process.
+
+- a submit to an idle endpoint with credit is leased in the insert's transaction: no
+  ``store.lease`` call of its own, the task row says dispatched once, the result comes;
+- a submit the transaction refuses (an idempotency key reused for another request, an unknown
+  function) leases nothing and leaves the session's pump free: the next submit is delivered;
+- many concurrent submits (Executors in threads) each get exactly one result, and every task is
+  leased once;
+- a claim whose session ended before the commit gives its tasks back to the queue at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import sqlite3
+import threading
+import time
+import uuid
+from typing import Any, Iterator
+
+import pytest
+
+from cloud_hub.broker import find_mosquitto
+from cloud_hub.client import Executor
+from cloud_hub.client._client import HubError
+from cloud_hub.localmesh import AgentProcess, LocalMesh
+from mesh_agent.protocol import serialize
+
+pytestmark = pytest.mark.integration
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+class _Counted:
+    def __init__(self, store: Any) -> None:
+        self.inner = store.lease
+        self.plain = 0
+
+    async def __call__(self, *a: Any, **kw: Any) -> Any:
+        if not kw.get("only_now"):
+            self.plain += 1
+        return await self.inner(*a, **kw)
+
+
+@pytest.fixture(scope="module")
+def m(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalMesh, AgentProcess, _Counted]]:
+    if find_mosquitto() is None:
+        pytest.fail("mosquitto is required for integration tests: run ./taskw setup (apt-get install mosquitto)")
+    mesh = LocalMesh(tmp_path_factory.mktemp("insert-lease"), heartbeat_s=0.5, lost_after_s=3.0, lease_s=6.0)
+    mesh.start()
+    try:
+        agent = mesh.add_agent("il", "mqtt", workers=2)
+        mesh.wait_online(agent, timeout=60)
+        store = mesh.hub.hub.dispatcher.store  # type: ignore[union-attr]
+        counted = _Counted(store)
+        store.lease = counted  # type: ignore[method-assign]
+        yield mesh, agent, counted
+    finally:
+        mesh.stop()
+
+
+def _wait(cond: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        time.sleep(0.02)
+
+
+def _idle(disp: Any, ep: str) -> Any:
+    s = disp._sessions[ep]
+    _wait(lambda: s.credit > 0 and not s.pumping and s.drained, 15, "an idle, drained session with credit")
+    return s
+
+
+def _row(mesh: LocalMesh, tid: str) -> tuple[Any, ...]:
+    with sqlite3.connect(mesh.hub_cfg.db_path, timeout=30) as db:
+        return db.execute("SELECT state, attempts, dispatched IS NOT NULL FROM tasks WHERE id=?", (tid,)).fetchone()  # type: ignore[no-any-return]
+
+
+def test_a_submit_with_credit_is_leased_in_its_own_transaction(m: tuple[LocalMesh, AgentProcess, _Counted]) -> None:
+    mesh, agent, counted = m
+    disp = mesh.hub.hub.dispatcher  # type: ignore[union-attr]
+    ep = agent.endpoint_id
+    with Executor(mesh.client, ep) as ex:
+        assert ex.submit(square, 2).result(30) == 4
+        _idle(disp, ep)
+        before = counted.plain
+        f = ex.submit(square, 7)
+        assert f.result(30) == 49
+        tid = f.task_id  # type: ignore[attr-defined]
+    _wait(lambda: _row(mesh, tid)[0] == "done", 10, "the task stored done")
+    state, attempts, dispatched = _row(mesh, tid)
+    assert (state, attempts, dispatched) == ("done", 1, 1)
+    # The result's kick (room only) finds the session drained: no lease call at all for this round trip.
+    assert counted.plain == before, f"{counted.plain - before} separate lease transactions"
+
+
+def test_a_refused_submit_leases_nothing_and_frees_the_pump(m: tuple[LocalMesh, AgentProcess, _Counted]) -> None:
+    mesh, agent, _ = m
+    disp = mesh.hub.hub.dispatcher  # type: ignore[union-attr]
+    ep = agent.endpoint_id
+    c = mesh.client
+    fid = c.register_function(square)
+    with sqlite3.connect(mesh.hub_cfg.db_path, timeout=30) as db:
+        tasks_before = db.execute("SELECT COUNT(*) FROM tasks").fetchone()[0]
+    s = _idle(disp, ep)
+    key = uuid.uuid4().hex
+    c.submit_batch_placed([c.task_spec(ep, fid, (1,))], idempotency_key=key)
+    s = _idle(disp, ep)
+    # The same key with another request: refused inside the insert's transaction (409), nothing stored.
+    with pytest.raises(HubError) as info:
+        c.submit_batch_placed([c.task_spec(ep, fid, (2,)), c.task_spec(ep, fid, (3,))], idempotency_key=key)
+    assert info.value.status == 409
+    assert not s.pumping, "a refused submit left the session's pump claimed"
+    # An unknown function: refused before the insert (404), nothing claimed either.
+    with pytest.raises(HubError) as info:
+        c.submit_batch_placed([{"endpoint_id": ep, "function_id": "f" * 64, "args": c.task_spec(ep, fid, (1,))["args"]}])
+    assert info.value.status == 404 and not s.pumping
+    with sqlite3.connect(mesh.hub_cfg.db_path, timeout=30) as db:
+        assert db.execute("SELECT COUNT(*) FROM tasks").fetchone()[0] == tasks_before + 1
+    with Executor(c, ep) as ex:
+        assert ex.submit(square, 5).result(30) == 25
+
+
+def test_concurrent_submits_each_run_once(m: tuple[LocalMesh, AgentProcess, _Counted]) -> None:
+    mesh, agent, _ = m
+    ep = agent.endpoint_id
+    group = "il-" + uuid.uuid4().hex[:8]
+    out: dict[int, list[int]] = {}
+
+    def one(k: int) -> None:
+        with Executor(mesh.client, ep, task_group_id=group) as ex:
+            got = []
+            for i in range(15):  # round trips, so most submits find the session idle with credit
+                got.append(ex.submit(square, k * 100 + i).result(60))
+            out[k] = got
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert {k: v for k, v in out.items()} == {k: [(k * 100 + i) ** 2 for i in range(15)] for k in range(4)}
+    with sqlite3.connect(mesh.hub_cfg.db_path, timeout=30) as db:
+        rows = db.execute("SELECT state, attempts FROM tasks WHERE task_group_id=?", (group,)).fetchall()
+        results = db.execute("SELECT COUNT(*) FROM results r JOIN tasks t ON t.id=r.task_id WHERE t.task_group_id=?", (group,)).fetchone()[0]
+    assert len(rows) == 60 and results == 60
+    assert all(a == 1 for _, a in rows), "a task leased more than once"
+
+
+def test_a_claim_whose_session_ended_gives_its_tasks_back(m: tuple[LocalMesh, AgentProcess, _Counted]) -> None:
+    """The session is replaced between the claim and the commit (the agent said hello again): the
+    tasks leased in the submit's transaction go back to the queue at once, and the new session gets
+    them."""
+    mesh, agent, _ = m
+    disp = mesh.hub.hub.dispatcher  # type: ignore[union-attr]
+    hub = mesh.hub.hub  # type: ignore[union-attr]
+    ep = agent.endpoint_id
+    s = _idle(disp, ep)
+    fid = mesh.client.register_function(square)
+
+    async def submit_while_the_session_changes() -> str:
+        from cloud_hub.service.schemas import TaskIn
+        from cloud_hub.service.submit import accept
+
+        real = disp.claim_insert_leases
+
+        def claim_then_end(eps: Any) -> Any:
+            claims = real(eps)
+            assert claims is not None and ep in claims.endpoints
+            # as a hello would: a new session object takes the endpoint's place before the commit
+            disp._sessions[ep] = type(s)(ep, s.link, time.time(), credit=0)
+            return claims
+
+        disp.claim_insert_leases = claim_then_end
+        try:
+            user, _why = await hub.auth(mesh.token)
+            assert user is not None
+            ids, _ = await accept(hub, user, [TaskIn.model_validate(
+                {"endpoint_id": ep, "function_id": fid, "args": base64.b64encode(serialize(((9,), {}))).decode()})])
+            return ids[0]
+        finally:
+            disp.claim_insert_leases = real
+
+    tid = asyncio.run_coroutine_threadsafe(submit_while_the_session_changes(), mesh.hub._loop).result(30)  # type: ignore[union-attr]
+    _wait(lambda: _row(mesh, tid)[0] == "queued", 10, "the task back in the queue")
+    assert _row(mesh, tid)[1] == 0  # the attempt that never left is not counted (store.unlease)
+
+    async def back() -> None:  # the agent's own session back: it gets the task
+        disp._sessions[ep] = s
+        disp.kick(ep)
+
+    asyncio.run_coroutine_threadsafe(back(), mesh.hub._loop).result(10)  # type: ignore[union-attr]
+    _wait(lambda: _row(mesh, tid)[0] == "done", 30, "the task run by the agent")
