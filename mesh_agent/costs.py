@@ -188,15 +188,18 @@ def start(role: str) -> None:
             time.sleep(0.5)
 
     threading.Thread(target=loop, name="cost-ledger", daemon=True).start()
+    global _gc_role
+    _gc_role = role
     if _gc_stage not in gc.callbacks:
         gc.callbacks.append(_gc_stage)
 
 
 _gc_open: dict[int, _Stage] = {}  # thread id -> its collection in progress
+_gc_role = "process"
 
 
 def _gc_stage(phase: str, info: dict[str, Any]) -> None:
-    """The garbage collector's passes as stages of their own (``gc.gen0``..``gc.gen2``): a
+    """The garbage collector's passes as stages of their own (``<role>.gc.gen0``..``gen2``): a
     collection runs inside whatever stage allocated the object that tripped it, and a full one in
     a process holding millions of objects costs milliseconds, which would otherwise be charged to
     that unlucky stage."""
@@ -204,7 +207,7 @@ def _gc_stage(phase: str, info: dict[str, Any]) -> None:
     if phase == "start":
         if not enabled or getattr(_local, "in_ledger", False):  # tripped inside the ledger, holding its lock: charging it would deadlock
             return
-        st = _gc_open[tid] = _Stage(f"gc.gen{info.get('generation', 0)}")
+        st = _gc_open[tid] = _Stage(f"{_gc_role}.gc.gen{info.get('generation', 0)}")
         st.__enter__()
     else:
         done = _gc_open.pop(tid, None)

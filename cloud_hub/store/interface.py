@@ -189,6 +189,12 @@ class Store(Protocol):
         """Take up to ``n`` queued tasks of an endpoint and the function bodies they need: oldest first, or with a ``policy`` fair between users under ..."""
         ...
 
+    def lease_query(self, endpoint_id: str, n: int, lease_s: float, max_bytes: int,
+                    policy: "AdmissionPolicy | None" = None, *, only_now: bool = False,
+                    placed_max: int | None = None) -> Callable[[Any], tuple[list[dict[str, Any]], dict[str, bytes]]]:
+        """``lease`` as a function of a connection, to run inside another transaction (a submit's insert)."""
+        ...
+
     async def pending_cancels(self, endpoint_id: str, limit: int = 5000) -> list[str]:
         """Cancelled tasks whose agent has not confirmed the cancel yet (oldest first)."""
         ...

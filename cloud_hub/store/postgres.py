@@ -249,6 +249,14 @@ class PostgresStore(SqliteStore):
                     policy: Any = None, *, only_now: bool = False,
                     placed_max: int | None = None) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
         """As SqliteStore.lease; ``FOR UPDATE SKIP LOCKED`` keeps two replicas off the same rows."""
+        return await self._tx_rc(self.lease_query(endpoint_id, n, lease_s, max_bytes, policy, only_now=only_now, placed_max=placed_max),
+                                 durable=False)
+
+    def lease_query(self, endpoint_id: str, n: int, lease_s: float, max_bytes: int,
+                    policy: Any = None, *, only_now: bool = False,
+                    placed_max: int | None = None) -> Callable[[Any], tuple[list[dict[str, Any]], dict[str, bytes]]]:
+        """As SqliteStore.lease_query (the dispatcher runs it inside an insert only without replicas,
+        which a PostgreSQL hub always has: its leases run READ COMMITTED, its inserts serializable)."""
         from cloud_hub.store.lookahead import PLACED_SKIP, keep_placed
 
         def q(db: _PgConn) -> tuple[list[dict[str, Any]], dict[str, bytes]]:
@@ -296,7 +304,7 @@ class PostgresStore(SqliteStore):
             bodies = dict(db.raw.execute("SELECT id, body FROM functions WHERE id = ANY(%s)", (fids,)).fetchall()) if fids else {}
             return tasks, bodies
 
-        return await self._tx_rc(q, durable=False)
+        return q
 
     async def ack(self, endpoint_id: str, ids: Sequence[str]) -> None:
         def q(db: _PgConn) -> None:

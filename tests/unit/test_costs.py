@@ -181,7 +181,7 @@ def test_start_writes_the_ledger(ledger: Path, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_garbage_collections_are_stages_of_their_own(ledger: Path) -> None:
-    """A collection tripped inside a stage is charged to ``gc.genN``, not to that stage; the
+    """A collection tripped inside a stage is charged to ``<role>.gc.genN``, not to that stage; the
     callback is removed again so other tests see no ledger."""
     import gc
 
@@ -195,5 +195,5 @@ def test_garbage_collections_are_stages_of_their_own(ledger: Path) -> None:
         while costs._gc_stage in gc.callbacks:
             gc.callbacks.remove(costs._gc_stage)
     snap = costs.snapshot()
-    assert snap["stages"]["gc.gen2"][0] >= 1
-    assert snap["stages"]["gc.gen2"][1] > snap["stages"]["allocating"][1]  # the walk was charged to gc, not to the stage
+    assert snap["stages"]["gc-test.gc.gen2"][0] >= 1
+    assert snap["stages"]["gc-test.gc.gen2"][1] > snap["stages"]["allocating"][1]  # the walk was charged to gc, not to the stage
