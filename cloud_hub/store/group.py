@@ -185,11 +185,12 @@ class GroupCommitter:
 
 def db_stage(fn: Callable[..., Any]) -> str:
     """The ledger's name for a database operation: ``db.`` and the store method that made it
-    (not worked out while the ledger is off)."""
+    (not worked out while the ledger is off). A method's ``_query`` form (``lease_query``, what
+    ``lease`` runs) is charged as the method."""
     if not costs.enabled:
         return ""
     name = getattr(fn, "__qualname__", "op").split(".<locals>")[0].rsplit(".", 1)[-1]
-    return f"db.{name}"
+    return f"db.{name.removesuffix('_query')}"
 
 
 def _resolve(fut: asyncio.Future[Any], value: Any) -> None:
