@@ -23,6 +23,16 @@ Measured, per setup:
   device's clock): tasks finished while the uplink was down. Without a gateway a device can only
   work off what it already held (workers + prefetch); with one, also what the hub leased ahead to
   the gateway (``--hold`` for the site).
+* **LAN flaps** (``--lan-flaps N``, off by default): every device dials through a LAN link of its
+  own (another fault proxy: to the site broker behind a gateway, into the uplink proxy without
+  one, as in ``sim/scenarios/village.yaml``); after the idle window all of them are cut (reset) for
+  ``--lan-down-s`` and restored for ``--lan-up-s``, N times. Reported: the hub's frame bytes by
+  kind (hellos and welcomes above all), the hellos it read and the sessions it ended, the uplink's
+  wire bytes and connections over the phase.
+* **Compact ids** (gateway setup): every site_up the hub read and every site_down it signed is
+  encoded again, compressed as the envelope does, once with the device table as strings and once
+  with binary ids (mesh_agent/protocol/site.py): what the binary table saves per batch, measured
+  on the batches the run really sent.
 * **FL uplink bytes per round, flat against hierarchical** (setups ``fl_flat`` and ``fl_site``, and
   with ``--fl-compression`` also ``fl_flat_<spec>``/``fl_site_<spec>``): the same N devices, each
   declaring its own non-IID share of the digits, train the same MLP with the same seeds for
@@ -71,13 +81,13 @@ def work(seconds: float) -> float:
 class Uplink:
     """A counting FaultProxy on its own event loop thread."""
 
-    def __init__(self, upstream: tuple[str, int]) -> None:
+    def __init__(self, upstream: tuple[str, int], name: str = "uplink") -> None:
         from sim.emulate.proxy import FaultProxy
 
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="site-uplink", daemon=True)
+        self.thread = threading.Thread(target=self.loop.run_forever, name=f"site-{name}", daemon=True)
         self.thread.start()
-        self.proxy = asyncio.run_coroutine_threadsafe(FaultProxy("uplink", upstream).start(), self.loop).result(10)
+        self.proxy = asyncio.run_coroutine_threadsafe(FaultProxy(name, upstream).start(), self.loop).result(10)
 
     @property
     def port(self) -> int:
@@ -122,32 +132,167 @@ def _delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {k: b[k] - a.get(k, 0) for k in sorted(b) if b[k] - a.get(k, 0)}
 
 
+def _dial(agent: Any, port: int) -> None:
+    """Point an enrolled, not yet started agent's MQTT link at ``port`` (a proxy)."""
+    from cloud_hub.localmesh import AgentConfig
+
+    cfg = AgentConfig.model_validate({**agent.cfg.model_dump(), "mqtt": {**agent.cfg.mqtt.model_dump(), "port": port}})
+    cfg.save(agent.config_path)
+    agent.cfg = cfg
+
+
+class _Spy:
+    """Counts the hub's hellos read and sessions ended, per endpoint (the hub runs in this process)."""
+
+    def __init__(self, dispatcher: Any) -> None:
+        self.hellos: dict[str, int] = {}
+        self.lost: dict[str, int] = {}
+        observe = dispatcher._observe
+
+        def spy(hook: str, *a: Any) -> None:
+            if hook == "endpoint_online":
+                self.hellos[a[0]] = self.hellos.get(a[0], 0) + 1
+            elif hook == "endpoint_lost":
+                self.lost[a[0]] = self.lost.get(a[0], 0) + 1
+            observe(hook, *a)
+
+        dispatcher._observe = spy
+
+    def counts(self, eps: list[str]) -> tuple[int, int]:
+        return sum(self.hellos.get(e, 0) for e in eps), sum(self.lost.get(e, 0) for e in eps)
+
+
+class _SiteBatches:
+    """Every site_up the hub reads and every site_down it signs, to encode each again with the
+    device table as strings and as binary ids (compact ids, mesh_agent/protocol/site.py). Patches
+    the in-process hub's dispatcher for the duration of one setup; restored on exit."""
+
+    def __init__(self) -> None:
+        self.up: list[tuple[str, dict[str, Any]]] = []
+        self.down: list[tuple[str, dict[str, Any]]] = []
+
+    def __enter__(self) -> "_SiteBatches":
+        import cloud_hub.dispatcher as hub
+        from mesh_agent.protocol import Kind
+        from mesh_agent.protocol.site import site_body
+
+        self._hub, self._on_up, self._signer = hub, hub._HANDLERS[Kind.SITE_UP], hub.Dispatcher._site_signer
+        cap = self
+
+        async def on_up(disp: Any, s: Any, body: dict[str, Any]) -> None:
+            cap.up.append((s.endpoint_id, body))
+            await cap._on_up(disp, s, body)
+
+        def signer(disp: Any, gw: str) -> Any:
+            sign = cap._signer(disp, gw)
+
+            def wrapped(frames: list[tuple[str, bytes]], seq: int, epoch: str, floor: int) -> bytes:
+                cap.down.append((gw, site_body(frames, seq=seq, epoch=epoch, floor=floor)))
+                return sign(frames, seq, epoch, floor)
+            return wrapped
+
+        hub._HANDLERS[Kind.SITE_UP], hub.Dispatcher._site_signer = on_up, signer  # type: ignore[assignment, method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from mesh_agent.protocol import Kind
+
+        self._hub._HANDLERS[Kind.SITE_UP], self._hub.Dispatcher._site_signer = self._on_up, self._signer  # type: ignore[method-assign]
+
+    def mark(self) -> tuple[int, int]:
+        return len(self.up), len(self.down)
+
+    def savings(self, since: tuple[int, int] = (0, 0)) -> dict[str, Any]:
+        """Per direction: batches, their bytes as sent with string and with binary ids (whole
+        envelopes, compressed as the envelope does: bodies over 1 KiB, when it shrinks them), the
+        bytes saved per batch, and how many of the batches were small enough to go uncompressed."""
+        from mesh_agent.protocol import Envelope, Kind, encode
+        from mesh_agent.protocol.envelope import COMPRESS_MIN_BYTES
+        from mesh_agent.protocol.site import device_table, pack_id
+
+        import msgpack
+
+        out: dict[str, Any] = {}
+        key = bytes(32)
+        for kind, batches in ((Kind.SITE_UP, self.up[since[0]:]), (Kind.SITE_DOWN, self.down[since[1]:])):
+            plain = compact = small = ids = 0
+            for gw, body in batches:
+                table = device_table(body)
+                ids += len(table)
+                sizes = []
+                for d in (table, [pack_id(x) for x in table]):
+                    b = {**body, "d": d}
+                    sizes.append(len(encode(Envelope(kind, gw, b, id="0" * 24, ts=0.0, exp=1.0), key, compress=True)))
+                plain, compact = plain + sizes[0], compact + sizes[1]
+                small += len(msgpack.packb({**body, "d": table}, use_bin_type=True)) <= COMPRESS_MIN_BYTES
+            n = len(batches)
+            out[kind.value] = {"batches": n, "device_ids": ids, "uncompressed_batches": small, "bytes_string_ids": plain,
+                               "bytes_binary_ids": compact, "saved_per_batch": round((plain - compact) / n, 1) if n else 0.0,
+                               "saved_pct": round(100.0 * (plain - compact) / plain, 2) if plain else 0.0}
+        return out
+
+
+def _lan_flaps(mesh: Any, up: Uplink, lans: list[Uplink], devs: list[Any], spy: _Spy, args: argparse.Namespace) -> dict[str, Any]:
+    """Cut every device's LAN link (reset) for lan_down_s, restore it for lan_up_s, lan_flaps times."""
+    k0, w0 = _kinds(mesh), up.snapshot()
+    h0, l0 = spy.counts([d.endpoint_id for d in devs])
+    for _ in range(args.lan_flaps):
+        for lan in lans:
+            lan.cut()
+        time.sleep(args.lan_down_s)
+        for lan in lans:
+            lan.restore()
+        time.sleep(args.lan_up_s)
+    w1 = up.snapshot()
+    h1, l1 = spy.counts([d.endpoint_id for d in devs])
+    online = {e["id"]: e["online"] for e in mesh.client.list_endpoints()}
+    return {"flaps": args.lan_flaps, "down_s": args.lan_down_s, "up_s": args.lan_up_s,
+            "device_hellos": h1 - h0, "device_sessions_ended": l1 - l0,
+            "devices_online_after": sum(1 for d in devs if online.get(d.endpoint_id)),
+            "uplink_wire_bytes": (w1["wire_up"] + w1["wire_down"]) - (w0["wire_up"] + w0["wire_down"]),
+            "uplink_connections_opened": w1["connections"] - w0["connections"],
+            "hub_frame_bytes_by_kind": _delta(k0, _kinds(mesh))}
+
+
 def run_setup(gateway: bool, args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    from cloud_hub.localmesh import AgentConfig, LocalMesh
+    import contextlib
+
+    from cloud_hub.localmesh import LocalMesh
 
     name = "gateway" if gateway else "no_gateway"
     workdir = root / name
     out: dict[str, Any] = {"setup": name, "devices": args.devices}
-    with LocalMesh(workdir, heartbeat_s=5.0, lost_after_s=20.0, lease_s=30.0, tls=args.tls) as mesh:
+    batches = _SiteBatches() if gateway else None
+    lans: list[Uplink] = []
+    with contextlib.ExitStack() as stack:
+        if batches is not None:
+            stack.enter_context(batches)
+        mesh = stack.enter_context(LocalMesh(workdir, heartbeat_s=5.0, lost_after_s=20.0, lease_s=30.0, tls=args.tls))
         up = Uplink(("127.0.0.1", mesh.broker.tls_port or mesh.broker.port))  # the TLS listener when tls
+        spy = _Spy(mesh.hub.hub.dispatcher)  # type: ignore[union-attr]
         try:
             metered = {"profile": "metered"}
+            devs = []
             if gateway:
                 gw = mesh.add_gateway("gw", hold=args.hold, uplink_port=up.port, workers=1, **metered)
                 mesh.wait_online(gw, timeout=60)
-                devs = [mesh.add_site_device(f"dev{i}", gw, workers=1, prefetch=args.prefetch, **metered) for i in range(args.devices)]
-            else:
-                devs = []
-                for i in range(args.devices):
-                    d = mesh.add_agent(f"dev{i}", workers=1, prefetch=args.prefetch, start=False, **metered)
-                    cfg = AgentConfig.model_validate({**d.cfg.model_dump(), "mqtt": {**d.cfg.mqtt.model_dump(), "port": up.port}})
-                    cfg.save(d.config_path)
-                    d.cfg = cfg
-                    devs.append(d.start())
+            for i in range(args.devices):
+                if gateway:
+                    dev = mesh.add_site_device(f"dev{i}", gw, workers=1, prefetch=args.prefetch, start=False, **metered)
+                    upstream = (gw.cfg.site.listen_host, gw.cfg.site.listen_port)  # type: ignore[union-attr]
+                else:
+                    dev = mesh.add_agent(f"dev{i}", workers=1, prefetch=args.prefetch, start=False, **metered)
+                    upstream = ("127.0.0.1", up.port)
+                    _dial(dev, up.port)
+                if args.lan_flaps:  # the device's own LAN link, in front of the site broker or the router
+                    lans.append(Uplink(upstream, name=f"lan{i}"))
+                    _dial(dev, lans[-1].port)
+                devs.append(dev.start())
             mesh.wait_online(*devs, timeout=120)
             c.log(f"{name}: {len(devs)} devices online; settling {args.settle_s:.0f}s")
             time.sleep(args.settle_s)
             # --- idle
+            mark = batches.mark() if batches is not None else (0, 0)
             a, ka = up.snapshot(), _kinds(mesh)
             time.sleep(args.idle_s)
             b, kb = up.snapshot(), _kinds(mesh)
@@ -170,6 +315,11 @@ def run_setup(gateway: bool, args: argparse.Namespace, root: Path) -> dict[str, 
                 "hub_frame_bytes_by_kind": _delta(ka, kb),
             }
             c.log(f"{name}: idle {out['idle']}")
+            if batches is not None:
+                out["idle"]["compact_ids"] = batches.savings(mark)
+            if args.lan_flaps:
+                out["lan_flaps"] = _lan_flaps(mesh, up, lans, devs, spy, args)
+                c.log(f"{name}: LAN flaps {out['lan_flaps']}")
             # --- outage
             k_out, w_out = _kinds(mesh), up.snapshot()
             client = mesh.client
@@ -203,7 +353,12 @@ def run_setup(gateway: bool, args: argparse.Namespace, root: Path) -> dict[str, 
             c.log(f"{name}: outage {out['outage']}")
             if gateway:
                 out["site_leased"] = mesh.hub.hub.dispatcher.stats.get("site_leased", 0)  # type: ignore[union-attr]
+            if batches is not None:
+                out["compact_ids"] = batches.savings()
+                c.log(f"{name}: compact ids {out['compact_ids']}")
         finally:
+            for lan in lans:
+                lan.close()
             up.close()
     return out
 
@@ -297,6 +452,9 @@ def main() -> None:
     p.add_argument("--task-s", type=float, default=2.0)
     p.add_argument("--prefetch", type=int, default=4)
     p.add_argument("--hold", type=int, default=200, help="tasks the hub may lease ahead to the gateway")
+    p.add_argument("--lan-flaps", type=int, default=0, help="after the idle window, cut every device's LAN link this many times")
+    p.add_argument("--lan-down-s", type=float, default=1.5, help="each LAN flap: down this long (village.yaml: 1.5 s)")
+    p.add_argument("--lan-up-s", type=float, default=20.0, help="each LAN flap: then up this long (village.yaml: 20 s)")
     p.add_argument("--quick", action="store_true", help="3 devices, short windows: a smoke run")
     p.add_argument("--no-tls", dest="tls", action="store_false", help="plain MQTT on the uplink (default: TLS, as off loopback)")
     p.add_argument("--setups", default="no_gateway,gateway,fl",

@@ -259,6 +259,13 @@ class _Session:
     recheck_at: float = 0.0
     recheck_wait: float = 1.0
     site_frames: bool = False  # a site gateway that reads and sends site_up/site_down (cloud_hub/site_frames.py)
+    # A site-frames gateway that reports its devices' LAN reconnects in their liveness rows (hello.site.resume)
+    site_resume: bool = False
+    site_bin: bool = False  # a site-frames gateway that reads binary ids in a site_down's device table (hello.site.bin)
+    # A device told in its welcome to resume after a LAN reconnect without a hello: its session
+    # outlives a short LAN absence (Dispatcher._site_rows, docs/sites.md "LAN reconnects")
+    resume: bool = False
+    resume_withdrawn: bool = False  # ... and its gateway no longer reports reconnects: asked for a hello
 
 
 def per_day(t: list[float], now: float | None = None) -> dict[str, float]:
@@ -524,6 +531,12 @@ class Dispatcher:
             self._site_of.pop(device_id, None)
         else:
             self._site_of[device_id] = new
+        self._on_lan.pop(device_id, None)  # the old gateway's word about it no longer counts
+        d = self._sessions.get(device_id)
+        if d is not None and d.resume:
+            # It would resume without a hello on its new LAN: end its session, so the new gateway's
+            # row (or its next frame) asks it for a hello, whose welcome says what it may do there.
+            await self._lose(device_id, d, time.time(), "moved to another gateway", level=logging.INFO)
         for gw in {old, new} - {None}:
             g = self._sessions.get(gw)  # type: ignore[arg-type]
             if g is not None:
@@ -554,9 +567,12 @@ class Dispatcher:
                 if a.endpoint_id in devices and (h := hash_part(a.password_hash, "mosquitto"))]
 
     def _site_signer(self, gateway_id: str) -> Any:
-        """Signs a site_down for ``gateway_id`` with its key, compressed (it said it reads z)."""
+        """Signs a site_down for ``gateway_id`` with its key, compressed (it said it reads z), its
+        device table in binary ids when the gateway's current session said it reads them."""
         def sign(frames: list[tuple[str, bytes]], seq: int, epoch: str, floor: int) -> bytes:
-            env = Envelope(Kind.SITE_DOWN, gateway_id, site_body(frames, seq=seq, epoch=epoch, floor=floor))
+            g = self._sessions.get(gateway_id)
+            body = site_body(frames, seq=seq, epoch=epoch, floor=floor, binary_ids=g is not None and g.site_bin)
+            env = Envelope(Kind.SITE_DOWN, gateway_id, body)
             frame = encode(env, self._keys[gateway_id], ttl=self.cfg.frame_ttl_s, compress=True)
             self._count(gateway_id, len(frame), out=True, kind=Kind.SITE_DOWN)
             return frame
@@ -1034,13 +1050,23 @@ class Dispatcher:
             if device not in mine:
                 self._count_rejected(gateway, _refused(BadFrame(f"liveness row for {device[:64]}"), "foreign_device"))
                 continue
+            was = self._on_lan.get(device)
             self._on_lan[device] = bool(row["lan"])
             d = self._sessions.get(device)
             if d is not None and not row["lan"]:
-                await self._lose(device, d, now, "off its site's LAN (its gateway's summary)", level=logging.INFO)
+                if not d.resume:  # it says hello when it is back: nothing to keep
+                    await self._lose(device, d, now, "off its site's LAN (its gateway's summary)", level=logging.INFO)
+                elif was is not False:
+                    # It resumes without a hello after a LAN reconnect: kept for its offline bound
+                    # from now (the watchdog, _off_lan_bound), so a LAN flap costs no hello and no
+                    # welcome over the uplink; a device that stays away is lost then, as if silent.
+                    d.last_seen = now
             elif d is not None:
                 d.last_seen = now
-                beat = {k: v for k, v in row.items() if k not in ("lan", "epoch")}
+                d.link = link  # back on this gateway's LAN (it may have moved here)
+                if d.resume_withdrawn:  # it may resume still, behind a gateway that no longer tells us of it
+                    await self._ask_site_device_hello(device, link, now)
+                beat = {k: v for k, v in row.items() if k not in ("lan", "epoch", "conn")}
                 try:
                     validate_body(Kind.HEARTBEAT, beat)  # the device's other fields, as the gateway relays them
                 except BadFrame as exc:
@@ -1057,6 +1083,34 @@ class Dispatcher:
         if self._may_ask_hello(device):
             with contextlib.suppress(LinkError):
                 await self._send(_Session(device, link, now), Kind.ERROR, {"code": "hello_required", "message": "no session; say hello"})
+
+    async def _resume_withdrawn(self, gateway: str, now: float) -> None:
+        """A gateway came back without ``site.resume`` (an older version, site frames off): it no
+        longer reports its devices' LAN reconnects, and would judge the will of a device's new
+        connection against the old one. Devices told to resume are asked for a hello now (and again
+        at their next rows on the LAN, at most every 2 s, until they say it): its welcome no longer
+        says resume. Their sessions go on meanwhile, and a row off the LAN ends them at once again."""
+        g = self._sessions.get(gateway)
+        if g is None:
+            return
+        for dev in self.site_devices(gateway):
+            d = self._sessions.get(dev)
+            if d is not None and d.resume:
+                d.resume, d.resume_withdrawn = False, True
+                await self._ask_site_device_hello(dev, self._site_links.get(gateway, g.link), now)
+
+    def _resumes_behind(self, device: str) -> bool:
+        """Whether the device's gateway reports its LAN reconnects in its liveness rows (its hello
+        said ``site.resume``): the device may then resume after a reconnect without a hello."""
+        g = self._sessions.get(self._site_of.get(device) or "")
+        return g is not None and g.site_resume
+
+    def _off_lan_bound(self, s: _Session) -> float:
+        """How long a device its gateway reports off the LAN keeps its session (it resumes without a
+        hello when it is back): its offline bound, ``lost_after_s``, or ``mqtt_lost_after_s`` for a
+        device that beats on change, the bound within which the hub sees a direct one's dead link.
+        Not ``beat_max_s`` on top: its will has come already (that is what the row says)."""
+        return min(s.bound or self.cfg.lost_after_s, self.cfg.mqtt_lost_after_s)
 
     def _kept_by_site(self, device: str, now: float) -> float | None:
         """When a device behind a site-frames gateway counts as last seen: its gateway's last_seen,
@@ -1189,6 +1243,8 @@ class Dispatcher:
                 s.info["site"]["store"] = blobs
             s.site_cache = site.get("cache") == 1
             s.site_frames = site.get("frames") == 1  # it then reads compressed site_down bodies too
+            s.site_resume = s.site_frames and site.get("resume") == 1
+            s.site_bin = s.site_frames and site.get("bin") == 1
             have = site.get("functions")
             if isinstance(have, list):
                 s.site_have = {f for f in have[:10_000] if isinstance(f, str) and len(f) == 64}
@@ -1224,6 +1280,7 @@ class Dispatcher:
             welcome["site"] = {"devices": await self._site_welcome(env.endpoint), "hold_s": self.cfg.site_hold_s}
             if s.site_frames:
                 welcome["site"]["frames"] = 1
+                welcome["site"]["bin"] = 1  # we read binary ids in a site_up's device table (mesh_agent/protocol/site.py)
                 kept = self._site_links.get(env.endpoint)
                 if kept is not None:  # a re-hello keeps the numbering its "stored up to" refers to
                     kept.base, kept.name = link, link.name
@@ -1240,6 +1297,9 @@ class Dispatcher:
         if gw is not None and isinstance((gw.info.get("site") or {}).get("store"), str):
             # a device behind a gateway with a LAN blob store: shared data refs are read there first (cloud_hub/client/refs.py)
             welcome["site_store"] = gw.info["site"]["store"]
+        if not isinstance(site, dict) and self._resumes_behind(env.endpoint):
+            s.resume = True
+            welcome["resume"] = 1
         try:
             await self._send(s, Kind.WELCOME, welcome, msg_id=b["nonce"])
         except LinkError as exc:
@@ -1248,6 +1308,8 @@ class Dispatcher:
             # beat into a session whose welcome it never got, and never fetch.
             await self._lose(env.endpoint, s, time.time(), f"its welcome could not be sent ({exc})")
             return
+        if isinstance(site, dict) and not s.site_resume:
+            await self._resume_withdrawn(env.endpoint, now)
         self.kick_site(env.endpoint)
         for d in [env.endpoint, *(self.site_devices(env.endpoint) if s.site_hold > 0 else ())]:
             if d in self._cancel_eps:
@@ -1415,6 +1477,8 @@ class Dispatcher:
         await self._send(s, Kind.RESULT_ACK, {"ids": [r["id"] for r in results]})
 
     async def _on_heartbeat(self, s: _Session, body: dict[str, Any]) -> None:
+        if isinstance(body.get("conn"), str):  # a device that resumed on a new connection: its will names this one
+            s.conn = body["conn"]
         # An agent that beats on change sends only what changed: keep the rest.
         s.info.update({k: body[k] for k in ("running", "queued", "stored", "outbox", "cpu", "mem_used", "mem_avail_mb", "want",
                                                 "rs", "df", "tx", "sk") if k in body})
@@ -1482,6 +1546,9 @@ class Dispatcher:
                 for ep, s in list(self._sessions.items()):
                     if now - s.last_seen > (s.bound or self.cfg.lost_after_s) and (kept := self._kept_by_site(ep, now)) is not None:
                         s.last_seen = max(s.last_seen, kept)  # its gateway vouches for it (liveness rows)
+                    if self._on_lan.get(ep) is False and s.resume and now - s.last_seen > self._off_lan_bound(s):
+                        await self._lose(ep, s, now, "off its site's LAN past its offline bound (its gateway's summary)", level=logging.INFO)
+                        continue
                     if now - s.last_seen > (s.bound or self.cfg.lost_after_s):
                         await self._lose(ep, s, now, "silent")
                         continue

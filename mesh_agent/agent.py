@@ -205,6 +205,10 @@ class Agent:
         self._hub_allow: frozenset[str] | None = None  # the hub's allow-list for us, kept in the queue's meta
         self._store_blocked_until = 0.0  # monotonic; set when the queue could not be written (disk full)
         self._relayed = bool(getattr(cfg, "gateway_id", None))  # behind a site gateway (docs/sites.md)
+        #: Behind a gateway that keeps our session through LAN flaps (the hub's welcome says
+        #: ``resume: 1``): a new connection of this process resumes instead of saying hello. Cleared
+        #: by every hello until its welcome comes, so a reconnect while the hub waits for one says it again.
+        self._resume = False
         self.hello_extra: dict[str, Any] = {}
         # Behind a gateway: function bodies it handed us (checked by hash), until the signed tasks
         # frame right after names them in ``at_site``; bounded (16 MiB), oldest dropped first (docs/sites.md).
@@ -336,7 +340,10 @@ class Agent:
         return encode(Envelope(Kind.GONE, self.endpoint_id, body, ts=ts, exp=ts + 86400.0), self._key)
 
     async def _session(self, link: AgentLink, stop: asyncio.Event) -> None:
-        await self._send_hello()
+        if self._resume:
+            await self._resume_session()
+        else:
+            await self._send_hello()
         reader = asyncio.create_task(self._read(link))
         beat = asyncio.create_task(self._heartbeats())
         stopper = asyncio.create_task(stop.wait())
@@ -382,7 +389,27 @@ class Agent:
         self._bytes_sent += len(frame)  # frame bytes, reported in heartbeats (device counters)
         self._last_frame = time.monotonic()
 
+    async def _resume_session(self) -> None:
+        """A new LAN connection of this process, behind a gateway whose hub keeps our session through
+        a LAN absence (docs/sites.md, "LAN reconnects"): no hello, which would cross the uplink with
+        every held task id and bring a welcome back down. One full heartbeat naming this connection
+        tells the gateway we are back (its liveness row takes a new connection epoch; it hands us
+        every frame it holds for us again and judges the will of this connection from now on).
+        Then as after a welcome: stored tasks resume, credit is told again, and unacked results go
+        again (an ack lost while the link was down; the gateway keeps one copy per task, so only
+        what it no longer holds crosses the uplink). Should the hub have ended our session
+        meanwhile, its ``hello_required`` comes through the gateway and we say hello then."""
+        self._welcomed.set()
+        self._last_beat, self._beat_state, self._confirm_beat = {}, None, False
+        body = await self._beat_body(compact=self._beat_max is not None)
+        self._last_beat = body
+        await self._send(Kind.HEARTBEAT, {**body, **({"conn": self._conn} if self._conn is not None else {})})
+        await self._resume_stored_tasks()
+        await self._maybe_fetch(force=True)
+        await self._resend_stale_results(all_of_them=True)
+
     async def _send_hello(self) -> None:
+        self._resume = False  # until this hello's welcome: a reconnect meanwhile says hello again
         nonce = os.urandom(8).hex()
         self._hello_nonces[nonce] = time.time()
         while len(self._hello_nonces) > 8:
@@ -644,6 +671,9 @@ class Agent:
         if self.on_site is not None and isinstance(body.get("site"), dict):
             await self.on_site(body["site"])
         self._welcomed.set()
+        # Only after everything above held: a welcome cut short (a reconnect to apply its keepalive)
+        # leaves the next connection to say hello again.
+        self._resume = self._relayed and body.get("resume") == 1
         if not getattr(self, "_announced", True):  # once per connection: the operator's "it works" line
             self._announced = True
             log.info("online: %s via %s to %s (hub %s)", self.endpoint_id, self.cfg.transport, link_address(self.cfg), self.cfg.hub_url)

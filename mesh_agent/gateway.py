@@ -277,7 +277,9 @@ class Gateway:
         self.agent = Agent(cfg, creds, link_factory=uplink_factory)
         self.agent.hello_extra = {"site": {"hold": int(site.hold), "broker": f"{site.public_host or site.listen_host}:{site.listen_port}",
                                            **({"cache": 1} if site.cache_bodies else {}),
-                                           **({"frames": 1} if site.frames else {})}}
+                                           # resume: a device's LAN reconnect is told by its row, not a hello (docs/sites.md)
+                                           # bin: we read binary ids in a site_down's device table
+                                           **({"frames": 1, "resume": 1, "bin": 1} if site.frames else {})}}
         store_port = site.listen_port + 1 if site.store_port is None else site.store_port
         self.blob_store_port = store_port if store_port and store_port <= 65535 else 0
         if self.blob_store_port:  # hierarchical FL: models and updates on the LAN (mesh_agent/site_store.py)
@@ -297,6 +299,7 @@ class Gateway:
         #: Site frames (docs/sites.md): on once the hub's welcome says it reads them. Device frames
         #: that are not kept (beats, hellos, fetches) wait here up to site.batch_s for company.
         self.site_frames = False
+        self.site_bin = False  # the hub reads binary ids in a site_up's device table (its welcome says so)
         self._out = SiteBatch()
         self._out_timer: asyncio.TimerHandle | None = None
         #: Liveness rows (ROW_FIELDS) per device, from what the gateway sees on its LAN: they go up
@@ -374,6 +377,7 @@ class Gateway:
     async def _on_site(self, site: dict[str, Any]) -> None:
         """The hub's welcome lists the site's devices with their broker hashes."""
         self.site_frames = site.get("frames") == 1 and bool(self.cfg.site.frames)
+        self.site_bin = self.site_frames and site.get("bin") == 1
         if self.site_frames:  # a new session at the hub: it learns every device's state again
             self._full_due = True
             self._flush_out()
@@ -529,9 +533,13 @@ class Gateway:
         if ep != device or kind in (Kind.WELCOME, Kind.TASKS, Kind.RESULT_ACK, Kind.ERROR):
             self.stats["dropped"] += 1  # the site broker's ACL already stops this; defence in depth
             return
-        if self.site_frames and await self._into_row(device, kind, frame, end, z):
-            await self._hand_held(device, again=False)
-            return
+        if self.site_frames:
+            folded, reconnected = await self._into_row(device, kind, frame, end, z)
+            if folded:
+                # a device back on a new connection without a hello may have missed what we handed
+                # it while its link was dying: all of it again (it de-duplicates by task id)
+                await self._hand_held(device, again=reconnected)
+                return
         if kind is Kind.ACK:  # the device has these tasks: our copy of their frames may go
             with contextlib.suppress(StoreError):
                 await self.store.relay_release("down", device, frame_task_ids(kind, frame, end, z))
@@ -556,43 +564,51 @@ class Gateway:
                 self.stats["dropped"] += 1  # the uplink is that far behind: a beat or hello is re-sent anyway
         await self._hand_held(device, again=kind is Kind.HELLO)
 
-    async def _into_row(self, device: str, kind: Kind, frame: bytes, end: int, z: bool) -> bool:
-        """Fold a device frame into its liveness row; True when the row replaces the frame on the
-        uplink (a heartbeat; a gone of its current connection; a fetch while the hub serves the
+    async def _into_row(self, device: str, kind: Kind, frame: bytes, end: int, z: bool) -> tuple[bool, bool]:
+        """Fold a device frame into its liveness row. First: True when the row replaces the frame on
+        the uplink (a heartbeat; a gone of its current connection; a fetch while the hub serves the
         site's devices only through our hold, where it ignores their credit). A hello is noted
-        (on the LAN, a new epoch) and still goes up: the device waits for its welcome."""
+        (on the LAN, a new epoch) and still goes up: the device waits for its welcome. Second: True
+        when the frame is a heartbeat naming a new connection, a device that resumed after a LAN
+        reconnect without a hello: its row takes a new epoch, as for a hello."""
         if kind not in (Kind.HEARTBEAT, Kind.GONE, Kind.FETCH, Kind.HELLO):
-            return False
+            return False, False
         try:
             body = frame[end + 32 :]
             data = msgpack.unpackb(_inflate(body) if z else body, raw=False, strict_map_key=True)
             if not isinstance(data, dict):
-                return False
+                return False, False
         except Exception:
-            return False  # unparsable: relayed as it is, the hub judges it
+            return False, False  # unparsable: relayed as it is, the hub judges it
         row = self._rows.setdefault(device, [0] * len(ROW_FIELDS))
         before = list(row)
-        if kind is Kind.HELLO:
+        reconnected = kind is Kind.HEARTBEAT and _new_conn(data.get("conn"), self._conns.get(device))
+        if kind is Kind.HELLO or reconnected:
+            # The will the site broker publishes for this connection names it: one naming an older
+            # connection is stale (the device is back already). Only the device's own broker login
+            # may publish on its up topic (the site broker's ACL), as for the hello.
             row[0], row[1] = 1, min(row[1] + 1, 2**31 - 1)
             if isinstance(data.get("conn"), str):
                 self._conns[device] = data["conn"]
             if isinstance(data.get("capacity"), int):
                 row[2] = _small(data["capacity"], row[2])
-        elif kind is Kind.GONE:
+        if kind is Kind.GONE:
             if data.get("conn") != self._conns.get(device):
-                return True  # the will of an older connection: the device is back already
+                return True, False  # the will of an older connection: the device is back already
             row[0] = 0
         elif kind is Kind.FETCH:
             if int(self.cfg.site.hold) <= 0:
-                return False  # the hub leases to it directly on this credit: the fetch goes up
+                return False, False  # the hub leases to it directly on this credit: the fetch goes up
             row[0], row[-1] = 1, _small(data.get("want"), row[-1])
+        elif kind is Kind.HELLO:
+            pass  # noted above; the hello itself goes up
         else:
             row[0] = 1
             for i, name in enumerate(_COUNTERS, start=2):
                 row[i] = _small(data.get(name), row[i])
             info = self._info.setdefault(device, {})
             for k, v in data.items():
-                if k not in _COUNTERS and k not in ("e", "t") and isinstance(k, str) and info.get(k) != v:
+                if k not in _COUNTERS and k not in ("e", "t", "conn") and isinstance(k, str) and info.get(k) != v:
                     info[k] = v
                     self._info_dirty.setdefault(device, set()).add(k)
         if row != before:
@@ -601,7 +617,7 @@ class Gateway:
                 self._queue_up(None, b"", at_once=False)
         # Resource figures and device counters alone (cpu, disk, bytes sent) are worth no site_up
         # of their own: they ride on the next one (a change above, a frame, the full summary).
-        return kind is not Kind.HELLO
+        return kind is not Kind.HELLO, reconnected
 
     def _take_rows(self) -> tuple[dict[str, list[int]], dict[str, dict[str, Any]]]:
         """The rows (and changed heartbeat fields) to send now: all of them when a full summary is due."""
@@ -658,7 +674,8 @@ class Gateway:
                             quiet: bool = False) -> None:
         """One site_up signed with our key, compressed; raises LinkError unless ``quiet``."""
         try:
-            await self.agent._send(Kind.SITE_UP, site_body(frames, rows=rows, info=info, stored=stored), compress=True)
+            body = site_body(frames, rows=rows, info=info, stored=stored, binary_ids=self.site_bin)
+            await self.agent._send(Kind.SITE_UP, body, compress=True)
         except LinkError:
             if rows:
                 self._full_due = True  # the hub may not have them: all of them next time
@@ -783,6 +800,12 @@ class Gateway:
                 delays.append(now - sent[0])
         if delays:
             self.ack_timeout.sample(max(delays))
+
+
+def _new_conn(conn: Any, known: str | None) -> bool:
+    """Whether a heartbeat's ``conn`` names a connection other than the one we last saw the device
+    on: a device that resumed on a new LAN connection without a hello (docs/sites.md)."""
+    return isinstance(conn, str) and 0 < len(conn) <= 64 and conn != known
 
 
 def _small(v: Any, old: int) -> int:

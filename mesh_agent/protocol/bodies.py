@@ -156,6 +156,8 @@ def _heartbeat(k: Kind, b: dict[str, Any]) -> None:
     for key in ("capacity", "running", "queued", "stored", "outbox", "want", "cpu", "mem_used", "mem_avail_mb"):
         if not _opt_num(b.get(key)):
             raise _fail(k, key, "null or a finite number", b[key])
+    # optional: a device behind a gateway resuming on a new LAN connection names it (docs/sites.md)
+    _need(k, b, "conn", lambda v: type(v) is str and 0 < len(v) <= 64 and v.isascii(), "a short ascii string", optional=True)
     if "warm" in b:
         warm = _need(k, b, "warm", lambda v: type(v) is list and len(v) <= 1000, "a list of at most 1000 ids")
         if not all(_str_id(x) for x in warm):

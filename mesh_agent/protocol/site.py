@@ -12,7 +12,9 @@ endpoint is a device of this gateway. So a gateway can still delay or drop, neve
 
 Body, a msgpack map (compressed as a whole by the envelope when it shrinks)::
 
-    {"d": [device id, ...],            # this batch's device table: each id once
+    {"d": [device id, ...],            # this batch's device table: each id once; an id of the
+                                       # form "ep-" + 12 lowercase hex digits may be its 6 bytes
+                                       # (bin), any other id is its string (compact ids, below)
      "f": [[index into d, frame], ...], # the inner frames, in the order they were produced
      "n": seq,                          # optional: the sender's batch number
      "e": numbering,                    # optional: names the site_down numbering "n" belongs to
@@ -22,6 +24,14 @@ Body, a msgpack map (compressed as a whole by the envelope when it shrinks)::
            "x": [[index, {heartbeat fields that changed}], ...],
            "c": [numbering, n]}}        # optional: the site's own section; "l": liveness rows (ROW_FIELDS),
                                         # "c": every site_down of that numbering up to n is stored
+
+Compact ids: the only ids the gateway or the hub writes in a batch are the device table's (every
+inner frame is signed by its device or by the hub and stays byte for byte as it was, so the ids
+inside it, endpoint, task and function ids, stay strings). A sender may write a table entry of the
+known form as 6 bytes instead of a 16-byte msgpack string; it does so only towards a peer that said
+it reads them (``bin: 1`` in the gateway's ``hello.site`` and in the hub's ``welcome.site``), since
+an older peer refuses a batch with a binary id as a whole (``d must hold short ascii device ids``).
+Every reader decodes both forms.
 
 Pure: no I/O. :class:`SiteBatch` is the sender's accumulator; who flushes it, and when, is the
 caller's business (a window in seconds, a size in bytes, at once for a hello).
@@ -34,7 +44,7 @@ from typing import Any
 from mesh_agent.protocol.envelope import BadFrame, Kind
 
 __all__ = ["SITE_FLUSH_BYTES", "SITE_MAX_FRAMES", "SITE_MAX_BYTES", "ROW_FIELDS", "SiteBatch", "site_body", "inner_frames",
-           "check_site_body", "summary_rows", "stored_upto", "settled_below"]
+           "check_site_body", "summary_rows", "stored_upto", "settled_below", "pack_id", "unpack_id", "device_table"]
 
 #: A batch is flushed once its inner frames add up to this many bytes (before compression).
 SITE_FLUSH_BYTES = 16 * 1024
@@ -47,18 +57,50 @@ _MAX_ID_LEN = 255
 #: site's LAN (1) or not (0), its connection epoch (hellos the gateway saw from it), then the
 #: counters of its last heartbeat. Small ints: a row of an idle device packs into about 12 bytes.
 ROW_FIELDS = ("lan", "epoch", "capacity", "running", "queued", "stored", "outbox", "want")
+#: An endpoint id as the hub mints it (enrollment): this prefix and 12 lowercase hex digits.
+_EP_PREFIX = "ep-"
+_EP_HEX = 12
+_HEX = frozenset("0123456789abcdef")
+
+
+def pack_id(endpoint: str) -> bytes | str:
+    """A device table entry: the 6 bytes of an id of the known form ("ep-" + 12 lowercase hex
+    digits: 8 bytes in msgpack instead of 16), any other id as it is."""
+    digits = endpoint[len(_EP_PREFIX):]
+    if endpoint.startswith(_EP_PREFIX) and len(digits) == _EP_HEX and set(digits) <= _HEX:
+        return bytes.fromhex(digits)
+    return endpoint
+
+
+def unpack_id(entry: Any) -> str:
+    """The endpoint id a device table entry stands for; :class:`BadFrame` for anything that is not
+    6 bytes or a short ascii string, so a malformed table refuses the batch before any frame in it
+    is looked at."""
+    if type(entry) is bytes:
+        if len(entry) != _EP_HEX // 2:
+            raise BadFrame(f"a binary device id must be {_EP_HEX // 2} bytes, got {len(entry)}")
+        return _EP_PREFIX + entry.hex()
+    if type(entry) is str and 0 < len(entry) <= _MAX_ID_LEN and entry.isascii():
+        return entry
+    raise BadFrame("a device id must be 6 bytes or a short ascii string")
+
+
+def device_table(body: dict[str, Any]) -> list[str]:
+    """The ids of a checked site body's device table (``d``), binary entries decoded."""
+    return [unpack_id(entry) for entry in body["d"]]
 
 
 def site_body(frames: list[tuple[str, bytes]], *, seq: int | None = None, epoch: str | None = None, floor: int | None = None,
               rows: dict[str, list[int]] | None = None, info: dict[str, dict[str, Any]] | None = None,
-              stored: tuple[str, int] | None = None) -> dict[str, Any]:
+              stored: tuple[str, int] | None = None, binary_ids: bool = False) -> dict[str, Any]:
     """The body of a ``site_up``/``site_down`` envelope carrying ``frames`` ((device id, frame) pairs,
     in order) and, for a site_up, liveness ``rows`` (device id -> the values of :data:`ROW_FIELDS`)
     and ``info`` (device id -> the other heartbeat fields that changed: resources, device counters).
     ``seq``/``epoch``: a site_down's number in its numbering; ``floor``: every site_down of that
     numbering below it is settled (the gateway's "stored up to" may skip a batch the hub gave up
     on, so one lost batch does not stop cumulative confirmation for good); ``stored``: a site_up's confirmation
-    that every site_down of that numbering up to that number is stored at the gateway."""
+    that every site_down of that numbering up to that number is stored at the gateway. ``binary_ids``:
+    write the device table's ids of the known form as 6 bytes each (only to a peer that reads them)."""
     devices: list[str] = []
     index: dict[str, int] = {}
 
@@ -85,6 +127,8 @@ def site_body(frames: list[tuple[str, bytes]], *, seq: int | None = None, epoch:
         site["x"] = [[at(device), fields] for device, fields in info.items()]
     if site:
         body["s"] = site
+    if binary_ids:  # last: the rows above may add devices to the table
+        body["d"] = [pack_id(device) for device in devices]
     return body
 
 
@@ -93,9 +137,11 @@ def check_site_body(kind: Kind, body: dict[str, Any]) -> None:
     d, f = body.get("d"), body.get("f")
     if type(d) is not list or len(d) > SITE_MAX_FRAMES:
         raise BadFrame(f"{kind.value} body: d must be a list of at most {SITE_MAX_FRAMES} device ids")
-    for dev in d:
-        if type(dev) is not str or not 0 < len(dev) <= _MAX_ID_LEN or not dev.isascii():
-            raise BadFrame(f"{kind.value} body: d must hold short ascii device ids")
+    for n, dev in enumerate(d):
+        try:
+            unpack_id(dev)
+        except BadFrame as exc:
+            raise BadFrame(f"{kind.value} body: d[{n}]: {exc}") from None
     if type(f) is not list or len(f) > SITE_MAX_FRAMES:
         raise BadFrame(f"{kind.value} body: f must be a list of at most {SITE_MAX_FRAMES} frames")
     total = 0
@@ -138,7 +184,7 @@ def _indexed(kind: Kind, body: dict[str, Any], key: str, devices: int, ok: Any, 
 
 def inner_frames(body: dict[str, Any]) -> list[tuple[str, bytes]]:
     """(device id, frame) pairs of a checked site body, in order. Nothing in them is verified yet."""
-    devices = body["d"]
+    devices = device_table(body)
     return [(devices[i], frame) for i, frame in body["f"]]
 
 
@@ -146,7 +192,7 @@ def summary_rows(body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """(device id, {field: value}) of each liveness row of a checked site body (none: []), with the
     device's changed heartbeat fields (``s.x``; their shapes are the heartbeat's, checked by the
     receiver) merged under the row's: the row decides liveness and queue counts."""
-    devices = body["d"]
+    devices = device_table(body)
     site = body.get("s") or {}
     extra: dict[str, dict[str, Any]] = {devices[i]: fields for i, fields in site.get("x") or ()}
     return [(devices[row[0]], {**extra.get(devices[row[0]], {}), **dict(zip(ROW_FIELDS, row[1:]))}) for row in site.get("l") or ()]

@@ -139,8 +139,9 @@ def test_one_liveness_summary_keeps_idle_devices_online_and_reports_a_lost_one(t
     """Idle devices behind a site-frames gateway beat every second on the LAN (lan profile); their
     beats do not cross the uplink (the gateway's liveness rows stand in for them), yet they stay
     online far past their own 4 s bound, for as long as their gateway's session lives. A device that
-    dies is reported off the LAN by the gateway (its will on the site broker), so the hub marks it
-    offline without waiting for a bound; restarted, it is online again."""
+    dies is reported off the LAN by the gateway (its will on the site broker); the hub keeps its
+    session for its offline bound from that row (4 s: a LAN flap resumes within it, docs/sites.md
+    "LAN reconnects without a hello") and then marks it offline; restarted, it is online again."""
     with LocalMesh(tmp_path, heartbeat_s=1.0, lost_after_s=4.0, lease_s=5.0) as mesh:
         gw = mesh.add_gateway("gw", hold=8, workers=1)
         mesh.wait_online(gw)

@@ -35,6 +35,7 @@ ERROR = serialize(
 # Site frames (docs/sites.md, "Site frames"): the gateway is EP with KEY; its devices' inner frames
 # are signed with their own keys and carried unchanged.
 DEV_A, DEV_B = "ep-aaaaaaaaaaaa", "ep-bbbbbbbbbbbb"
+DEV_C = "pi-barn-3"  # an endpoint id not of the hub's own form: it stays a string in a binary table
 DEV_KEY = bytes(range(32, 64))
 INNER_BEAT_A = encode(Envelope(Kind.HEARTBEAT, DEV_A, {"running": 1, "want": 2}, id="0000000000000000000000a1", ts=TS, exp=EXP), DEV_KEY)
 INNER_BEAT_B = encode(Envelope(Kind.HEARTBEAT, DEV_B, {"running": 0, "want": 4}, id="0000000000000000000000b1", ts=TS, exp=EXP), DEV_KEY)
@@ -87,6 +88,15 @@ MESSAGES: list[tuple[str, Kind, str, dict[str, Any]]] = [
     }),
     # The hub's batch for a gateway's devices, numbered ("n") per gateway session.
     ("site_down", Kind.SITE_DOWN, "00000000000000000000000c", {"d": [DEV_B], "f": [[0, INNER_RACK_B]], "n": 1, "e": "0a0b0c0d"}),
+    # Compact ids (only to a peer that said "bin: 1"): an id "ep-" + 12 lowercase hex digits is its
+    # 6 bytes in the device table, any other id its string (DEV_C); the inner frames are unchanged.
+    ("site_up_bin", Kind.SITE_UP, "00000000000000000000000d", {
+        "d": [bytes.fromhex(DEV_A[3:]), bytes.fromhex(DEV_B[3:]), DEV_C], "f": [[0, INNER_BEAT_A], [1, INNER_BEAT_B], [0, INNER_ACK_A]],
+        "s": {"l": [[1, 1, 3, 1, 0, 0, 0, 0, 2], [2, 0, 1, 1, 0, 0, 0, 0, 0]], "c": ["0a0b0c0d", 7]},
+    }),
+    ("site_down_bin", Kind.SITE_DOWN, "00000000000000000000000e", {
+        "d": [bytes.fromhex(DEV_B[3:])], "f": [[0, INNER_RACK_B]], "n": 2, "e": "0a0b0c0d", "b": 2,
+    }),
 ]
 
 
