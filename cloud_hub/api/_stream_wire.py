@@ -106,8 +106,17 @@ def _checked(cls: type[_M], values: dict[str, Any]) -> _M:
 
 
 def parse_msgpack(data: bytes) -> Any:
-    """A binary frame as plain values (the slow path and every frame that is not a submit)."""
-    return msgpack.unpackb(data, raw=False, strict_map_key=True)
+    """A binary frame as plain values (the slow path and every frame that is not a submit). Map
+    keys must be strings, as in JSON (``strict_map_key`` alone lets bytes keys through, which the
+    REST schema would then read as strings): anything else is a ValueError."""
+    return msgpack.unpackb(data, raw=False, strict_map_key=True, object_pairs_hook=_str_keys)
+
+
+def _str_keys(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
+    for k, _ in pairs:
+        if type(k) is not str:
+            raise ValueError(f"map keys must be strings, got {type(k).__name__}")
+    return dict(pairs)
 
 
 def b64_batch(batch: Any) -> Any:

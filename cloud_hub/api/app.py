@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any, AsyncIterator
 
 from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from cloud_hub import __version__
@@ -28,7 +29,7 @@ from cloud_hub.api import task_groups as task_groups_api
 from cloud_hub.api import cancel as cancel_api
 from cloud_hub.api.task_groups import CODE_METHODS, checked_functions
 from cloud_hub.api.deps import ERRORS, HubDep, UserDep
-from cloud_hub.api.errors import service_error_response
+from cloud_hub.api.errors import service_error_response, validation_error_response
 from cloud_hub.api.metrics import make_router as metrics_router
 from cloud_hub.api.schemas import (
     BatchIn,
@@ -114,6 +115,7 @@ def create_app(cfg: HubConfig) -> FastAPI:
     # A refusal of the service layer (cloud_hub/service/errors.py): its status, detail and headers,
     # as the HTTPException the routes raised when these rules lived here.
     app.add_exception_handler(ServiceError, service_error_response)
+    app.add_exception_handler(RequestValidationError, validation_error_response)
 
     app.include_router(scheduler_api.router)
     app.include_router(console_router)  # web console at /console (docs/console.md)

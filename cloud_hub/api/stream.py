@@ -93,8 +93,8 @@ def _payload(msg: dict[str, Any], binary_ok: bool) -> tuple[str | bytes, str]:
 def _parse(payload: str | bytes, enc: str = "json") -> dict[str, Any]:
     try:
         msg = json.loads(payload) if enc == "json" else wire.parse_msgpack(payload)  # type: ignore[arg-type]
-    except ValueError as exc:  # msgpack's errors are ValueErrors too
-        raise _BadFrame(f"frame is not {'JSON' if enc == 'json' else 'msgpack'} ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # msgpack's errors are ValueErrors too; RecursionError: a JSON depth bomb
+        raise _BadFrame(f"frame is not {'JSON' if enc == 'json' else 'msgpack'} ({str(exc)[:100]})") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
         raise _BadFrame('frame must be a JSON object with an "op"' if enc == "json" else 'frame must be a msgpack map with an "op"')
     return msg
