@@ -138,12 +138,16 @@ def test_cancel_and_expiry_mixed_with_new_submits(mesh):
         tr.wait(live, timeout=40, client=m.client, logs=logs)
         tr.check(live, what="after restart: normal tasks queued while down", client=m.client, logs=logs)
         print(f"[cancel] agent down {t_restart - t_sub:.1f}s")
-        # 3. more of both after an idle gap: new short-lived tasks run (they do not expire on an online agent)
+        # 3. more of both after an idle gap: new short-lived tasks run (they do not expire on an online
+        # agent). Their time to live is 6 s here, not 1.5: each waits behind up to 30 tasks on 2
+        # workers, which took more than 1.5 s in a fresh-clone suite run on a machine 2-3x slower
+        # than usual (2026-11-29, load 9-12: five of them expired 0 s before they could run).
         time.sleep(2.2)
         tail = [("t", i) for i in range(30)]
-        for i, k in enumerate(tail):
-            tr.submit(ex_short if i % 3 == 0 else ex, k, k[1], delay=0.01)
-        tr.wait(tail, timeout=30, client=m.client, logs=logs)
+        with Executor(m.client, endpoint=ag.endpoint_id, task_ttl_s=6.0) as ex_tail_short:
+            for i, k in enumerate(tail):
+                tr.submit(ex_tail_short if i % 3 == 0 else ex, k, k[1], delay=0.01)
+            tr.wait(tail, timeout=30, client=m.client, logs=logs)
         tr.check(tail, what="cancel/expiry: tail on the healthy mesh", client=m.client, logs=logs)
     done_ids = [tr.futs[k].task_id for k in tr.futs]
     hub_results_once(m.client, cursor0, done_ids)  # cancelled and expired tasks too: exactly one result each
