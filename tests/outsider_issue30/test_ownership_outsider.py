@@ -114,7 +114,10 @@ def test_foreign_endpoint_and_function_are_404_and_reveal_nothing(tmp_path):
         ep_answers = {k: _norm(got[k][1], a1.endpoint_id, a2.endpoint_id, ghost_ep, bob_ep)
                       for k in ("bob fn on alice ep", "bob fn on alice allow-listed ep", "bob fn on ghost ep")}
         assert len(set(ep_answers.values())) == 1, ep_answers
-        leaks = {k: d for k, (_, d) in got.items() if any(w in d.lower() for w in ("allow", SECRET_TAG, "a1-visible", "a2-allow", "owner", "shared", "403"))}
+        # Hex ids are taken out first: a function id is random hex, and one with "403" in it
+        # (about 1 in 70) read as a leak (a fresh-clone run, 2026-11-29).
+        leaks = {k: d for k, (_, d) in got.items()
+                 if any(w in re.sub(r"[0-9a-f]{16,}", "", d.lower()) for w in ("allow", SECRET_TAG, "a1-visible", "a2-allow", "owner", "shared", "403"))}
         assert not leaks, leaks
         # nothing stored anywhere
         assert bob.task_group(grp) == []
