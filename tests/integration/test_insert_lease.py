@@ -27,23 +27,13 @@ from cloud_hub.client import Executor
 from cloud_hub.client._client import HubError
 from cloud_hub.localmesh import AgentProcess, LocalMesh
 from mesh_agent.protocol import serialize
+from tests.integration.test_drained_kicks import _Counted, _wait
 
 pytestmark = pytest.mark.integration
 
 
 def square(x: int) -> int:
     return x * x
-
-
-class _Counted:
-    def __init__(self, store: Any) -> None:
-        self.inner = store.lease
-        self.plain = 0
-
-    async def __call__(self, *a: Any, **kw: Any) -> Any:
-        if not kw.get("only_now"):
-            self.plain += 1
-        return await self.inner(*a, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +51,6 @@ def m(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalMesh, Age
         yield mesh, agent, counted
     finally:
         mesh.stop()
-
-
-def _wait(cond: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.02)
 
 
 def _idle(disp: Any, ep: str) -> Any:
