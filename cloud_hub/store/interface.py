@@ -166,6 +166,10 @@ class Store(Protocol):
         """Tasks of an endpoint sent but not yet acked: on their way, or lost on the way."""
         ...
 
+    async def endpoints_with_queued(self, endpoint_ids: Sequence[str]) -> set[str]:
+        """Which of these endpoints have a task waiting in the queue (the watchdog's recheck of drained sessions, one hop for all)."""
+        ...
+
     async def expire_group_leases(self, now: float, limit: int = 100) -> list[dict[str, Any]]:
         """Leases past their expiry (a driver that died or stopped renewing): every unfinished task of the group is cancelled as by its submitter, and ..."""
         ...

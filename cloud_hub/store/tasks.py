@@ -257,6 +257,18 @@ class TaskStore(StoreEngine):
         return int(await self._run(lambda: self._conn().execute(
             "SELECT COUNT(*) FROM tasks WHERE endpoint_id=? AND state='leased'", (endpoint_id,)).fetchone()[0]))
 
+    async def endpoints_with_queued(self, endpoint_ids: Sequence[str]) -> set[str]:
+        """Which of these endpoints have a task waiting in the queue: the watchdog's recheck of
+        drained sessions asks for all that came due in one pass, in one hop to the database
+        thread, instead of a lease (two queries and a hop) each. One indexed probe per endpoint."""
+
+        def q() -> set[str]:
+            db = self._conn()
+            return {ep for ep in endpoint_ids
+                    if db.execute("SELECT 1 FROM tasks WHERE endpoint_id=? AND state='queued' LIMIT 1", (ep,)).fetchone()}
+
+        return await self._run(q)
+
     async def unlease(self, endpoint_id: str, ids: Sequence[str]) -> int:
         """Put these leased tasks back in the queue at once: the frame carrying them failed to send.
         That attempt never happened: it is not counted, and a task on its first attempt is again

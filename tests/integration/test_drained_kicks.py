@@ -255,3 +255,36 @@ def test_work_queued_without_a_kick_is_found_by_the_watchdogs_recheck(m: tuple[L
         t0 = time.monotonic()
         assert [f.result(30) for f in futs] == [i * i for i in range(5)]
         print(f"found by the recheck after {time.monotonic() - t0:.2f} s")
+
+
+def test_an_idle_drained_sessions_recheck_reads_the_queue_and_leases_nothing(
+        m: tuple[LocalMesh, AgentProcess, AgentProcess, _Counted]) -> None:
+    """With nothing queued, the watchdog's rechecks (1 s after draining, then 2 s...) read the queue
+    for all due sessions at once (``store.endpoints_with_queued``) and lease nothing: no lease
+    transaction per idle endpoint, the session stays drained, and its next look backs off."""
+    mesh, agent, _, counted = m
+    disp = mesh.hub.hub.dispatcher  # type: ignore[union-attr]
+    store = disp.store
+    ep = agent.endpoint_id
+    with Executor(mesh.client, ep) as ex:
+        assert ex.submit(square, 4).result(30) == 16
+    s = disp._sessions[ep]
+    _wait(lambda: s.credit > 0 and not s.pumping and s.drained and s.recheck_at, 10, "an idle, drained session with a recheck due")
+    asked: list[list[str]] = []
+    real = store.endpoints_with_queued
+
+    async def counted_read(eps: Any) -> Any:
+        asked.append(list(eps))
+        return await real(eps)
+
+    store.endpoints_with_queued = counted_read  # type: ignore[method-assign]
+    try:
+        plain, now = counted.plain, counted.now
+        wait0 = s.recheck_wait
+        _wait(lambda: any(ep in a for a in asked), 10, "the recheck's read of the queue")
+        time.sleep(0.3)
+        assert (counted.plain, counted.now) == (plain, now), "an idle recheck leased"
+        assert s.drained and s.recheck_wait > wait0, "the next look backs off"
+    finally:
+        del store.endpoints_with_queued
+

@@ -74,7 +74,7 @@ def test_a_submit_with_credit_is_leased_in_its_own_transaction(m: tuple[LocalMes
         # The watchdog's recheck of a drained session (the safety net, tested in test_drained_kicks)
         # leases once a second after the queue drained: a round trip slower than that on a loaded
         # machine (CI) met one, and counted it. Off for this round trip, so only its own kicks count.
-        disp._recheck_drained = lambda *_a: None
+        disp._recheck_drained = lambda *_a: None  # collects nothing: no recheck
         try:
             before = counted.plain
             f = ex.submit(square, 7)

@@ -318,6 +318,23 @@ async def test_fl_run_store_on_both_backends(store: SqliteStore) -> None:
         await fl.get_run("u_other", rid)
 
 
+async def test_endpoints_with_queued_names_only_those_with_a_queued_task(store: SqliteStore) -> None:
+    """The watchdog's recheck of drained sessions (one read for all that came due): leased, acked
+    and other endpoints' tasks do not count; an unknown endpoint id is simply absent."""
+    uid = await store.create_user("alice")
+    await store.put_function(uid, FID, b"body", "fn")
+    a, b, c = [await _endpoint(store, uid, n) for n in ("a", "b", "c")]
+    assert await store.endpoints_with_queued([a, b, c, "ep-nosuch"]) == set()
+    assert await store.endpoints_with_queued([]) == set()
+    await store.insert_tasks(_tasks(uid, a, 2) + _tasks(uid, b, 1, start=10))
+    assert await store.endpoints_with_queued([a, b, c, "ep-nosuch"]) == {a, b}
+    tasks, _ = await store.lease(b, 5, 30.0, 1 << 20)
+    assert [t["id"] for t in tasks] == ["t00010"]
+    assert await store.endpoints_with_queued([a, b, c]) == {a}, "a leased task is not waiting"
+    await store.ack(b, ["t00010"])
+    assert await store.endpoints_with_queued([b, c]) == set()
+
+
 async def test_count_leased_and_unlease_after_a_failed_send(store: SqliteStore) -> None:
     """What the dispatcher uses when a ``tasks`` frame fails to send (found by ``mesh-sim run``)."""
     uid = await store.create_user("alice")
