@@ -222,7 +222,8 @@ class _Session:
     capacity: int = 0
     info: dict[str, Any] = field(default_factory=dict)
     pumping: bool = False
-    again: bool = False
+    again: bool = False  # a kick came while the pump (or a claim, InsertLeases) held the session: go round again
+    again_new: bool = False  # ... and it said new work may be queued: the queue is not known to be drained
     starved: int = 0  # heartbeats in a row that wanted work while the hub had no credit for it
     conn: str | None = None  # the agent's connection id (its will names it), from the hello
     compress: bool = False  # the agent reads compressed bodies
@@ -764,6 +765,7 @@ class Dispatcher:
             return  # with no credit the pump still sends tasks that must start now (outside the credit)
         if s.pumping:
             s.again = True
+            s.again_new = s.again_new or new_work
             return
         s.pumping = True
         asyncio.create_task(self._pump(s))
@@ -783,6 +785,7 @@ class Dispatcher:
             if s is None or s.pumping or s.credit <= 0 or ep in self._site_of or self.served_by_site(ep):
                 continue
             s.pumping = True  # no other pump for this session until the claim ends
+            s.again = s.again_new = False  # kicks from now on reach the pump that follows the claim
             claims.append(_Claim(s, min(s.credit, _LEASE_BATCH), self._placed_room(s)))
         return InsertLeases(self, claims) if claims else None
 
@@ -795,8 +798,11 @@ class Dispatcher:
                 first = None
             if s.drained and s.credit > 0:  # still out of work: the scheduler may move placed tasks here (late binding)
                 self._observe("endpoint_starving", s.endpoint_id, time.time())
+            claimed_round = first is not None  # kicks during a claim's transaction count in its first round
             while True:
-                s.again = False
+                if not claimed_round:
+                    s.again = s.again_new = False
+                claimed_round = False
                 while s.credit > 0 and not s.drained and self._sessions.get(s.endpoint_id) is s and not self.served_by_site(s.endpoint_id):
                     if first is not None and first.got is not None:
                         (tasks, bodies), asked, room = first.got, first.asked, first.room
@@ -808,7 +814,7 @@ class Dispatcher:
                                                                placed_max=room)
                     if not tasks:
                         if room is None or room > 0:  # it could take work and the hub has none for it
-                            s.drained = not s.again and not self.replicated  # a kick while leasing may have queued more
+                            s.drained = not s.again_new and not self.replicated  # a kick while leasing may have queued more
                             self._recheck_later(s)
                             self._observe("endpoint_starving", s.endpoint_id, time.time())
                         break
@@ -834,7 +840,7 @@ class Dispatcher:
                         s.retry_at = time.time() + 2.0
                         s.credit = 0
                         break
-                    if (len(tasks) < asked and (room is None or len(tasks) < room) and not s.again and not self.replicated
+                    if (len(tasks) < asked and (room is None or len(tasks) < room) and not s.again_new and not self.replicated
                             and _small(tasks, bodies)):
                         s.drained = True  # fewer than asked, not for the lookahead or the frame size: that was all
                         self._recheck_later(s)

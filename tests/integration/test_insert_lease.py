@@ -53,9 +53,9 @@ def m(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalMesh, Age
         mesh.stop()
 
 
-def _idle(disp: Any, ep: str) -> Any:
+def _idle(disp: Any, ep: str, credit: int = 1) -> Any:
     s = disp._sessions[ep]
-    _wait(lambda: s.credit > 0 and not s.pumping and s.drained, 15, "an idle, drained session with credit")
+    _wait(lambda: s.credit >= credit and not s.pumping and s.drained, 15, "an idle, drained session with credit")
     return s
 
 
@@ -70,7 +70,10 @@ def test_a_submit_with_credit_is_leased_in_its_own_transaction(m: tuple[LocalMes
     ep = agent.endpoint_id
     with Executor(mesh.client, ep) as ex:
         assert ex.submit(square, 2).result(30) == 4
-        _idle(disp, ep)
+        # Credit for more than the one task: a lease that gets fewer than it asked for is what says
+        # "drained". (With credit 1 -- the agent's fetch after the last result still on its way on
+        # a slow machine -- the lease gets all it asked, and the next fetch leases again, rightly.)
+        _idle(disp, ep, credit=2)
         # The watchdog's recheck of a drained session (the safety net, tested in test_drained_kicks)
         # leases once a second after the queue drained: a round trip slower than that on a loaded
         # machine (CI) met one, and counted it. Off for this round trip, so only its own kicks count.
@@ -197,3 +200,57 @@ def test_a_claim_whose_session_ended_gives_its_tasks_back(m: tuple[LocalMesh, Ag
 
     asyncio.run_coroutine_threadsafe(back(), mesh.hub._loop).result(10)  # type: ignore[union-attr]
     _wait(lambda: _row(mesh, tid)[0] == "done", 30, "the task run by the agent")
+
+
+def test_a_submit_whose_kick_comes_during_another_claim_is_not_stranded(m: tuple[LocalMesh, AgentProcess, _Counted]) -> None:
+    """Submit B to an endpoint while submit A's claim holds its pump (between A's claim and A's
+    pump): B claims nothing, inserts, and kicks a pump that is busy. That kick must reach A's pump,
+    which then leases B's task, rather than A's short lease marking the queue drained (which left B
+    to the watchdog's recheck). The recheck is off here, so only kicks can deliver B."""
+    mesh, agent, _ = m
+    disp = mesh.hub.hub.dispatcher  # type: ignore[union-attr]
+    hub = mesh.hub.hub  # type: ignore[union-attr]
+    ep = agent.endpoint_id
+    _idle(disp, ep, credit=2)
+    fid = mesh.client.register_function(square)
+
+    async def both() -> tuple[str, str]:
+        from cloud_hub.service.schemas import TaskIn
+        from cloud_hub.service.submit import accept
+
+        user, _why = await hub.auth(mesh.token)
+        assert user is not None
+
+        def task(x: int) -> Any:
+            return TaskIn.model_validate({"endpoint_id": ep, "function_id": fid,
+                                          "args": base64.b64encode(serialize(((x,), {}))).decode()})
+
+        real_pump = disp._pump
+        b: list[str] = []
+
+        async def b_first(s: Any, first: Any = None) -> None:
+            if first is not None and not b:  # A's claimed pump, before its first round: B lands now
+                ids, _ = await accept(hub, user, [task(12)])
+                b.extend(ids)
+            await real_pump(s, first)
+
+        disp._pump = b_first
+        try:
+            ids, _ = await accept(hub, user, [task(11)])
+            for _ in range(500):  # A's pump runs once its commit is done
+                if b:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            del disp._pump
+        assert b, "A's submit did not lease in its own transaction"
+        return ids[0], b[0]
+
+    disp._recheck_drained = lambda *_a: None  # collects nothing: no recheck
+    try:
+        ta, tb = asyncio.run_coroutine_threadsafe(both(), mesh.hub._loop).result(30)  # type: ignore[union-attr]
+        _wait(lambda: _row(mesh, ta)[0] == "done", 30, "A's task run")
+        _wait(lambda: _row(mesh, tb)[0] == "done", 10, "B's task run without a recheck")
+    finally:
+        del disp._recheck_drained
+
