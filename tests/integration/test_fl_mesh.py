@@ -7,10 +7,12 @@ run in file order and leave every agent running.
 
 from __future__ import annotations
 
+import signal
 import threading
 from typing import Any, Dict, Iterator, List
 
 import numpy as np
+import psutil
 import pytest
 
 from cloud_hub.localmesh import AgentProcess
@@ -75,14 +77,22 @@ def test_agent_killed_mid_round_round_completes_and_agent_rejoins(fl_mesh: _Mesh
 
     def kill_once_round_2_is_out(round: int, tasks: Dict[str, str]) -> None:
         # The hub has accepted round 2's tasks (one is the victim's) and the round's clock runs:
-        # a power cut now is a device dying mid-round. (Killed here, not at a later moment picked
-        # by polling, so the test cannot race the ~0.2 s of training.)
+        # a power cut now is a device dying mid-round. The victim's workers were frozen when round
+        # 1 ended (below), so it cannot have trained and answered before this kill: a task now
+        # leaves the hub with the submit's own commit, and 0.02 s of training once beat this
+        # callback (a fresh-clone run). Its agent process was not frozen: it beats, so it is
+        # online and picked for round 2.
         if round == 2:
             assert victim.endpoint_id in tasks
             victim.kill()
             killed.set()
 
-    def restart_after_round_3(rec: Any, _w: Any) -> None:
+    def freeze_after_round_1_restart_after_round_3(rec: Any, _w: Any) -> None:
+        if rec.round == 1 and victim.proc is not None:
+            workers = psutil.Process(victim.proc.pid).children(recursive=True)
+            assert workers, "the victim trained round 1 in a worker process"
+            for w in workers:
+                w.send_signal(signal.SIGSTOP)
         if rec.round == 3:
             victim.start()
             fl_mesh.mesh.wait_online(victim, timeout=60)
@@ -90,7 +100,7 @@ def test_agent_killed_mid_round_round_completes_and_agent_rejoins(fl_mesh: _Mesh
     fed = Federation(client, fl_mesh.ids)
     hist = fed.fit(_mlp(), "digits", rounds=9, strategy=FedAvg(), local_epochs=1, deadline_s=8, min_clients=3,
                    trainer=TRAINER, eval_data=load_test_data(), on_round_start=kill_once_round_2_is_out,
-                   on_round=restart_after_round_3, max_extensions=0)
+                   on_round=freeze_after_round_1_restart_after_round_3, max_extensions=0)
     assert killed.is_set()
     r2 = hist[1]
     assert victim.endpoint_id in r2.stragglers and victim.endpoint_id not in r2.participants
