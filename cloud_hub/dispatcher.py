@@ -256,7 +256,8 @@ class _Session:
     now_drained: bool = False
     # The safety net under those flags: a path that queues work without kicking would strand it.
     # The watchdog looks again at ``recheck_at`` (0: not due), after 1 s, then 2, 4... up to 60 s
-    # while nothing new is kicked, so an idle endpoint costs one empty lease a minute.
+    # while nothing new is kicked; the looks due in one watchdog pass are one read together
+    # (``_recheck_due``), so an idle endpoint costs one indexed probe a minute.
     recheck_at: float = 0.0
     recheck_wait: float = 1.0
     site_frames: bool = False  # a site gateway that reads and sends site_up/site_down (cloud_hub/site_frames.py)
@@ -744,8 +745,9 @@ class Dispatcher:
     def kick(self, endpoint_id: str, *, new_work: bool = True, start_now: bool = True) -> None:
         """New work for an endpoint, or room for it: send it now if its agent has credit (coalesced
         per endpoint). ``new_work=False``: only room changed (credit, a result), no task was queued,
-        so a queue the last lease found empty is not read again; ``start_now=False``: none of the new
-        tasks must start at once. Both default to what is always safe."""
+        so a queue the last lease found empty is not read again, and a pump running now may still
+        conclude from a short lease that the queue is drained (``again_new``); ``start_now=False``:
+        none of the new tasks must start at once. Both default to what is always safe."""
         s = self._sessions.get(endpoint_id)
         if s is not None:
             if new_work:
@@ -796,6 +798,7 @@ class Dispatcher:
             if first is not None and self._sessions.get(s.endpoint_id) is not s and first.got and first.got[0]:
                 await self.store.unlease(s.endpoint_id, [t["id"] for t in first.got[0]])  # the session ended meanwhile
                 first = None
+                self.kick(s.endpoint_id)  # its successor (a hello) may have drained already: it takes them now
             if s.drained and s.credit > 0:  # still out of work: the scheduler may move placed tasks here (late binding)
                 self._observe("endpoint_starving", s.endpoint_id, time.time())
             claimed_round = first is not None  # kicks during a claim's transaction count in its first round
@@ -848,6 +851,12 @@ class Dispatcher:
                 await self._send_now(s)
                 if not s.again:
                     break
+            if first is not None and first.got and first.got[0]:
+                # The claimed lease was never sent: the credit went meanwhile (a fetch wanting 0), or
+                # the endpoint is now served through its site. Back to the queue now, not after lease_s.
+                await self.store.unlease(s.endpoint_id, [t["id"] for t in first.got[0]])
+                if self._sessions.get(s.endpoint_id) is not s:
+                    self.kick(s.endpoint_id)  # a successor session takes them
         except Exception:
             log.exception("dispatch to %s failed", s.endpoint_id)
         finally:
@@ -868,12 +877,14 @@ class Dispatcher:
             due.append((ep, s))
 
     async def _recheck_due(self, due: list[tuple[str, _Session]]) -> None:
-        """Drained sessions whose recheck came due in this pass: one read says which of them have
-        queued work (a path that forgot its kick), and only those lease again. Why: each recheck
-        used to be a lease (two queries and a database hop) that almost always found nothing; an
-        idle hub at 5,000 endpoints ran about 80 a second. The others stay drained, their next look
-        backs off further, and each is reported starving to the placement service, as its empty
-        lease would have been (late binding may move placed work to it)."""
+        """Sessions (``drained`` or ``now_drained``) whose recheck came due in this pass: one read
+        says which of them have queued work (a path that forgot its kick), and only those are
+        kicked, as new work (a pump running now must not call that queue drained). Why: each
+        recheck used to be a lease (two queries and a database hop) that almost always found
+        nothing; an idle hub at 5,000 endpoints ran about 80 a second. The others keep their flags
+        and their next look backs off further; a drained one with credit, no pump running and room
+        in its lookahead is reported starving to the placement service, as its empty lease was
+        (late binding may move placed work to it)."""
         if not due:
             return
         now = time.time()
@@ -887,8 +898,7 @@ class Dispatcher:
                 continue  # gone, or a kick meanwhile (new work) leased on its own
             s.recheck_at = 0.0
             if ep in queued:
-                s.drained = s.now_drained = False
-                self.kick(ep, new_work=False, start_now=False)
+                self.kick(ep)  # clears both flags; while a pump runs, tells it the queue is not drained
                 continue
             self._recheck_later(s)
             if s.credit > 0 and s.drained and not s.pumping:

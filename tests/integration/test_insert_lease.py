@@ -254,3 +254,55 @@ def test_a_submit_whose_kick_comes_during_another_claim_is_not_stranded(m: tuple
     finally:
         del disp._recheck_drained
 
+
+def test_a_claim_whose_credit_went_meanwhile_gives_its_tasks_back(m: tuple[LocalMesh, AgentProcess, _Counted]) -> None:
+    """The agent's credit goes to 0 between the claim and the commit (a fetch wanting 0, as an agent
+    whose store fails sends): the claimed lease cannot be sent, so its tasks go back to the queue at
+    once (not counted as an attempt), rather than staying leased until lease_s; with credit again
+    they run."""
+    mesh, agent, _ = m
+    disp = mesh.hub.hub.dispatcher  # type: ignore[union-attr]
+    hub = mesh.hub.hub  # type: ignore[union-attr]
+    ep = agent.endpoint_id
+    s = _idle(disp, ep)
+    fid = mesh.client.register_function(square)
+
+    async def submit_while_the_credit_goes() -> str:
+        from cloud_hub.service.schemas import TaskIn
+        from cloud_hub.service.submit import accept
+
+        real = disp.claim_insert_leases
+
+        def claim_then_no_credit(eps: Any) -> Any:
+            claims = real(eps)
+            assert claims is not None and ep in claims.endpoints
+            s.credit = 0
+            return claims
+
+        disp.claim_insert_leases = claim_then_no_credit
+        try:
+            user, _why = await hub.auth(mesh.token)
+            assert user is not None
+            ids, _ = await accept(hub, user, [TaskIn.model_validate(
+                {"endpoint_id": ep, "function_id": fid, "args": base64.b64encode(serialize(((13,), {}))).decode()})])
+            return ids[0]
+        finally:
+            disp.claim_insert_leases = real
+
+    async def no_resync(*_a: Any) -> None:  # the agent's beats would give the credit back and take the task
+        return None
+
+    disp._resync_credit = no_resync
+    try:
+        tid = asyncio.run_coroutine_threadsafe(submit_while_the_credit_goes(), mesh.hub._loop).result(30)  # type: ignore[union-attr]
+        _wait(lambda: _row(mesh, tid)[:2] == ("queued", 0), 20, "the unsent task back in the queue, no attempt counted")
+    finally:
+        del disp._resync_credit
+
+    async def credit_back() -> None:
+        s.credit = 2
+        disp.kick(ep)
+
+    asyncio.run_coroutine_threadsafe(credit_back(), mesh.hub._loop).result(10)  # type: ignore[union-attr]
+    _wait(lambda: _row(mesh, tid)[0] == "done", 30, "the task run by the agent")
+
