@@ -65,6 +65,45 @@ def _row(mesh: LocalMesh, tid: str) -> tuple[Any, ...]:
         return db.execute("SELECT state, attempts, dispatched IS NOT NULL FROM tasks WHERE id=?", (tid,)).fetchone()  # type: ignore[no-any-return]
 
 
+def _task_in(ep: str, fid: str, x: int) -> Any:
+    from cloud_hub.service.schemas import TaskIn
+
+    return TaskIn.model_validate({"endpoint_id": ep, "function_id": fid, "args": base64.b64encode(serialize(((x,), {}))).decode()})
+
+
+async def _accept(mesh: LocalMesh, tasks: list[Any]) -> list[str]:
+    """The hub's submit path itself (``service.submit.accept``), on the hub's loop, as the demo user."""
+    from cloud_hub.service.submit import accept
+
+    hub = mesh.hub.hub  # type: ignore[union-attr]
+    user, _why = await hub.auth(mesh.token)
+    assert user is not None
+    ids, _ = await accept(hub, user, tasks)
+    return list(ids)
+
+
+def _submit_with_claim_hook(mesh: LocalMesh, ep: str, fid: str, x: int, after_claim: Any) -> str:
+    """Submit ``square(x)`` to ``ep``; ``after_claim()`` runs right after the submit has claimed the
+    endpoint's pump and before its transaction commits (what a hello or a fetch could do then)."""
+    disp = mesh.hub.hub.dispatcher  # type: ignore[union-attr]
+    real = disp.claim_insert_leases
+
+    def claim_then(eps: Any) -> Any:
+        claims = real(eps)
+        assert claims is not None and ep in claims.endpoints
+        after_claim()
+        return claims
+
+    async def go() -> str:
+        disp.claim_insert_leases = claim_then
+        try:
+            return (await _accept(mesh, [_task_in(ep, fid, x)]))[0]
+        finally:
+            disp.claim_insert_leases = real
+
+    return asyncio.run_coroutine_threadsafe(go(), mesh.hub._loop).result(30)  # type: ignore[union-attr]
+
+
 def test_a_submit_with_credit_is_leased_in_its_own_transaction(m: tuple[LocalMesh, AgentProcess, _Counted]) -> None:
     """An idle round trip needs no lease of its own. Up to three round trips, one of which must
     count none: on a loaded machine the agent's fetch after the last result can still be on its
@@ -158,37 +197,17 @@ def test_a_claim_whose_session_ended_gives_its_tasks_back(m: tuple[LocalMesh, Ag
     them."""
     mesh, agent, _ = m
     disp = mesh.hub.hub.dispatcher  # type: ignore[union-attr]
-    hub = mesh.hub.hub  # type: ignore[union-attr]
     ep = agent.endpoint_id
     s = _idle(disp, ep)
     fid = mesh.client.register_function(square)
 
-    async def submit_while_the_session_changes() -> str:
-        from cloud_hub.service.schemas import TaskIn
-        from cloud_hub.service.submit import accept
+    def end_the_session() -> None:
+        # as a hello would: a new session object takes the endpoint's place before the commit. It
+        # is marked pumping, so nothing (the agent's beats or a late fetch giving it credit) can
+        # lease the task back to it before the check below; kicks only say "again".
+        disp._sessions[ep] = type(s)(ep, s.link, time.time(), credit=0, pumping=True)
 
-        real = disp.claim_insert_leases
-
-        def claim_then_end(eps: Any) -> Any:
-            claims = real(eps)
-            assert claims is not None and ep in claims.endpoints
-            # as a hello would: a new session object takes the endpoint's place before the commit. It
-            # is marked pumping, so nothing (the agent's beats or a late fetch giving it credit) can
-            # lease the task back to it before the check below; kicks only say "again".
-            disp._sessions[ep] = type(s)(ep, s.link, time.time(), credit=0, pumping=True)
-            return claims
-
-        disp.claim_insert_leases = claim_then_end
-        try:
-            user, _why = await hub.auth(mesh.token)
-            assert user is not None
-            ids, _ = await accept(hub, user, [TaskIn.model_validate(
-                {"endpoint_id": ep, "function_id": fid, "args": base64.b64encode(serialize(((9,), {}))).decode()})])
-            return ids[0]
-        finally:
-            disp.claim_insert_leases = real
-
-    tid = asyncio.run_coroutine_threadsafe(submit_while_the_session_changes(), mesh.hub._loop).result(30)  # type: ignore[union-attr]
+    tid = _submit_with_claim_hook(mesh, ep, fid, 9, end_the_session)
     _wait(lambda: _row(mesh, tid)[0] == "queued", 10, "the task back in the queue")
     assert _row(mesh, tid)[1] == 0  # the attempt that never left is not counted (store.unlease)
 
@@ -207,34 +226,22 @@ def test_a_submit_whose_kick_comes_during_another_claim_is_not_stranded(m: tuple
     to the watchdog's recheck). The recheck is off here, so only kicks can deliver B."""
     mesh, agent, _ = m
     disp = mesh.hub.hub.dispatcher  # type: ignore[union-attr]
-    hub = mesh.hub.hub  # type: ignore[union-attr]
     ep = agent.endpoint_id
     _idle(disp, ep, credit=2)
     fid = mesh.client.register_function(square)
 
     async def both() -> tuple[str, str]:
-        from cloud_hub.service.schemas import TaskIn
-        from cloud_hub.service.submit import accept
-
-        user, _why = await hub.auth(mesh.token)
-        assert user is not None
-
-        def task(x: int) -> Any:
-            return TaskIn.model_validate({"endpoint_id": ep, "function_id": fid,
-                                          "args": base64.b64encode(serialize(((x,), {}))).decode()})
-
         real_pump = disp._pump
         b: list[str] = []
 
         async def b_first(s: Any, first: Any = None) -> None:
             if first is not None and not b:  # A's claimed pump, before its first round: B lands now
-                ids, _ = await accept(hub, user, [task(12)])
-                b.extend(ids)
+                b.extend(await _accept(mesh, [_task_in(ep, fid, 12)]))
             await real_pump(s, first)
 
         disp._pump = b_first
         try:
-            ids, _ = await accept(hub, user, [task(11)])
+            ids = await _accept(mesh, [_task_in(ep, fid, 11)])
             for _ in range(500):  # A's pump runs once its commit is done
                 if b:
                     break
@@ -260,32 +267,12 @@ def test_a_claim_whose_credit_went_meanwhile_gives_its_tasks_back(m: tuple[Local
     they run."""
     mesh, agent, _ = m
     disp = mesh.hub.hub.dispatcher  # type: ignore[union-attr]
-    hub = mesh.hub.hub  # type: ignore[union-attr]
     ep = agent.endpoint_id
     s = _idle(disp, ep)
     fid = mesh.client.register_function(square)
 
-    async def submit_while_the_credit_goes() -> str:
-        from cloud_hub.service.schemas import TaskIn
-        from cloud_hub.service.submit import accept
-
-        real = disp.claim_insert_leases
-
-        def claim_then_no_credit(eps: Any) -> Any:
-            claims = real(eps)
-            assert claims is not None and ep in claims.endpoints
-            s.credit = 0
-            return claims
-
-        disp.claim_insert_leases = claim_then_no_credit
-        try:
-            user, _why = await hub.auth(mesh.token)
-            assert user is not None
-            ids, _ = await accept(hub, user, [TaskIn.model_validate(
-                {"endpoint_id": ep, "function_id": fid, "args": base64.b64encode(serialize(((13,), {}))).decode()})])
-            return ids[0]
-        finally:
-            disp.claim_insert_leases = real
+    def the_credit_goes() -> None:
+        s.credit = 0
 
     # The agent's beats (_resync_credit) and a fetch still on its way would give the credit back and
     # take the task before the check: both held off until then (the frames still arrive).
@@ -299,7 +286,7 @@ def test_a_claim_whose_credit_went_meanwhile_gives_its_tasks_back(m: tuple[Local
     disp._resync_credit = no_resync
     dispatcher_module._HANDLERS[Kind.FETCH] = no_fetch
     try:
-        tid = asyncio.run_coroutine_threadsafe(submit_while_the_credit_goes(), mesh.hub._loop).result(30)  # type: ignore[union-attr]
+        tid = _submit_with_claim_hook(mesh, ep, fid, 13, the_credit_goes)
         _wait(lambda: _row(mesh, tid)[:2] == ("queued", 0), 20, "the unsent task back in the queue, no attempt counted")
     finally:
         dispatcher_module._HANDLERS[Kind.FETCH] = real_fetch
