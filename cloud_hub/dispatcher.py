@@ -795,10 +795,6 @@ class Dispatcher:
         """Lease and send while the session has credit and its queue has work. ``first``: a lease
         already made in a submit's transaction (``claim_insert_leases``), sent before any other."""
         try:
-            if first is not None and self._sessions.get(s.endpoint_id) is not s and first.got and first.got[0]:
-                await self.store.unlease(s.endpoint_id, [t["id"] for t in first.got[0]])  # the session ended meanwhile
-                first = None
-                self.kick(s.endpoint_id)  # its successor (a hello) may have drained already: it takes them now
             if s.drained and s.credit > 0:  # still out of work: the scheduler may move placed tasks here (late binding)
                 self._observe("endpoint_starving", s.endpoint_id, time.time())
             claimed_round = first is not None  # kicks during a claim's transaction count in its first round
@@ -852,11 +848,12 @@ class Dispatcher:
                 if not s.again:
                     break
             if first is not None and first.got and first.got[0]:
-                # The claimed lease was never sent: the credit went meanwhile (a fetch wanting 0), or
-                # the endpoint is now served through its site. Back to the queue now, not after lease_s.
+                # The claimed lease was never sent: the session ended meanwhile (a hello replaced it),
+                # the credit went (a fetch wanting 0), or the endpoint is now served through its site.
+                # Back to the queue now, not after lease_s.
                 await self.store.unlease(s.endpoint_id, [t["id"] for t in first.got[0]])
                 if self._sessions.get(s.endpoint_id) is not s:
-                    self.kick(s.endpoint_id)  # a successor session takes them
+                    self.kick(s.endpoint_id)  # its successor may have drained already: it takes them now
         except Exception:
             log.exception("dispatch to %s failed", s.endpoint_id)
         finally:
